@@ -1,0 +1,78 @@
+"""Asynchronous collectives: Work handles, overlap with computation, issue order."""
+
+import time
+
+import pytest
+import torch
+
+import threadpar
+from threadpar.testing import run_ranks
+
+
+def test_async_all_reduce_returns_work_that_completes():
+    def body():
+        t = torch.full((1000,), float(threadpar.get_rank() + 1))
+        work = threadpar.all_reduce(t, async_op=True)
+        assert isinstance(work, threadpar.Work)
+        assert work.wait() is True
+        assert work.is_completed() and work.exception() is None
+        return t[0].item()
+
+    assert run_ranks(body, 3) == [6.0, 6.0, 6.0]
+
+
+def test_async_op_progresses_while_the_rank_computes():
+    """Rank 0 issues an async all-reduce and then computes for 0.5 s; rank 1's blocking all-reduce must
+    finish long before that, which is only possible if rank 0's communication worker runs it meanwhile."""
+
+    def body():
+        t = torch.ones(4)
+        if threadpar.get_rank() == 0:
+            work = threadpar.all_reduce(t, async_op=True)
+            time.sleep(0.5)  # stands for computation
+            work.wait()
+            return None
+        start = time.monotonic()
+        threadpar.all_reduce(t)
+        return time.monotonic() - start
+
+    waited = run_ranks(body, 2)[1]
+    assert waited < 0.3, waited
+
+
+def test_sync_op_after_async_ops_keeps_issue_order():
+    def body():
+        t = torch.ones(8)
+        works = [threadpar.all_reduce(t, async_op=True) for _ in range(3)]
+        threadpar.all_reduce(t)  # queued behind the three above: (((1*2)*2)*2)*2
+        assert all(w.is_completed() for w in works)
+        return t[0].item()
+
+    assert run_ranks(body, 2) == [16.0, 16.0]
+
+
+def test_async_errors_surface_at_wait():
+    def body():
+        if threadpar.get_rank() == 0:
+            work = threadpar.all_reduce(torch.zeros(3), async_op=True)
+        else:
+            work = threadpar.all_reduce(torch.zeros(4), async_op=True)
+        with pytest.raises(threadpar.ThreadparError):
+            work.wait()
+        assert work.exception() is not None
+
+    run_ranks(body, 2)
+
+
+def test_wait_with_timeout_raises_when_the_peer_is_late():
+    def body():
+        if threadpar.get_rank() == 0:
+            work = threadpar.barrier(async_op=True)
+            with pytest.raises(threadpar.CollectiveTimeoutError, match=r"did not complete within 0\.1 s"):
+                work.wait(timeout=0.1)
+            work.wait()
+        else:
+            time.sleep(0.4)
+            threadpar.barrier()
+
+    run_ranks(body, 2)

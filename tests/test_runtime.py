@@ -1,0 +1,132 @@
+"""The rank context: accessors, per-rank generators, intra-op threads, device placement, printing."""
+
+import pytest
+import torch
+
+import threadpar
+from threadpar.runtime.devices import resolve_placement
+from threadpar.runtime.launch import available_cores
+from threadpar.testing import on_ranks, run_ranks
+
+
+def test_accessors_inside_ranks():
+    def body():
+        return (
+            threadpar.get_rank(),
+            threadpar.get_world_size(),
+            threadpar.get_device(),
+            threadpar.get_coords(),
+            threadpar.get_thread_rank(),
+            threadpar.get_process_rank(),
+            threadpar.is_main_rank(),
+            threadpar.get_layout().describe(),
+            threadpar.comm.get_rank("TP"),
+            threadpar.comm.get_world_size("DP"),
+        )
+
+    res = run_ranks(body, 4, tp=2)
+    assert [r[0] for r in res] == [0, 1, 2, 3]
+    assert all(r[1] == 4 and r[2] == torch.device("cpu") for r in res)
+    assert res[3][3] == threadpar.Coords(dp=1, tp=1, pp=0)
+    assert [r[4] for r in res] == [0, 1, 2, 3] and all(r[5] == 0 for r in res)
+    assert [r[6] for r in res] == [True, False, False, False]
+    assert "dp=2" in res[0][7] and "tp=2" in res[0][7]
+    assert [r[8] for r in res] == [0, 1, 0, 1] and all(r[9] == 2 for r in res)
+
+
+def test_generators_differ_across_ranks_and_repeat_across_launches():
+    def body():
+        return torch.rand(4, generator=threadpar.get_generator())
+
+    a, b = run_ranks(body, 2, seed=5), run_ranks(body, 2, seed=5)
+    c = run_ranks(body, 2, seed=6)
+    assert not torch.equal(a[0], a[1])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_intraop_threads_are_set_per_rank_and_restored():
+    before = torch.get_num_threads()
+    got = run_ranks(lambda: torch.get_num_threads(), 2, intraop_threads=1)
+    assert got == [1, 1]
+    assert torch.get_num_threads() == before
+    default = run_ranks(lambda: torch.get_num_threads(), 2)
+    assert default == [max(1, available_cores() // 2)] * 2
+
+
+def test_results_come_back_indexed_by_rank_with_args_and_kwargs():
+    def body(a, b=0):
+        return a + b + threadpar.get_rank()
+
+    assert threadpar.launch(body, 10, b=5, world_size=3, devices="cpu") == [15, 16, 17]
+
+
+@on_ranks(4, tp=2)
+def test_on_ranks_decorator_runs_the_body_on_every_rank():
+    t = torch.ones(1)
+    threadpar.all_reduce(t, group="TP")
+    assert t.item() == 2.0
+
+
+def test_on_ranks_reraises_the_ranks_own_assertion():
+    @on_ranks(2)
+    def failing():
+        assert threadpar.get_rank() == 0, "rank 1 disagrees"
+
+    with pytest.raises(AssertionError, match="rank 1 disagrees"):
+        failing()
+
+
+def test_print_helpers(capsys):
+    def body():
+        threadpar.print0("only once")
+        threadpar.rank_print("from", threadpar.get_rank())
+
+    run_ranks(body, 3)
+    out = capsys.readouterr().out.splitlines()
+    assert out.count("only once") == 1
+    assert sorted(line for line in out if line.startswith("[rank")) == [
+        "[rank 0] from 0",
+        "[rank 1] from 1",
+        "[rank 2] from 2",
+    ]
+
+
+def test_print_layout_prints_the_overview(capsys):
+    threadpar.launch(lambda: None, world_size=4, tp=2, devices="cpu", print_layout=True)
+    out = capsys.readouterr().out
+    assert "4 ranks = pp=1 x dp=2 x tp=2" in out and "TP1[2,3]" in out
+
+
+class TestPlacement:
+    def test_cpu_when_no_gpu(self):
+        p = resolve_placement(4, None, 1, None, "auto", n_cuda=0)
+        assert p.backend == "threads" and p.devices == (torch.device("cpu"),) * 4
+        assert "running 4 ranks as CPU threads" in p.note
+
+    def test_nccl_when_enough_gpus(self):
+        p = resolve_placement(None, None, 1, None, "auto", n_cuda=8)
+        assert p.world_size == 8 and p.backend == "nccl" and p.devices[7] == torch.device("cuda", 7)
+        p = resolve_placement(None, [2, 5], 1, None, "auto", n_cuda=8)
+        assert p.devices == (torch.device("cuda", 2), torch.device("cuda", 5))
+
+    def test_more_ranks_than_gpus_explains_the_choices(self):
+        with pytest.raises(
+            threadpar.ConfigError, match=r"8 ranks but only 2 GPU\(s\): NCCL needs one GPU per rank"
+        ):
+            resolve_placement(8, None, 1, None, "auto", n_cuda=2)
+        p = resolve_placement(4, None, 1, None, "threads", n_cuda=2)
+        assert p.backend == "threads" and [d.index for d in p.devices] == [0, 1, 0, 1]
+        assert "share 2 GPU(s)" in p.note
+
+    def test_cpu_requested_and_int_devices(self):
+        p = resolve_placement(None, 3, 1, None, "auto", n_cuda=0)
+        assert p.world_size == 3 and p.backend == "threads"
+        p = resolve_placement(2, "cpu", 1, None, "auto", n_cuda=8)
+        assert p.devices == (torch.device("cpu"),) * 2 and p.note is None
+        with pytest.raises(threadpar.ConfigError, match="asks for CUDA devices"):
+            resolve_placement(None, [0, 9], 1, None, "auto", n_cuda=2)
+        with pytest.raises(threadpar.ConfigError, match="names a device twice"):
+            resolve_placement(None, [1, 1], 1, None, "auto", n_cuda=2)
+        with pytest.raises(threadpar.ConfigError, match="is not one of"):
+            resolve_placement(2, None, 1, None, "gloo", n_cuda=0)

@@ -1,0 +1,96 @@
+"""Layout arithmetic, checked exhaustively on small worlds."""
+
+import itertools
+
+import pytest
+
+from threadpar.errors import ConfigError
+from threadpar.topology import Axis, Coords, Layout
+
+SIZES = [1, 2, 3, 4]
+ORDERS = [None, "TP-DP-PP", "DP-PP-TP", ("PP", "TP", "DP")]
+
+
+def all_layouts():
+    for dp, tp, pp in itertools.product(SIZES, repeat=3):
+        for order in ORDERS:
+            yield Layout.build(dp=dp, tp=tp, pp=pp, order=order)
+
+
+def test_rank_coords_roundtrip_and_groups_partition_the_world():
+    for layout in all_layouts():
+        n = layout.world_size
+        assert n == layout.dp * layout.tp * layout.pp
+        seen = set()
+        for r in range(n):
+            c = layout.coords_of(r)
+            assert layout.rank_of(c) == r
+            seen.add((c.dp, c.tp, c.pp))
+        assert len(seen) == n
+        for axis in (Axis.DP, Axis.TP, Axis.PP):
+            groups = layout.groups(axis)
+            assert len(groups) == layout.num_groups(axis)
+            assert sorted(r for g in groups for r in g) == list(range(n))
+            for r in range(n):
+                members = layout.group_ranks(axis, r)
+                assert r in members and len(members) == layout.size(axis)
+                assert groups[layout.group_id(axis, r)] == members
+                # members differ only on `axis`, and are listed in axis order
+                others = [a for a in Axis if a is not axis]
+                assert all(layout.coords_of(m)[o] == layout.coords_of(r)[o] for m in members for o in others)
+                assert [layout.coords_of(m)[axis] for m in members] == list(range(layout.size(axis)))
+                assert layout.group_name(axis, r) == f"{axis.value}{layout.group_id(axis, r)}"
+
+
+def test_default_order_puts_tp_innermost_and_pp_outermost():
+    layout = Layout.build(8, tp=2, pp=2)
+    assert layout.dp == 2
+    assert layout.group_ranks("TP", 0) == [0, 1]  # adjacent ranks
+    assert layout.group_ranks("DP", 0) == [0, 2]
+    assert layout.group_ranks("PP", 0) == [0, 4]
+    assert layout.stride(Axis.TP) == 1 and layout.stride(Axis.DP) == 2 and layout.stride(Axis.PP) == 4
+    assert layout.coords_of(5) == Coords(dp=0, tp=1, pp=1)
+    assert layout.rank_of(dp=1, tp=1, pp=1) == 7
+    assert layout.group_name("PP", 3) == "PP3"
+
+
+def test_configurable_order():
+    layout = Layout.build(8, tp=2, pp=2, order="TP-DP-PP")  # PP innermost now
+    assert layout.group_ranks("PP", 0) == [0, 1]
+    assert layout.group_ranks("TP", 0) == [0, 4]
+
+
+def test_dp_is_derived_and_bad_sizes_are_explained():
+    assert Layout.build(12, tp=2, pp=3).dp == 2
+    with pytest.raises(ConfigError, match="not divisible by tp\\*cp\\*pp=4"):
+        Layout.build(6, tp=2, pp=2)
+    with pytest.raises(ConfigError, match="does not equal world_size=8"):
+        Layout.build(8, dp=3, tp=2)
+    with pytest.raises(ConfigError, match="tp must be a positive int"):
+        Layout.build(8, tp=0)
+    with pytest.raises(ConfigError, match="unknown axis"):
+        Layout.build(4, order="TP-XX")
+    with pytest.raises(ConfigError, match="names an axis twice"):
+        Layout.build(4, order="TP-TP-PP")
+    with pytest.raises(ConfigError, match=r"outside 0\.\.3"):
+        Layout.build(4).coords_of(4)
+    with pytest.raises(ConfigError, match=r"tp=2 is outside 0\.\.1"):
+        Layout.build(4, tp=2).rank_of(tp=2)
+
+
+def test_cp_axis_multiplies_with_the_others():
+    layout = Layout.build(16, tp=2, cp=2, pp=2)
+    assert layout.dp == 2
+    assert layout.group_ranks("TP", 0) == [0, 1]
+    assert layout.group_ranks("CP", 0) == [0, 2]
+    assert layout.group_ranks("DP", 0) == [0, 4]
+    assert layout.group_ranks("PP", 0) == [0, 8]
+
+
+def test_overview_lists_every_rank_with_its_groups():
+    text = Layout.build(4, tp=2).overview()
+    lines = text.splitlines()
+    assert "4 ranks" in lines[0]
+    assert lines[1].split()[:4] == ["rank", "dp", "tp", "pp"]
+    assert len(lines) == 2 + 4
+    assert "TP1[2,3]" in lines[-1] and "DP1[1,3]" in lines[-1]

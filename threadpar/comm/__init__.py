@@ -1,0 +1,53 @@
+"""Process groups and collectives (torch.distributed's API), with the `threads` and `nccl` backends."""
+
+from threadpar.comm.functional import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_reduce_coalesced,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    gather,
+    get_rank,
+    get_world_size,
+    irecv,
+    isend,
+    new_group,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
+from threadpar.comm.group import ProcessGroup
+from threadpar.comm.reduce_op import ReduceOp
+from threadpar.comm.work import Work
+
+__all__ = [
+    "ProcessGroup",
+    "ReduceOp",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "gather",
+    "get_rank",
+    "get_world_size",
+    "irecv",
+    "isend",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+]

@@ -1,0 +1,499 @@
+"""`ProcessGroup`: one rank's handle on a group, with torch.distributed's collectives as methods.
+
+A group's shared state (its members, its backend object) exists once per launch; every member rank has
+its own handle, which knows the member's index and counts its collectives. Capture the handle when you
+build an autograd Function or hook: it works from any thread, whereas the rank's thread-local context
+does not exist on PyTorch's backward threads.
+
+`src`/`dst` arguments are global ranks, as in torch.distributed. Validation happens here, before the
+rendezvous, so a bad argument raises on the rank that passed it, with a message that says how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from threadpar.comm.reduce_op import ReduceOp, check_reducible
+from threadpar.comm.rendezvous import Call
+from threadpar.comm.work import CompletedWork, LazyWork, Work
+from threadpar.comm.worker import CommWorker
+from threadpar.errors import ConfigError
+
+SUPPORTED_DTYPES = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+}  # fmt: skip
+
+
+class GroupState:
+    """What all members of a group share: its name, global ranks and backend object."""
+
+    def __init__(self, name: str, ranks: Sequence[int], backend: Any) -> None:
+        self.name = name
+        self.ranks = tuple(ranks)
+        self.member_of = {r: i for i, r in enumerate(self.ranks)}
+        self.backend = backend
+
+
+def spec(t: torch.Tensor) -> str:
+    """A short description of a tensor's dtype and shape, e.g. "float32[2, 3]"."""
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """`tensor` itself, or a contiguous staging copy plus the function that writes it back."""
+    if tensor.is_contiguous():
+        return tensor, None
+    staging = tensor.contiguous()
+    return staging, lambda: tensor.copy_(staging)
+
+
+class ProcessGroup:
+    def __init__(self, state: GroupState, global_rank: int, worker: CommWorker | None, abort=None) -> None:
+        self._state = state
+        self._backend = state.backend
+        self.name = state.name
+        self.ranks: tuple[int, ...] = state.ranks
+        self.global_rank = global_rank
+        self._member = state.member_of.get(global_rank, -1)
+        self._worker = worker
+        self._abort = abort
+        self._seq = 0
+
+    # identity ---------------------------------------------------------------------------------------------------
+    def rank(self) -> int:
+        """This rank's index in the group (-1 if it is not a member), like torch.distributed.get_rank(group)."""
+        return self._member
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def is_member(self) -> bool:
+        return self._member >= 0
+
+    def group_rank(self, global_rank: int) -> int:
+        return self._to_member(global_rank, "rank")
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup('{self.name}', ranks={list(self.ranks)}, rank={self._member})"
+
+    # helpers ----------------------------------------------------------------------------------------------------
+    def _to_member(self, global_rank: int, what: str) -> int:
+        member = self._state.member_of.get(global_rank)
+        if member is None:
+            raise ConfigError(
+                f"{what}={global_rank!r} is not a member of group '{self.name}' (global ranks {list(self.ranks)}); "
+                f"{what} is a global rank, as in torch.distributed"
+            )
+        return member
+
+    def _check_member(self, op: str) -> None:
+        if self._member < 0:
+            raise ConfigError(
+                f"{op}: rank {self.global_rank} is not a member of group '{self.name}' "
+                f"(global ranks {list(self.ranks)}); only members may call its collectives"
+            )
+
+    def _check_tensor(self, op: str, what: str, t: object) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"{op}: {what} has unsupported dtype {t.dtype}")
+        return t
+
+    def _check_list(
+        self, op: str, what: str, tensors: object, like: torch.Tensor, same_shape: bool = True
+    ) -> list:
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != self.size():
+            n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+            raise ConfigError(
+                f"{op}: {what} must be a list of {self.size()} tensors (one per member), got {n}"
+            )
+        for i, t in enumerate(tensors):
+            self._check_tensor(op, f"{what}[{i}]", t)
+            if t.dtype != like.dtype or (same_shape and t.shape != like.shape):
+                want = f"{spec(like)}" if same_shape else str(like.dtype)
+                raise ConfigError(f"{op}: {what}[{i}] is {spec(t)} but must be {want}")
+        return list(tensors)
+
+    def _check_contiguous(self, op: str, what: str, t: torch.Tensor) -> None:
+        if not t.is_contiguous():
+            raise ConfigError(
+                f"{op}: {what} must be contiguous; pass {what}.contiguous() (and copy results back)"
+            )
+
+    def _next(self, op: str) -> int:
+        self._check_member(op)
+        self._seq += 1
+        return self._seq
+
+    def _run(self, op: str, seq: int, fn: Callable[[], Any], async_op: bool) -> Work | None:
+        """Run now, or on the rank's comm worker. A synchronous op still queues behind pending async ops,
+        so a rank's operations on a tensor happen in issue order, as on a CUDA stream."""
+        worker = self._worker
+        if not async_op and (worker is None or worker.idle):
+            fn()  # the common case: no Work object, no thread hop
+            return None
+        description = f"{op} #{seq} on group '{self.name}' (rank {self.global_rank})"
+        if worker is None:
+            return CompletedWork(description, fn())
+        work = worker.submit(fn, Work(description, self._abort))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # collectives ------------------------------------------------------------------------------------------------
+    def all_reduce(
+        self, tensor: torch.Tensor, op: object = ReduceOp.SUM, async_op: bool = False
+    ) -> Work | None:
+        return self.all_reduce_coalesced((tensor,), op, async_op, _name="all_reduce")
+
+    def all_reduce_coalesced(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: object = ReduceOp.SUM,
+        async_op: bool = False,
+        *,
+        _name: str = "all_reduce_coalesced",
+    ) -> Work | None:
+        """All-reduce a list of tensors of one dtype in one collective (one meeting for all of them)."""
+        # This is the hottest path of small-message latency: checks are kept to plain Python.
+        if type(op) is not ReduceOp:
+            op = ReduceOp.parse(op)
+        if not tensors:
+            raise ConfigError(f"{_name}: got an empty list of tensors")
+        for t in tensors:
+            self._check_tensor(_name, "tensor", t)
+        dtype = tensors[0].dtype
+        if len(tensors) > 1 and any(t.dtype != dtype for t in tensors):
+            raise ConfigError(
+                f"{_name}: all tensors must share one dtype, got {sorted({str(t.dtype) for t in tensors})}"
+            )
+        check_reducible(dtype, op)
+        seq = self._next(_name)
+        shape = tensors[0].shape if len(tensors) == 1 else (sum(t.numel() for t in tensors),)
+        call = Call(_name, dtype, shape, op.extra)
+        member, backend = self._member, self._backend
+
+        def run() -> None:
+            staged = [_contiguous(t) for t in tensors]
+            backend.all_reduce(member, seq, call, [c for c, _ in staged], op)
+            for _, writeback in staged:
+                if writeback is not None:
+                    writeback()
+
+        return self._run(_name, seq, run, async_op)
+
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: object = ReduceOp.SUM, async_op: bool = False
+    ) -> Work | None:
+        op = ReduceOp.parse(op)
+        self._check_tensor("reduce", "tensor", tensor)
+        check_reducible(tensor.dtype, op)
+        dst_m = self._to_member(dst, "dst")
+        seq = self._next("reduce")
+        call = Call("reduce", tensor.dtype, tuple(tensor.shape), (("dst", dst), ("op", op.value)))
+        member, backend = self._member, self._backend
+
+        def run() -> None:
+            flat, writeback = _contiguous(tensor)
+            backend.reduce(member, seq, call, flat, dst_m, op)
+            if writeback is not None and member == dst_m:
+                writeback()
+
+        return self._run("reduce", seq, run, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work | None:
+        self._check_tensor("broadcast", "tensor", tensor)
+        src_m = self._to_member(src, "src")
+        seq = self._next("broadcast")
+        call = Call("broadcast", tensor.dtype, tuple(tensor.shape), (("src", src),))
+        member, backend = self._member, self._backend
+
+        def run() -> None:
+            staged, writeback = _contiguous(tensor)
+            backend.broadcast(member, seq, call, staged, src_m)
+            if writeback is not None and member != src_m:
+                writeback()
+
+        return self._run("broadcast", seq, run, async_op)
+
+    def all_gather(
+        self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, async_op: bool = False
+    ) -> Work | None:
+        self._check_tensor("all_gather", "tensor", tensor)
+        outputs = self._check_list("all_gather", "tensor_list", tensor_list, tensor)
+        seq = self._next("all_gather")
+        call = Call("all_gather", tensor.dtype, tuple(tensor.shape))
+        member, backend = self._member, self._backend
+        return self._run(
+            "all_gather",
+            seq,
+            lambda: backend.all_gather(member, seq, call, outputs, tensor),
+            async_op,
+        )
+
+    def all_gather_into_tensor(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False
+    ) -> Work | None:
+        """output is the members' inputs concatenated along dim 0 (or stacked: shape [size, *input.shape])."""
+        op = "all_gather_into_tensor"
+        self._check_tensor(op, "input_tensor", input_tensor)
+        self._check_tensor(op, "output_tensor", output_tensor)
+        self._check_contiguous(op, "output_tensor", output_tensor)
+        if (
+            output_tensor.dtype != input_tensor.dtype
+            or output_tensor.numel() != self.size() * input_tensor.numel()
+        ):
+            raise ConfigError(
+                f"{op}: output_tensor is {spec(output_tensor)} but must hold {self.size()} x "
+                f"{spec(input_tensor)} ({self.size() * input_tensor.numel()} elements)"
+            )
+        outputs = list(output_tensor.view(self.size(), *input_tensor.shape).unbind(0))
+        seq = self._next(op)
+        call = Call(op, input_tensor.dtype, tuple(input_tensor.shape))
+        member, backend = self._member, self._backend
+        return self._run(
+            op,
+            seq,
+            lambda: backend.all_gather(member, seq, call, outputs, input_tensor),
+            async_op,
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: object = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work | None:
+        op = ReduceOp.parse(op)
+        self._check_tensor("reduce_scatter", "output", output)
+        check_reducible(output.dtype, op)
+        inputs = self._check_list("reduce_scatter", "input_list", input_list, output)
+        seq = self._next("reduce_scatter")
+        call = Call("reduce_scatter", output.dtype, tuple(output.shape), (("op", op.value),))
+        member, backend = self._member, self._backend
+        return self._run(
+            "reduce_scatter",
+            seq,
+            lambda: backend.reduce_scatter(member, seq, call, output, inputs, op),
+            async_op,
+        )
+
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: object = ReduceOp.SUM, async_op: bool = False
+    ) -> Work | None:
+        """output = this member's 1/size of the reduction of `input` along dim 0."""
+        name = "reduce_scatter_tensor"
+        op = ReduceOp.parse(op)
+        self._check_tensor(name, "output", output)
+        self._check_tensor(name, "input", input)
+        check_reducible(output.dtype, op)
+        self._check_contiguous(name, "input", input)
+        if input.dtype != output.dtype or input.numel() != self.size() * output.numel():
+            raise ConfigError(
+                f"{name}: input is {spec(input)} but must hold {self.size()} x "
+                f"{spec(output)} ({self.size() * output.numel()} elements)"
+            )
+        inputs = list(input.view(self.size(), *output.shape).unbind(0))
+        seq = self._next(name)
+        call = Call(name, output.dtype, tuple(output.shape), (("op", op.value),))
+        member, backend = self._member, self._backend
+        return self._run(
+            name,
+            seq,
+            lambda: backend.reduce_scatter(member, seq, call, output, inputs, op),
+            async_op,
+        )
+
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: list[torch.Tensor] | None = None,
+        src: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        self._check_tensor("scatter", "tensor", tensor)
+        src_m = self._to_member(src, "src")
+        if self._member == src_m:
+            chunks = self._check_list("scatter", "scatter_list", scatter_list, tensor)
+        elif scatter_list:
+            raise ConfigError(
+                f"scatter: only the source rank {src} passes scatter_list; rank {self.global_rank} passed one"
+            )
+        else:
+            chunks = None
+        seq = self._next("scatter")
+        call = Call("scatter", tensor.dtype, tuple(tensor.shape), (("src", src),))
+        member, backend = self._member, self._backend
+        return self._run(
+            "scatter",
+            seq,
+            lambda: backend.scatter(member, seq, call, tensor, chunks, src_m),
+            async_op,
+        )
+
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: list[torch.Tensor] | None = None,
+        dst: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        self._check_tensor("gather", "tensor", tensor)
+        dst_m = self._to_member(dst, "dst")
+        if self._member == dst_m:
+            outputs = self._check_list("gather", "gather_list", gather_list, tensor)
+        elif gather_list:
+            raise ConfigError(
+                f"gather: only the destination rank {dst} passes gather_list; rank {self.global_rank} passed one"
+            )
+        else:
+            outputs = None
+        seq = self._next("gather")
+        call = Call("gather", tensor.dtype, tuple(tensor.shape), (("dst", dst),))
+        member, backend = self._member, self._backend
+        return self._run(
+            "gather",
+            seq,
+            lambda: backend.gather(member, seq, call, tensor, outputs, dst_m),
+            async_op,
+        )
+
+    def all_to_all(
+        self,
+        output_tensor_list: list[torch.Tensor],
+        input_tensor_list: list[torch.Tensor],
+        async_op: bool = False,
+    ) -> Work | None:
+        """output_tensor_list[i] receives input_tensor_list[this rank's index] of member i."""
+        if not input_tensor_list:
+            raise ConfigError("all_to_all: input_tensor_list is empty")
+        first = self._check_tensor("all_to_all", "input_tensor_list[0]", input_tensor_list[0])
+        inputs = self._check_list(
+            "all_to_all", "input_tensor_list", input_tensor_list, first, same_shape=False
+        )
+        outputs = self._check_list(
+            "all_to_all", "output_tensor_list", output_tensor_list, first, same_shape=False
+        )
+        seq = self._next("all_to_all")
+        call = Call("all_to_all", first.dtype)
+        member, backend = self._member, self._backend
+        return self._run(
+            "all_to_all",
+            seq,
+            lambda: backend.all_to_all(member, seq, call, outputs, inputs),
+            async_op,
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Split `input` along dim 0 (evenly, or by input_split_sizes) and exchange, as torch does."""
+        name = "all_to_all_single"
+        self._check_tensor(name, "input", input)
+        self._check_tensor(name, "output", output)
+        if input.dtype != output.dtype:
+            raise ConfigError(f"{name}: output is {output.dtype} but input is {input.dtype}")
+        inputs = self._split(name, "input", input, input_split_sizes)
+        outputs = self._split(name, "output", output, output_split_sizes)
+        seq = self._next(name)
+        call = Call(name, input.dtype)
+        member, backend = self._member, self._backend
+        return self._run(
+            name,
+            seq,
+            lambda: backend.all_to_all(member, seq, call, outputs, inputs),
+            async_op,
+        )
+
+    def _split(self, op: str, what: str, t: torch.Tensor, sizes: Sequence[int] | None) -> list[torch.Tensor]:
+        n = t.shape[0] if t.dim() else 0
+        if sizes is None or len(sizes) == 0:
+            if n % self.size():
+                raise ConfigError(
+                    f"{op}: {what} has {n} rows, not divisible by the group size {self.size()}; pass {what}_split_sizes"
+                )
+            sizes = [n // self.size()] * self.size()
+        if len(sizes) != self.size() or sum(sizes) != n or any(s < 0 for s in sizes):
+            raise ConfigError(
+                f"{op}: {what}_split_sizes={list(sizes)} must have {self.size()} non-negative entries summing to {n}"
+            )
+        return list(torch.split(t, list(sizes), dim=0))
+
+    def barrier(self, async_op: bool = False) -> Work | None:
+        seq = self._next("barrier")
+        call = Call("barrier")
+        member, backend = self._member, self._backend
+        return self._run("barrier", seq, lambda: backend.barrier(member, seq, call), async_op)
+
+    # point to point ---------------------------------------------------------------------------------------------
+    def _p2p_check(self, op: str, tensor: torch.Tensor, peer: int, what: str, tag: int) -> int:
+        self._check_member(op)
+        self._check_tensor(op, "tensor", tensor)
+        peer_m = self._to_member(peer, what)
+        if peer_m == self._member:
+            raise ConfigError(f"{op}: rank {self.global_rank} cannot {op} to or from itself ({what}={peer})")
+        if not isinstance(tag, int):
+            raise ConfigError(f"{op}: tag must be an int, got {tag!r}")
+        return peer_m
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Buffered: returns as soon as the message is posted; `tensor` may be reused at once."""
+        dst_m = self._p2p_check("send", tensor, dst, "dst", tag)
+        self._backend.send(self._member, dst_m, tag, tensor)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self.send(tensor, dst, tag)
+        return CompletedWork(f"isend to rank {dst} (tag {tag}, group '{self.name}')")
+
+    def recv(
+        self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, timeout: float | None = None
+    ) -> int:
+        """Receive into `tensor` (shape and dtype must match the message); returns the source's global rank."""
+        src_m = None if src is None else self._p2p_check("recv", tensor, src, "src", tag)
+        if src is None:
+            self._check_member("recv")
+        got, message = self._backend.recv_message(self._member, src_m, tag, timeout)
+        self._fill(tensor, message, got)
+        return self.ranks[got]
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
+        """Returns a Work; `tensor` holds the message once `wait()` returns (or `is_completed()` says True)."""
+        src_m = None if src is None else self._p2p_check("irecv", tensor, src, "src", tag)
+
+        def complete(timeout: float | None) -> int:
+            got, message = self._backend.recv_message(self._member, src_m, tag, timeout)
+            self._fill(tensor, message, got)
+            return self.ranks[got]
+
+        return LazyWork(
+            f"irecv from rank {src} (tag {tag}, group '{self.name}')",
+            complete,
+            lambda: self._backend.has_message(self._member, src_m, tag),
+        )
+
+    def recv_tensor(self, src: int, tag: int = 0, timeout: float | None = None) -> torch.Tensor:
+        """Receive a message as a new tensor: its shape and dtype travel with it (no preallocation)."""
+        self._check_member("recv_tensor")
+        src_m = self._to_member(src, "src")
+        return self._backend.recv_message(self._member, src_m, tag, timeout)[1]
+
+    def _fill(self, tensor: torch.Tensor, message: torch.Tensor, src_m: int) -> None:
+        if tensor.shape != message.shape or tensor.dtype != message.dtype:
+            raise ConfigError(
+                f"recv on rank {self.global_rank}: the message from rank {self.ranks[src_m]} is "
+                f"{spec(message)} but the receive tensor is {spec(tensor)}; "
+                "allocate a matching tensor, or use recv_tensor() to receive any shape"
+            )
+        tensor.copy_(message)

@@ -1,0 +1,188 @@
+"""Where the member threads of one group meet for each collective.
+
+Every collective call of a member carries a sequence number (its count of collectives on this group) and
+a description of the call. Members with the same sequence number meet in one slot; the last to arrive
+checks that all described the same call (operation, dtype, shape, arguments), like NCCL's requirement
+that members call collectives in the same order, and raises a mismatch on every member instead of
+hanging or mixing data. A slot has numbered barriers (phases); algorithms that need more than one
+meeting (reduce, then copy) call `sync` for the next phase.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
+from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ThreadparError
+
+
+class Call(NamedTuple):
+    """What one member asked for; members must agree on it."""
+
+    op: str
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def __str__(self) -> str:
+        args = []
+        if self.dtype is not None:
+            dtype = str(self.dtype).removeprefix("torch.")
+            args.append(f"{dtype}{list(self.shape)}" if self.shape is not None else dtype)
+        args += [f"{k}={v}" for k, v in self.extra]
+        return f"{self.op}({', '.join(args)})"
+
+
+class Slot:
+    """The meeting of all members for one collective (one sequence number)."""
+
+    __slots__ = (
+        "arrived", "calls", "error", "finished", "payloads", "phase", "reached", "result", "shared", "waiters",
+    )  # fmt: skip
+
+    def __init__(self, size: int) -> None:
+        self.calls: list[Call | None] = [None] * size
+        self.payloads: list[Any] = [None] * size  # what each member brought (its tensors)
+        self.shared: list[Any] = [None] * size  # what each member publishes for a later phase
+        self.result: Any = None  # what a leader computed for everyone
+        self.reached = [0] * size  # the last barrier each member has reached
+        self.arrived = 0  # members waiting at the current barrier
+        self.phase = 0  # barriers completed
+        self.error: BaseException | str | None = None
+        self.finished = False  # the leader did the whole collective; nothing is left for the members
+        self.waiters: list[_thread.LockType] = []  # one locked lock per waiting member
+
+
+class Rendezvous:
+    """Waiting members block on a lock of their own that the last arrival releases, so a wake-up does not
+    contend for a shared lock (Condition.notify_all would make every woken waiter re-acquire one)."""
+
+    def __init__(self, name: str, ranks: Sequence[int], abort: AbortSignal, timeout: float) -> None:
+        self.name = name
+        self.ranks = tuple(ranks)
+        self.size = len(self.ranks)
+        self._abort = abort
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._slots: dict[int, Slot] = {}
+        abort.register_waker(self._wake_all)
+
+    def arrive(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        payload: Any,
+        *,
+        leader: Callable[[Slot], bool] | None = None,
+        final: bool = False,
+    ) -> Slot:
+        """Post this member's call and payload for collective `seq`; wait until every member has.
+
+        The last member to arrive checks the calls match and then runs `leader(slot)` while the others
+        wait; a leader that returns True has done the whole collective for everybody (`slot.finished`).
+        `final` means this is the collective's only barrier.
+        """
+        with self._lock:
+            slot = self._slots.get(seq)
+            if slot is None:
+                slot = self._slots[seq] = Slot(self.size)
+            slot.calls[member] = call
+            slot.payloads[member] = payload
+        self._barrier(slot, member, seq, leader, final, check=True)
+        if slot.error is not None:
+            self._raise(slot, seq)
+        return slot
+
+    def sync(self, slot: Slot, member: int, seq: int, *, final: bool = False) -> None:
+        """Wait until every member of `slot` has reached this next barrier."""
+        self._barrier(slot, member, seq, None, final, check=False)
+        if slot.error is not None:
+            self._raise(slot, seq)
+
+    # internals --------------------------------------------------------------------------------------------------
+    def _barrier(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool) -> None:
+        with self._lock:
+            target = slot.phase + 1
+            slot.reached[member] = target
+            slot.arrived += 1
+            last = slot.arrived == self.size
+            if not last:
+                waiter = _thread.allocate_lock()
+                waiter.acquire()
+                slot.waiters.append(waiter)
+            else:
+                if check:
+                    slot.error = self._mismatch(slot, seq)
+                if leader is not None and slot.error is None:
+                    try:
+                        slot.finished = bool(leader(slot))
+                    except BaseException as error:
+                        slot.error = error
+                slot.arrived = 0
+                slot.phase = target
+                if final or slot.finished or slot.error is not None:
+                    del self._slots[seq]
+                waiters, slot.waiters = slot.waiters, []
+        if last:
+            for w in waiters:
+                w.release()
+            return
+        # Block on our own lock until the last arrival releases it; re-check the stop signal and the
+        # deadline every poll interval (a stop also releases every waiter at once).
+        deadline = time.monotonic() + self._timeout
+        while slot.phase < target:
+            self._abort.raise_if_set()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeoutError(self._describe_timeout(slot, member, seq, target))
+            waiter.acquire(True, remaining if remaining < POLL_INTERVAL_S else POLL_INTERVAL_S)
+
+    def _wake_all(self) -> None:
+        """On a stop: release every waiter (each then sees the stop signal and raises)."""
+        with self._lock:
+            for slot in self._slots.values():
+                waiters, slot.waiters = slot.waiters, []
+                for w in waiters:
+                    w.release()
+
+    def _mismatch(self, slot: Slot, seq: int) -> str | None:
+        first = slot.calls[0]
+        if all(c == first for c in slot.calls):
+            return None
+        lines = [
+            f"collective mismatch on group '{self.name}' (global ranks {list(self.ranks)}) at its call #{seq}: "
+            "members must call the same collectives, with the same dtypes and shapes, in the same order"
+        ]
+        for m, call in enumerate(slot.calls):
+            mark = "" if call == first else "   <-- differs from rank " + str(self.ranks[0])
+            lines.append(f"  rank {self.ranks[m]}: {call}{mark}")
+        return "\n".join(lines)
+
+    def _raise(self, slot: Slot, seq: int) -> None:
+        if isinstance(slot.error, str):
+            raise CollectiveMismatchError(slot.error)
+        call = slot.calls[0]
+        raise ThreadparError(
+            f"{call} #{seq} on group '{self.name}' failed: {type(slot.error).__name__}: {slot.error}"
+        ) from slot.error
+
+    def _describe_timeout(self, slot: Slot, member: int, seq: int, target: int) -> str:
+        missing = [self.ranks[m] for m in range(self.size) if slot.reached[m] < target]
+        present = [self.ranks[m] for m in range(self.size) if slot.reached[m] >= target]
+        stage = "did not arrive" if target == 1 else f"did not reach step {target} of the collective"
+        calls = "; ".join(
+            f"rank {self.ranks[m]} called {c}" for m, c in enumerate(slot.calls) if c is not None
+        )
+        return (
+            f"{slot.calls[member]} #{seq} on group '{self.name}' (global ranks {list(self.ranks)}) timed out after "
+            f"{self._timeout:g} s on rank {self.ranks[member]}: ranks {missing} {stage} (waiting: {present}; {calls}). "
+            "A rank that skips a collective, calls them in another order, or is stuck in a long computation "
+            "causes this; raise the launch's timeout= if the computation is legitimately slow."
+        )

@@ -1,0 +1,104 @@
+"""`Work`: the handle of an asynchronous operation, as torch.distributed returns for `async_op=True`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
+from threadpar.errors import CollectiveTimeoutError
+
+
+class Work:
+    """Completes when its operation has finished on this rank; `wait()` re-raises the operation's error."""
+
+    __slots__ = ("_abort", "_description", "_done", "_error", "_result")
+
+    def __init__(self, description: str, abort: AbortSignal | None = None) -> None:
+        self._description = description
+        self._abort = abort
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._result: Any = None
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (or `timeout` seconds); raise the operation's error. Returns True, like torch."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.is_set():
+            if self._abort is not None:
+                self._abort.raise_if_set()
+            remaining = (
+                POLL_INTERVAL_S if deadline is None else min(POLL_INTERVAL_S, deadline - time.monotonic())
+            )
+            if remaining <= 0:
+                raise CollectiveTimeoutError(f"{self._description} did not complete within {timeout} s")
+            self._done.wait(remaining)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def __repr__(self) -> str:
+        state = "done" if self.is_completed() else "pending"
+        if self._error is not None:
+            state = f"failed: {type(self._error).__name__}"
+        return f"<Work {self._description} ({state})>"
+
+
+class CompletedWork(Work):
+    """A Work that is already done (ops that finish at issue time, such as a buffered send)."""
+
+    __slots__ = ()
+
+    def __init__(self, description: str, result: Any = None) -> None:
+        super().__init__(description)
+        self._finish(result)
+
+
+class LazyWork(Work):
+    """A Work whose completion is performed by the first `wait()` (e.g. a receive from a mailbox)."""
+
+    __slots__ = ("_complete", "_lock", "_probe")
+
+    def __init__(self, description: str, complete: Callable[[float | None], Any], probe: Callable[[], bool]):
+        super().__init__(description)
+        self._complete = complete
+        self._probe = probe
+        self._lock = threading.Lock()
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._probe():
+            self.wait()  # the message is there: complete now so the tensor is valid once this says True
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            if not self._done.is_set():
+                try:
+                    self._finish(self._complete(timeout))
+                except CollectiveTimeoutError:
+                    raise  # not done yet: a later wait() may still succeed
+                except BaseException as error:
+                    self._finish(error=error)
+        return super().wait()

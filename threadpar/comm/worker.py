@@ -1,0 +1,55 @@
+"""The per-rank communication worker: the CPU analogue of a communication stream.
+
+Asynchronous operations of one rank run here one after another, in the order they were issued, so they
+overlap the rank's computation. The thread starts on the first asynchronous operation.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from threadpar.comm.work import Work
+
+
+class CommWorker:
+    def __init__(self, name: str, on_start: Callable[[], None] | None = None) -> None:
+        self._name = name
+        self._on_start = on_start
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Work] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._last: Work | None = None  # only the owning rank submits, so FIFO order makes this enough
+
+    @property
+    def idle(self) -> bool:
+        """True when everything submitted so far has finished."""
+        return self._last is None or self._last.is_completed()
+
+    def submit(self, fn: Callable[[], Any], work: Work) -> Work:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
+        self._last = work
+        self._queue.put((fn, work))
+        return work
+
+    def _loop(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, work = item
+            try:
+                work._finish(fn())
+            except BaseException as error:
+                work._finish(error=error)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None

@@ -1,0 +1,52 @@
+"""threadpar's exceptions: one small hierarchy so callers can catch what they mean."""
+
+from __future__ import annotations
+
+
+class ThreadparError(Exception):
+    """Base class of every error threadpar raises on purpose."""
+
+
+class ConfigError(ThreadparError, ValueError):
+    """Wrong user input (sizes, ranks, devices, options). The message says what was wrong and how to fix it."""
+
+
+class NotInRankError(ThreadparError, RuntimeError):
+    """A per-rank accessor was called outside a thread started by `threadpar.launch`."""
+
+
+class CollectiveMismatchError(ThreadparError, RuntimeError):
+    """The members of a group called different collectives (or shapes, dtypes) at the same point."""
+
+
+class CollectiveTimeoutError(ThreadparError, TimeoutError):
+    """A collective, receive or wait did not complete in time; the message names who did not arrive."""
+
+
+class RankAborted(ThreadparError, RuntimeError):
+    """Raised in a rank that was stopped because another rank failed or the caller was interrupted.
+
+    It is a consequence, not a cause: `launch` reports the original failure instead.
+    """
+
+    def __init__(self, message: str = "stopped because the launch was aborted") -> None:
+        super().__init__(message)
+
+
+class RankFailedError(ThreadparError, RuntimeError):
+    """A rank raised; carries that rank, its exception and its formatted traceback."""
+
+    def __init__(self, rank: int, error: BaseException, traceback_text: str, others: list[int] | None = None):
+        self.rank = rank
+        self.error = error
+        self.traceback_text = traceback_text
+        self.other_failed_ranks = list(others or [])
+        also = f" (ranks {self.other_failed_ranks} failed too)" if self.other_failed_ranks else ""
+        super().__init__(
+            f"rank {rank} failed with {type(error).__name__}: {error}{also}\n"
+            f"--- traceback of rank {rank} ---\n{traceback_text.rstrip()}"
+        )
+
+
+class NcclError(ThreadparError, RuntimeError):
+    """An NCCL call or an asynchronous NCCL error."""

@@ -1,0 +1,41 @@
+"""Launching rank threads and the per-rank context."""
+
+from threadpar.runtime.context import (
+    RankContext,
+    current,
+    get_coords,
+    get_device,
+    get_generator,
+    get_group,
+    get_layout,
+    get_process_rank,
+    get_rank,
+    get_seed,
+    get_thread_rank,
+    get_world_size,
+    in_rank,
+    is_main_rank,
+)
+from threadpar.runtime.launch import DEFAULT_TIMEOUT_S, launch
+from threadpar.runtime.printing import print0, rank_print
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RankContext",
+    "current",
+    "get_coords",
+    "get_device",
+    "get_generator",
+    "get_group",
+    "get_layout",
+    "get_process_rank",
+    "get_rank",
+    "get_seed",
+    "get_thread_rank",
+    "get_world_size",
+    "in_rank",
+    "is_main_rank",
+    "launch",
+    "print0",
+    "rank_print",
+]

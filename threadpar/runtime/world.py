@@ -1,0 +1,65 @@
+"""`World`: everything one launch shares between its rank threads, created by `launch` and dropped after.
+
+Nothing here is module-global: two launches (one after another, or nested) each have their own World,
+groups, mailboxes and stop signal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from threadpar.comm.abort import AbortSignal
+from threadpar.comm.registry import GroupRegistry
+from threadpar.errors import ConfigError
+from threadpar.topology import Axis, Layout
+
+
+class World:
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        backend: str,
+        devices: tuple[torch.device, ...],
+        timeout: float,
+        seed: int,
+        intraop_threads: int,
+    ) -> None:
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if len(devices) != layout.world_size:
+            raise ConfigError(f"{len(devices)} devices for a layout of {layout.world_size} ranks")
+        self.layout = layout
+        self.world_size = layout.world_size
+        self.backend = backend
+        self.devices = devices
+        self.timeout = float(timeout)
+        self.seed = seed
+        self.intraop_threads = intraop_threads
+        # Within one process every rank is a thread of it; multi-process launches override these.
+        self.process_rank = 0
+        self.threads_per_process = layout.world_size
+        self.abort = AbortSignal()
+        self.groups = GroupRegistry(self.world_size, self._make_backend)
+
+    def _make_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
+        if self.backend == "threads":
+            from threadpar.comm.threads import ThreadsGroup
+
+            return ThreadsGroup(name, ranks, self.abort, self.timeout)
+        if self.backend == "nccl":
+            from threadpar.comm.nccl import NcclGroup
+
+            return NcclGroup(name, ranks, self)
+        raise ConfigError(f"unknown backend {self.backend!r}")
+
+    def world_group(self):
+        return self.groups.get_or_create(range(self.world_size), "WORLD")
+
+    def axis_group(self, axis: Axis | str, rank: int):
+        axis = Axis.parse(axis)
+        return self.groups.get_or_create(
+            self.layout.group_ranks(axis, rank), self.layout.group_name(axis, rank)
+        )
