@@ -185,6 +185,7 @@ class ProcessGroup:
             for _, writeback in staged:
                 if writeback is not None:
                     writeback()
+            return list(tensors)  # the Work's result, as torch's: work.get_future().value()[0] is tensors[0]
 
         return self._run(_name, seq, run, async_op)
 
