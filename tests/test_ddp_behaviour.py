@@ -352,44 +352,53 @@ def test_a_failing_rank_stops_the_others_during_backward():
     assert time.monotonic() - start < 10  # not the collective timeout
 
 
-class FailOnce(torch.autograd.Function):
-    """Identity whose first backward raises (after the layers behind it have produced gradients)."""
+class FailOnce(nn.Module):
+    """Identity whose first backward raises, after the layers behind it have produced gradients."""
 
-    @staticmethod
-    def forward(ctx, x, state):
-        ctx.state = state
-        return x.view_as(x)
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, state):
+            ctx.state = state
+            return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.state["failed"]:
-            ctx.state["failed"] = True
-            raise RuntimeError("backward failed once")
-        return grad, None
+        @staticmethod
+        def backward(ctx, grad):
+            if not ctx.state["failed"]:
+                ctx.state["failed"] = True
+                raise RuntimeError("backward failed once")
+            return grad, None
+
+    def __init__(self):
+        super().__init__()
+        self.state = {"failed": False}
+
+    def forward(self, x):
+        return FailOnce.Function.apply(x, self.state)
 
 
-def test_a_backward_that_failed_midway_does_not_break_the_next_one():
-    template = mlp()
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "view"])
+def test_a_backward_that_failed_midway_does_not_break_the_next_one(view):
+    torch.manual_seed(0)
+    template = nn.Sequential(
+        nn.Linear(6, 10), nn.Tanh(), FailOnce(), nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3)
+    )
+    template = template.to(DTYPE)
     data = batches(steps=2, rows=4, n_in=6, n_out=3)
     reference = copy.deepcopy(template)
+    reference[2].state["failed"] = True
     mse(reference, *data[1]).backward()
 
     def body():
         rank = threadpar.get_rank()
         model = copy.deepcopy(template)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=TINY_MB, first_bucket_cap_mb=TINY_MB)
-        state = {"failed": False}
-
-        def loss_of(x, y):
-            hidden = FailOnce.apply(ddp.module[1](ddp.module[0](rank_slice(x, rank, 2))), state)
-            return nn.functional.mse_loss(
-                ddp.module[4](ddp.module[3](ddp.module[2](hidden))), rank_slice(y, rank, 2)
-            )
-
+        ddp = DistributedDataParallel(
+            model, bucket_cap_mb=0, first_bucket_cap_mb=0, gradient_as_bucket_view=view
+        )
+        x, y = (rank_slice(t, rank, 2) for t in data[0])
         with pytest.raises(RuntimeError, match="backward failed once"):
-            loss_of(*data[0]).backward()  # the last layers' buckets were launched before the failure
+            mse(ddp, x, y).backward()  # the last layers' buckets were launched before the failure
         model.zero_grad()
-        loss_of(*data[1]).backward()
+        mse(ddp, *(rank_slice(t, rank, 2) for t in data[1])).backward()
         return grads_of(model)
 
     for grads in run_ranks(body, 2):

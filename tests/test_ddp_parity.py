@@ -1,6 +1,7 @@
 """DistributedDataParallel against one thread on the whole batch: gradients after one step, parameters after
 several (SGD with momentum and Adam), for every way of bucketing, accumulating and sharding."""
 
+import contextlib
 import copy
 
 import pytest
@@ -141,19 +142,33 @@ def test_pipeline_pattern_k_forwards_then_k_backwards_all_but_last_under_no_sync
         (mse(reference, x, y) / micro).backward()
     expected = grads_of(reference)
 
+    launches = []
+
+    def counting_hook(group, bucket):
+        launches.append(bucket.index())
+        return comm_hooks.allreduce_hook(group, bucket)
+
     def body():
         rank = threadpar.get_rank()
         model = copy.deepcopy(template)
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=view, bucket_cap_mb=TINY_MB)
-        losses = [mse(ddp, rank_slice(x, rank, 2), rank_slice(y, rank, 2)) / micro for x, y in data]
+        if rank == 0:
+            ddp.register_comm_hook(None, counting_hook)
+        losses = []
+        for k, (x, y) in enumerate(data):
+            # Where a forward runs does not matter: the last micro-batch's forward is inside no_sync.
+            with ddp.no_sync() if k in (0, micro - 1) else contextlib.nullcontext():
+                losses.append(mse(ddp, rank_slice(x, rank, 2), rank_slice(y, rank, 2)) / micro)
         for loss in losses[:-1]:
             with ddp.no_sync():
                 loss.backward()
         losses[-1].backward()
-        return grads_of(model)
+        return grads_of(model), len(ddp.reducer.bucket_indices())
 
-    for grads in run_ranks(body, 2):
+    results = run_ranks(body, 2)
+    for grads, _ in results:
         assert_same(grads, expected, "gradient")
+    assert launches == list(range(results[0][1]))  # one synchronizing backward: the last one
 
 
 class Branches(nn.Module):

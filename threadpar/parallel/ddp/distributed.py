@@ -158,6 +158,8 @@ class DistributedDataParallel(nn.Module):
             )
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.reducer is not None:
+            self.reducer.settle_interrupted_backward()
         if self._buffers_to_sync:
             broadcast_coalesced(self._buffers_to_sync, self.process_group, self._src)
         return self.module(*inputs, **kwargs)

@@ -21,6 +21,7 @@ the launch's stop signal): backward may run on threads without a rank context (P
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import weakref
@@ -35,7 +36,7 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.parallel.ddp.bucketing import TensorSpec, assign_buckets, caps_in_bytes, rebuild_order
-from threadpar.parallel.ddp.comm_hooks import CommHook, GradBucket, allreduce_hook
+from threadpar.parallel.ddp.comm_hooks import CommHook, GradBucket, allreduce_hook, then
 
 # How many parameter names an error message lists before it says "and N more".
 NAMES_SHOWN = 8
@@ -220,6 +221,13 @@ class Reducer:
             if bucket == self._next and self._pending[bucket] == 0:
                 self._launch_ready_buckets()
 
+    def settle_interrupted_backward(self) -> None:
+        """Called before a forward: if the last backward raised midway (so its end callback never came),
+        let its all-reduces finish now rather than during the next backward."""
+        if self._active and _graph_task_id() == -1:
+            with self._lock:
+                self._abandon()
+
     def _abandon(self) -> None:
         """Let the all-reduces of an interrupted backward finish (they use the buffers), then forget it."""
         for bucket in self._buckets:
@@ -253,8 +261,22 @@ class Reducer:
     def _launch_ready_buckets(self) -> None:
         while self._next < len(self._buckets) and self._pending[self._next] == 0:
             bucket = self._buckets[self._next]
-            bucket.future = self._hook(self._hook_state, bucket.grad_bucket)
+            reduced = self._hook(self._hook_state, bucket.grad_bucket)
+            # The gradients to overwrite are the ones of this backward, even if a later one replaces them.
+            grads = [self._params[i].grad for i in bucket.members]
+            # Unpacked where the all-reduce completes (the comm worker), overlapping the rest of backward.
+            bucket.future = then(reduced, functools.partial(self._unpack, bucket, grads))
             self._next += 1
+
+    def _unpack(self, bucket: _Bucket, grads: list[torch.Tensor | None], value: Any) -> None:
+        """The bucket is averaged: put the result in its buffer and, without bucket views, in the grads."""
+        result = self._result_tensor(value, bucket)
+        if not _shares_memory(result, bucket.buffer):
+            bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
+        if not self._options.gradient_as_bucket_view:
+            for grad, view in zip(grads, bucket.views):
+                if grad is not None:  # a parameter without one (unused) is settled at the end of backward
+                    grad.copy_(view)
 
     # end of backward (engine callback) --------------------------------------------------------------------------
     def _finalize(self) -> None:
@@ -280,10 +302,9 @@ class Reducer:
         self._launch_ready_buckets()
         used = self._globally_used() if self._options.find_unused_parameters else None
         for bucket in self._buckets:
-            result = self._result_tensor(self._wait(bucket.future), bucket)
-            if not _shares_memory(result, bucket.buffer):
-                bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
-        self._write_back(used)
+            self._wait(bucket.future)
+        if used is not None:
+            self._settle_unused(used)
         if not self._rebuilt:
             self._rebuild()
 
@@ -313,17 +334,14 @@ class Reducer:
             )
         return value
 
-    def _write_back(self, used: list[bool] | None) -> None:
-        view_mode = self._options.gradient_as_bucket_view
+    def _settle_unused(self, used: list[bool]) -> None:
+        """A parameter without a gradient here but with one on another rank gets the average too; one
+        without a gradient anywhere keeps grad None, as it would in a single process."""
         for i, param in enumerate(self._params):
-            bucket, slot = self._locator[i]
-            view = self._buckets[bucket].views[slot]
-            grad = param.grad
-            if grad is None:
-                if used is not None and used[i]:  # unused here, used on another rank
-                    param.grad = view if view_mode else view.clone()
-            elif not view_mode:
-                grad.copy_(view)
+            if param.grad is None and used[i]:
+                bucket, slot = self._locator[i]
+                view = self._buckets[bucket].views[slot]
+                param.grad = view if self._options.gradient_as_bucket_view else view.clone()
 
     def _rebuild(self) -> None:
         """Rebuild the buckets in the order gradients became ready, once (the first synchronized backward)."""

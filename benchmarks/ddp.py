@@ -1,0 +1,221 @@
+"""DistributedDataParallel: threadpar on rank threads vs torch DDP over gloo vs one process on the same batch.
+
+    python -m benchmarks.ddp            # full run (about 3 minutes on 2 cores)
+    python -m benchmarks.ddp --quick    # 2 rounds, fewer steps
+
+Model: an MLP of 4 Linear(1024, 1024) layers (16 MiB of float32 gradients), MSE loss, SGD. One step is
+zero_grad, forward, backward (with gradient synchronization) and optimizer.step(). 2 ranks with batch 64
+each; the single process runs batch 128 with all cores. Ratios: throughput vs torch DDP over gloo (higher is
+better) and step time vs the single process (lower is better).
+
+The overlap table compares ways of averaging the same gradients on threadpar (bucketed DDP, one all-reduce
+per gradient, all gradients after backward, nothing at all), and a timeline shows when each bucket's
+all-reduce ran relative to the end of backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import threadpar
+from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
+from threadpar.parallel import DistributedDataParallel
+from threadpar.parallel.ddp import comm_hooks
+
+WIDTH, LAYERS, BATCH, RANKS = 1024, 4, 64, 2
+
+# name -> how threadpar averages gradients; DDP keyword arguments where it uses DDP.
+THREADPAR_CONFIGS = {
+    "DDP (defaults: buckets 1 + 25 MiB)": ("ddp", {}),
+    "DDP, 4 MiB buckets": ("ddp", {"bucket_cap_mb": 4}),
+    "DDP, 4 MiB buckets, grads as bucket views": (
+        "ddp",
+        {"bucket_cap_mb": 4, "gradient_as_bucket_view": True},
+    ),
+    "DDP, bucketing off (one all-reduce per parameter)": ("ddp", {"gradient_bucketing": False}),
+    "no DDP: all-reduce each gradient after backward": ("after_each", {}),
+    "no DDP: one coalesced all-reduce after backward": ("after_coalesced", {}),
+    "no communication (compute only, lower bound)": ("none", {}),
+}
+HEADLINE = "DDP, 4 MiB buckets, grads as bucket views"
+
+
+def build_mlp() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def make_step(model: nn.Module, trained: nn.Module, batch: int, generator: torch.Generator | None, sync=None):
+    """One training step of `model` (`trained` is what the optimizer updates: the module inside DDP)."""
+    optimizer = torch.optim.SGD(trained.parameters(), lr=1e-3)
+    x = torch.randn(batch, WIDTH, generator=generator)
+    y = torch.randn(batch, WIDTH, generator=generator)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=False)
+        nn.functional.mse_loss(model(x), y).backward()
+        if sync is not None:
+            sync()
+        optimizer.step()
+
+    return step
+
+
+def threadpar_rank(template: nn.Module, mode: str, ddp_kwargs: dict, iters: int, repeats: int) -> float:
+    module = copy.deepcopy(template)
+    model, sync = module, None
+    grads = lambda: [p.grad for p in module.parameters()]  # noqa: E731
+    if mode == "ddp":
+        model = DistributedDataParallel(module, **ddp_kwargs)
+    elif mode == "after_each":
+        sync = lambda: [threadpar.all_reduce(g, op="AVG") for g in grads()]  # noqa: E731
+    elif mode == "after_coalesced":
+        sync = lambda: threadpar.all_reduce_coalesced(grads(), op="AVG")  # noqa: E731
+    step = make_step(model, module, BATCH, threadpar.get_generator(), sync)
+    for _ in range(3):
+        step()  # warm-up (and DDP's bucket rebuild)
+    return median_time(step, iters=iters, repeats=repeats, sync=threadpar.barrier)
+
+
+def gloo_rank(rank: int, world: int, iters: int, repeats: int) -> float:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    torch.manual_seed(0)
+    module = build_mlp()
+    step = make_step(TorchDDP(module), module, BATCH, torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        step()
+    return median_time(step, iters=iters, repeats=repeats, sync=dist.barrier)
+
+
+def timeline_rank(template: nn.Module, ddp_kwargs: dict, steps: int) -> list[list[float]]:
+    """Per step: [backward end, then for each bucket: launched, done], in ms after backward starts."""
+    module = copy.deepcopy(template)
+    ddp = DistributedDataParallel(module, **ddp_kwargs)
+    marks: dict[str, float] = {}
+
+    def timed_hook(group, bucket):
+        k = bucket.index()
+        marks[f"launch{k}"] = time.perf_counter()
+        future = comm_hooks.allreduce_hook(group, bucket)
+        future.add_done_callback(lambda _: marks.__setitem__(f"done{k}", time.perf_counter()))
+        return future
+
+    ddp.register_comm_hook(None, timed_hook)
+    x = torch.randn(BATCH, WIDTH, generator=threadpar.get_generator())
+    rows = []
+    for step in range(steps + 3):
+        module.zero_grad(set_to_none=False)
+        loss = nn.functional.mse_loss(ddp(x), x)
+        threadpar.barrier()
+        start = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        if step >= 3:  # after warm-up and the rebuild
+            n = len(ddp.reducer.bucket_indices())
+            times = [end] + [marks[f"{what}{k}"] for k in range(n) for what in ("launch", "done")]
+            rows.append([(t - start) * 1e3 for t in times])
+    return rows
+
+
+def print_timeline(template: nn.Module, ddp_kwargs: dict, steps: int) -> None:
+    rows = threadpar.launch(timeline_rank, template, ddp_kwargs, steps, world_size=RANKS, devices="cpu")[0]
+    median = [statistics.median(col) for col in zip(*rows)]
+    end, buckets = median[0], median[1:]
+    print(f"\n## When the bucket all-reduces ran ({HEADLINE}; rank 0, median of {steps} steps)\n")
+    print(f"backward took {end:.1f} ms; times in ms from the start of backward\n")
+    lines = []
+    for k in range(len(buckets) // 2):
+        launched, done = buckets[2 * k], buckets[2 * k + 1]
+        lines.append([k, f"{launched:.1f}", f"{done:.1f}", f"{max(0.0, min(done, end) - launched):.1f}"])
+    print(table(["bucket", "launched", "done", "ms of it inside backward"], lines))
+
+
+def measure_round(template: nn.Module, iters: int, repeats: int) -> dict[str, float]:
+    """Every configuration once, one after the other (rounds interleave them, so noise hits all alike)."""
+    single_step = make_step(template, template, RANKS * BATCH, torch.Generator().manual_seed(0))
+    for _ in range(3):
+        single_step()
+    times = {"single": median_time(single_step, iters=iters, repeats=repeats)}
+    times["gloo"] = run_gloo(gloo_rank, RANKS, iters, repeats)
+    for name, (mode, kwargs) in THREADPAR_CONFIGS.items():
+        times[name] = threadpar.launch(
+            threadpar_rank, template, mode, kwargs, iters, repeats, world_size=RANKS, devices="cpu"
+        )[0]
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over all configurations")
+    parser.add_argument("--iters", type=int, default=10, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per configuration and round")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 3 repeats of 5 steps")
+    args = parser.parse_args()
+    rounds, iters, repeats = (2, 5, 3) if args.quick else (args.rounds, args.iters, args.repeats)
+    torch.manual_seed(0)
+    template = build_mlp()
+    print(f"# DDP: MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), {RANKS} ranks x batch {BATCH} ({machine_line()})")
+    print(
+        f"# step time: median over {rounds} interleaved rounds of the median of {repeats} repeats of the mean "
+        f"of {iters} steps (rank 0); load average at start {os.getloadavg()[0]:.1f}\n"
+    )
+    per_round = [measure_round(template, iters, repeats) for _ in range(rounds)]
+    t = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
+    single, gloo, samples = t["single"], t["gloo"], RANKS * BATCH
+
+    rows = [
+        [
+            f"one process, batch {samples}, {torch.get_num_threads()} threads",
+            fmt_time(single),
+            f"{samples / single:.0f}",
+            "",
+            "1.00x",
+        ],
+        [
+            f"torch DDP over gloo, {RANKS} processes",
+            fmt_time(gloo),
+            f"{samples / gloo:.0f}",
+            "1.00x",
+            f"{gloo / single:.2f}x",
+        ],
+    ]
+    for name in THREADPAR_CONFIGS:
+        rows.append(
+            [
+                f"threadpar {name}",
+                fmt_time(t[name]),
+                f"{samples / t[name]:.0f}",
+                f"{gloo / t[name]:.2f}x",
+                f"{t[name] / single:.2f}x",
+            ]
+        )
+    print(
+        table(["configuration", "step", "samples/s", "throughput vs gloo DDP", "step vs one process"], rows)
+    )
+
+    compute = t["no communication (compute only, lower bound)"]
+    after = t["no DDP: one coalesced all-reduce after backward"]
+    best = t[HEADLINE]
+    print(
+        f"\nSynchronizing costs {fmt_time(after - compute)} per step as one all-reduce after backward and "
+        f"{fmt_time(best - compute)} with {HEADLINE} (compute-only step {fmt_time(compute)})."
+    )
+    print_timeline(template, THREADPAR_CONFIGS[HEADLINE][1], steps=max(5, iters))
+    print(f"\n# load average at end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
