@@ -44,7 +44,7 @@ THREADPAR_CONFIGS = {
     "no DDP: one coalesced all-reduce after backward": ("after_coalesced", {}),
     "no communication (compute only, lower bound)": ("none", {}),
 }
-HEADLINE = "DDP, 4 MiB buckets, grads as bucket views"
+HEADLINE = "DDP, 4 MiB buckets"
 
 
 def build_mlp() -> nn.Module:
@@ -61,7 +61,7 @@ def make_step(model: nn.Module, trained: nn.Module, batch: int, generator: torch
     y = torch.randn(batch, WIDTH, generator=generator)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad()  # set_to_none=True, torch's default: autograd's gradient tensors are kept
         nn.functional.mse_loss(model(x), y).backward()
         if sync is not None:
             sync()
@@ -115,7 +115,7 @@ def timeline_rank(template: nn.Module, ddp_kwargs: dict, steps: int) -> list[lis
     x = torch.randn(BATCH, WIDTH, generator=threadpar.get_generator())
     rows = []
     for step in range(steps + 3):
-        module.zero_grad(set_to_none=False)
+        module.zero_grad()
         loss = nn.functional.mse_loss(ddp(x), x)
         threadpar.barrier()
         start = time.perf_counter()
@@ -175,36 +175,18 @@ def main() -> None:
     per_round = [measure_round(template, iters, repeats) for _ in range(rounds)]
     t = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
     single, gloo, samples = t["single"], t["gloo"], RANKS * BATCH
-
-    rows = [
-        [
-            f"one process, batch {samples}, {torch.get_num_threads()} threads",
-            fmt_time(single),
-            f"{samples / single:.0f}",
-            "",
-            "1.00x",
-        ],
-        [
-            f"torch DDP over gloo, {RANKS} processes",
-            fmt_time(gloo),
-            f"{samples / gloo:.0f}",
-            "1.00x",
-            f"{gloo / single:.2f}x",
-        ],
-    ]
-    for name in THREADPAR_CONFIGS:
-        rows.append(
-            [
-                f"threadpar {name}",
-                fmt_time(t[name]),
-                f"{samples / t[name]:.0f}",
-                f"{gloo / t[name]:.2f}x",
-                f"{t[name] / single:.2f}x",
-            ]
-        )
-    print(
-        table(["configuration", "step", "samples/s", "throughput vs gloo DDP", "step vs one process"], rows)
-    )
+    labels = {
+        "single": f"one process, batch {samples}, {torch.get_num_threads()} threads",
+        "gloo": f"torch DDP over gloo, {RANKS} processes",
+    } | {name: f"threadpar {name}" for name in THREADPAR_CONFIGS}
+    rows = []
+    for key, label in labels.items():
+        low, high = min(r[key] for r in per_round), max(r[key] for r in per_round)
+        vs_gloo = "" if key == "single" else f"{gloo / t[key]:.2f}x"
+        step = [fmt_time(t[key]), f"{fmt_time(low)} .. {fmt_time(high)}"]
+        rows.append([label, *step, f"{samples / t[key]:.0f}", vs_gloo, f"{t[key] / single:.2f}x"])
+    headers = ["configuration", "step", "range over rounds", "samples/s", "throughput vs gloo DDP"]
+    print(table([*headers, "step vs one process"], rows))
 
     compute = t["no communication (compute only, lower bound)"]
     after = t["no DDP: one coalesced all-reduce after backward"]

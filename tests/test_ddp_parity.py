@@ -362,11 +362,12 @@ def test_tensor_parallel_shards_are_averaged_over_the_dp_group_only():
         torch.testing.assert_close(shard, expected[t * h : (t + 1) * h])
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "view"])
 @pytest.mark.parametrize(
     ("hook", "dtype"),
     [(comm_hooks.bf16_compress_hook, torch.bfloat16), (comm_hooks.fp16_compress_hook, torch.float16)],
 )
-def test_compression_hooks_average_in_low_precision(hook, dtype):
+def test_compression_hooks_average_in_low_precision(hook, dtype, view):
     """The result is exactly the low-precision average of the ranks' local gradients (and so within that
     precision of the reference, not equal to it)."""
     template = mlp().float()
@@ -377,7 +378,7 @@ def test_compression_hooks_average_in_low_precision(hook, dtype):
         local = copy.deepcopy(template)
         mse(local, rank_slice(x, rank, 2), rank_slice(y, rank, 2)).backward()
         model = copy.deepcopy(template)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=TINY_MB)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=TINY_MB, gradient_as_bucket_view=view)
         ddp.register_comm_hook(None, hook)
         mse(ddp, rank_slice(x, rank, 2), rank_slice(y, rank, 2)).backward()
         return grads_of(local), grads_of(model)

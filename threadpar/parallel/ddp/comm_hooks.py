@@ -1,11 +1,19 @@
 """DDP communication hooks: how one bucket of gradients is reduced (torch's `register_comm_hook` API).
 
-A hook is `hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]`. DDP calls it once per bucket
-per synchronized backward, as soon as the bucket's gradients are all ready, on the backward thread and in
-bucket order on every rank. It must start the bucket's collectives (asynchronously, on the process group
-it was given: never look up the rank's context here) and return a future whose value is the averaged
-gradients as one flat tensor of `bucket.buffer()`'s shape and dtype (or a list whose first element is
-that tensor, as an all-reduce's future holds). Returning `bucket.buffer()` itself avoids a copy.
+A hook is `hook(state, bucket: GradBucket) -> torch.futures.Future`. DDP calls it once per bucket per
+synchronized backward, as soon as the bucket's gradients are all ready, on the backward thread and in
+bucket order on every rank. It must start the bucket's collectives (asynchronously, on the process group it
+was given: never look up the rank's context here) and return a future whose value says where the averages
+are, in one of two ways:
+
+- as torch's hooks do, one flat tensor shaped like `bucket.buffer()` (or a list whose first element is that
+  tensor, as an all-reduce's future holds); DDP copies it into the gradients;
+- the list `bucket.gradients()` itself (what `all_reduce_coalesced` on them returns): averaged in place.
+
+`bucket.gradients()` are the parameters' gradients themselves (views into the bucket's buffer with
+gradient_as_bucket_view). `bucket.buffer()` is one flat tensor; without bucket views DDP builds it, by
+copying the gradients, only when a hook asks for it. The default hook never does: on the threads backend a
+coalesced all-reduce averages a list of tensors in one collective, so buckets cost no copies at all.
 
 Built-in hooks take a ProcessGroup as `state`; DDP passes its own group when registered with state=None.
 
@@ -26,31 +34,34 @@ CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
 
 class GradBucket:
-    """One bucket as a comm hook sees it: a flat buffer holding the gradients of its parameters."""
+    """One bucket as a comm hook sees it: the gradients of its parameters, and a flat buffer of them."""
 
-    __slots__ = ("_buffer", "_gradients", "_index", "_is_last", "_parameters")
+    __slots__ = ("_buffer", "_flatten", "_gradients", "_index", "_is_last", "_parameters")
 
     def __init__(
         self,
         index: int,
-        buffer: torch.Tensor,
         gradients: list[torch.Tensor],
         parameters: list[torch.nn.Parameter],
         is_last: bool,
+        flatten: Callable[[], torch.Tensor],
     ) -> None:
-        self._index, self._buffer, self._is_last = index, buffer, is_last
+        self._index, self._is_last, self._flatten = index, is_last, flatten
         self._gradients, self._parameters = gradients, parameters
+        self._buffer: torch.Tensor | None = None
 
     def index(self) -> int:
         """The bucket's position in launch order (0 is launched first)."""
         return self._index
 
     def buffer(self) -> torch.Tensor:
-        """The flat 1-D tensor to reduce; this rank's gradients of the bucket, concatenated."""
+        """This rank's gradients of the bucket as one flat 1-D tensor (built on first use)."""
+        if self._buffer is None:
+            self._buffer = self._flatten()
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views into `buffer()`, one per parameter, shaped like the parameters."""
+        """The gradients of the bucket's parameters, in bucket order (the tensors DDP writes back to)."""
         return self._gradients
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -62,7 +73,8 @@ class GradBucket:
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
         """Overwrite the buffer's contents with `tensor` (same number of elements)."""
-        self._buffer.copy_(tensor.reshape(self._buffer.shape))
+        buffer = self.buffer()
+        buffer.copy_(tensor.reshape(buffer.shape))
 
 
 def then(future: torch.futures.Future, fn: Callable[[Any], Any]) -> torch.futures.Future:
@@ -81,8 +93,8 @@ def then(future: torch.futures.Future, fn: Callable[[Any], Any]) -> torch.future
 
 
 def allreduce_hook(process_group: ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
-    """The default: average the bucket over the group in place (one asynchronous all-reduce)."""
-    return process_group.all_reduce(bucket.buffer(), ReduceOp.AVG, async_op=True).get_future()
+    """The default: average the bucket's gradients over the group in place, in one asynchronous collective."""
+    return process_group.all_reduce_coalesced(bucket.gradients(), ReduceOp.AVG, async_op=True).get_future()
 
 
 def _compressed_allreduce(

@@ -106,11 +106,13 @@ class DistributedDataParallel(nn.Module):
     """Data parallelism between rank threads; see the module docstring.
 
     bucket_cap_mb / first_bucket_cap_mb: bucket sizes in MiB (the first bucket is small so communication
-    starts early in backward). gradient_as_bucket_view: param.grad is a view into its bucket (saves a copy
-    in and out per step; keep it by zeroing grads with set_to_none=False). broadcast_buffers: copy the first
-    rank's buffers (e.g. BatchNorm running stats) to the others at every forward. find_unused_parameters:
-    allow parameters that get no gradient on some ranks or iterations. gradient_bucketing=False: one
-    all-reduce per parameter (for comparison and debugging).
+    starts early in backward). gradient_as_bucket_view: param.grad is a view into its bucket's flat buffer,
+    which comm hooks using bucket.buffer() (compression) then read without a copy; zero grads with
+    set_to_none=False to keep the views (else each backward copies the new grads in). Without it the
+    gradients stay where autograd put them and the default hook averages them in place, copying nothing.
+    broadcast_buffers: copy the first rank's buffers (e.g. BatchNorm running stats) to the others at every
+    forward. find_unused_parameters: allow parameters that get no gradient on some ranks or iterations.
+    gradient_bucketing=False: one all-reduce per parameter (for comparison and debugging).
     """
 
     def __init__(

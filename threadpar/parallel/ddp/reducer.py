@@ -2,15 +2,17 @@
 
 One synchronized backward (InfiniTrain's Reducer and torch's reducer.cpp, in Python):
 
-1. A parameter's post-accumulate-grad hook marks it ready: its gradient is copied into its slot of its
-   bucket's flat buffer (with gradient_as_bucket_view, param.grad already is that slot: no copy).
+1. A parameter's post-accumulate-grad hook marks it ready (with gradient_as_bucket_view it first makes
+   sure param.grad is the parameter's view into its bucket's flat buffer).
 2. When all of a bucket's parameters are ready, the bucket goes to the comm hook, which starts an
-   asynchronous all-reduce on the rank's communication worker. Buckets start strictly in order (a bucket
-   ready early waits for those before it), so every rank issues the same collectives in the same order.
+   asynchronous all-reduce on the rank's communication worker (by default a coalesced all-reduce of the
+   gradients themselves: no copies). Buckets start strictly in order (a bucket ready early waits for those
+   before it), so every rank issues the same collectives in the same order. Where the hook returned a flat
+   result, it is written back into the gradients on the worker, as soon as it is there.
 3. At the end of backward (an autograd engine callback queued by the first hook), the reducer launches
-   what is left (buckets holding parameters that got no gradient, with find_unused_parameters), waits for
-   every bucket and writes the averages back into param.grad. After the first synchronized backward it
-   rebuilds the buckets in the order the gradients actually became ready (rank 0's order, for all ranks).
+   what is left (buckets holding parameters that got no gradient, with find_unused_parameters) and waits
+   for every bucket. After the first synchronized backward it rebuilds the buckets in the order the
+   gradients actually became ready (the group's first rank's order, for all ranks).
 
 Whether a backward synchronizes is decided when its first hook runs, from `require_backward_grad_sync`
 (False inside DDP's no_sync()), not at forward time: a pipeline runs several forwards before their
@@ -35,6 +37,7 @@ from threadpar.comm.abort import AbortSignal
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
+from threadpar.parallel.ddp.bucket import Bucket, shares_memory
 from threadpar.parallel.ddp.bucketing import TensorSpec, assign_buckets, caps_in_bytes, rebuild_order
 from threadpar.parallel.ddp.comm_hooks import CommHook, GradBucket, allreduce_hook, then
 
@@ -74,31 +77,6 @@ class ReducerOptions:
         return caps_in_bytes(self.first_bucket_cap_mb, self.bucket_cap_mb)
 
 
-class _Bucket:
-    """A flat buffer holding the gradients of `members` (parameter indices), one view per member."""
-
-    __slots__ = ("buffer", "future", "grad_bucket", "members", "views")
-
-    def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool) -> None:
-        first = params[members[0]]
-        self.members = members
-        self.buffer = torch.zeros(
-            sum(params[i].numel() for i in members), dtype=first.dtype, device=first.device
-        )
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for i in members:
-            n = params[i].numel()
-            self.views.append(self.buffer[offset : offset + n].view(params[i].shape))
-            offset += n
-        self.grad_bucket = GradBucket(index, self.buffer, self.views, [params[i] for i in members], is_last)
-        self.future: torch.futures.Future | None = None
-
-
-def _shares_memory(grad: torch.Tensor, view: torch.Tensor) -> bool:
-    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
-
-
 def _hook_for(reducer: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
     # A weak reference: the hooks stay on the parameters, but must not keep a discarded reducer alive.
     def on_grad_accumulated(_: torch.Tensor) -> None:
@@ -110,6 +88,8 @@ def _hook_for(reducer: weakref.ref, index: int) -> Callable[[torch.Tensor], None
 
 
 class Reducer:
+    """Averages the gradients of `params` over `group` during each synchronized backward."""
+
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
@@ -142,7 +122,8 @@ class Reducer:
         return [list(b.members) for b in self._buckets]
 
     def bucket_buffers(self) -> list[torch.Tensor]:
-        return [b.buffer for b in self._buckets]
+        """The flat buffers allocated so far (all of them with gradient_as_bucket_view)."""
+        return [b.buffer for b in self._buckets if b.buffer is not None]
 
     @property
     def parameter_names(self) -> list[str]:
@@ -157,24 +138,24 @@ class Reducer:
             raise ConfigError(
                 "register_comm_hook must be called before the first backward through the module"
             )
-        self._hook, self._hook_state, self._hook_registered = (
-            hook,
-            (self._group if state is None else state),
-            True,
-        )
+        self._hook = hook
+        self._hook_state = self._group if state is None else state  # built-in hooks take the group
+        self._hook_registered = True
 
     def remove_hooks(self) -> None:
-        for handle in self._handles:
+        """Detach from the parameters (the module then trains without synchronizing)."""
+        for handle in getattr(self, "_handles", ()):
             handle.remove()
         self._handles = []
 
     def __del__(self) -> None:
-        self.remove_hooks()
+        with contextlib.suppress(Exception):  # e.g. during interpreter shutdown
+            self.remove_hooks()
 
     # buckets ----------------------------------------------------------------------------------------------------
     def _build(self, assignment: list[list[int]]) -> None:
-        last = len(assignment) - 1
-        self._buckets = [_Bucket(k, members, self._params, k == last) for k, members in enumerate(assignment)]
+        views = self._options.gradient_as_bucket_view
+        self._buckets = [Bucket(members, self._params, views) for members in assignment]
         # parameter index -> (bucket index, position in bucket)
         self._locator = [(0, 0)] * len(self._params)
         for k, bucket in enumerate(self._buckets):
@@ -190,6 +171,7 @@ class Reducer:
         self._pending = [len(b.members) for b in self._buckets]
         self._next = 0
         self._ready_order: list[int] = []
+        self._placeholders: dict[int, torch.Tensor] = {}  # zeros standing in for missing gradients
         for bucket in self._buckets:
             bucket.future = None
 
@@ -215,7 +197,7 @@ class Reducer:
             self._ready[index] = True
             if not self._rebuilt:
                 self._ready_order.append(index)
-            self._fill_slot(index)
+            self._prepare(index)
             bucket = self._locator[index][0]
             self._pending[bucket] -= 1
             if bucket == self._next and self._pending[bucket] == 0:
@@ -237,46 +219,54 @@ class Reducer:
                     bucket.future.wait()
         self._reset()
 
-    def _fill_slot(self, index: int) -> None:
-        """Put param `index`'s gradient into its bucket slot (zeros if it has none)."""
+    def _prepare(self, index: int) -> None:
+        """Ready param `index`'s gradient for reduction (zeros stand in for a missing one)."""
         param = self._params[index]
-        bucket, slot = self._locator[index]
-        view = self._buckets[bucket].views[slot]
         grad = param.grad
-        if grad is None:
-            view.zero_()
-        elif grad.is_sparse:
+        if grad is not None and grad.is_sparse:
             raise TypeError(
                 f"DistributedDataParallel: parameter '{self._names[index]}' has a sparse gradient, which is "
                 "not supported; use dense gradients (e.g. nn.Embedding(..., sparse=False))"
             )
-        elif not self._options.gradient_as_bucket_view:
-            view.copy_(grad)
-        elif not _shares_memory(grad, view):
+        if not self._options.gradient_as_bucket_view:
+            if grad is None:
+                self._placeholders[index] = torch.zeros_like(param)
+            return
+        bucket, slot = self._locator[index]
+        view = self._buckets[bucket].views[slot]
+        if grad is None:
+            view.zero_()
+        elif not shares_memory(grad, view):
             # First iteration, or the grad was set to None (zero_grad(set_to_none=True)): copy it in once
             # and make param.grad the bucket view, so later backwards accumulate straight into the bucket.
             view.copy_(grad)
             param.grad = view
 
+    def _gradient(self, index: int) -> torch.Tensor:
+        if self._options.gradient_as_bucket_view:
+            bucket, slot = self._locator[index]
+            return self._buckets[bucket].views[slot]
+        grad = self._params[index].grad
+        return self._placeholders[index] if grad is None else grad
+
     def _launch_ready_buckets(self) -> None:
         while self._next < len(self._buckets) and self._pending[self._next] == 0:
-            bucket = self._buckets[self._next]
-            reduced = self._hook(self._hook_state, bucket.grad_bucket)
-            # The gradients to overwrite are the ones of this backward, even if a later one replaces them.
-            grads = [self._params[i].grad for i in bucket.members]
+            k, bucket = self._next, self._buckets[self._next]
+            # The gradients of this backward: the ones to average and write to, whatever happens later.
+            grads = [self._gradient(i) for i in bucket.members]
+            flatten = functools.partial(bucket.flatten, grads)
+            reduced = self._hook(
+                self._hook_state, GradBucket(k, grads, bucket.params, k == len(self._buckets) - 1, flatten)
+            )
             # Unpacked where the all-reduce completes (the comm worker), overlapping the rest of backward.
             bucket.future = then(reduced, functools.partial(self._unpack, bucket, grads))
             self._next += 1
 
-    def _unpack(self, bucket: _Bucket, grads: list[torch.Tensor | None], value: Any) -> None:
-        """The bucket is averaged: put the result in its buffer and, without bucket views, in the grads."""
-        result = self._result_tensor(value, bucket)
-        if not _shares_memory(result, bucket.buffer):
-            bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
-        if not self._options.gradient_as_bucket_view:
-            for grad, view in zip(grads, bucket.views):
-                if grad is not None:  # a parameter without one (unused) is settled at the end of backward
-                    grad.copy_(view)
+    def _unpack(self, bucket: Bucket, grads: list[torch.Tensor], value: Any) -> None:
+        """Put the bucket's averages into its gradients, unless the hook averaged them in place."""
+        in_place = isinstance(value, (list, tuple)) and len(value) == len(grads)
+        if not (in_place and all(v is g for v, g in zip(value, grads))):
+            bucket.scatter(self._result_tensor(value, bucket), grads)
 
     # end of backward (engine callback) --------------------------------------------------------------------------
     def _finalize(self) -> None:
@@ -297,7 +287,7 @@ class Reducer:
                 "also handles parameters used on some ranks or iterations only)"
             )
         for i in missing:
-            self._fill_slot(i)  # the gradient accumulated by earlier no_sync backwards, or zeros
+            self._prepare(i)  # the gradient accumulated by earlier no_sync backwards, or zeros
             self._pending[self._locator[i][0]] -= 1
         self._launch_ready_buckets()
         used = self._globally_used() if self._options.find_unused_parameters else None
@@ -323,25 +313,25 @@ class Reducer:
                 self._abort.raise_if_set()  # a peer failed: report this rank as stopped, not as a cause
             raise
 
-    def _result_tensor(self, value: Any, bucket: _Bucket) -> torch.Tensor:
+    def _result_tensor(self, value: Any, bucket: Bucket) -> torch.Tensor:
         if isinstance(value, (list, tuple)) and value:
             value = value[0]
-        if not isinstance(value, torch.Tensor) or value.numel() != bucket.buffer.numel():
+        numel = sum(bucket.numels)
+        if not isinstance(value, torch.Tensor) or value.numel() != numel:
             got = f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor) else repr(value)
             raise TypeError(
-                f"DistributedDataParallel: the comm hook's future for bucket {bucket.grad_bucket.index()} must "
-                f"hold a tensor of {bucket.buffer.numel()} elements shaped like bucket.buffer(), got {got}"
+                f"DistributedDataParallel: the comm hook's future for bucket {self._buckets.index(bucket)} must "
+                f"hold a flat tensor of {numel} elements like bucket.buffer(), or the list "
+                f"bucket.gradients() averaged in place; got {got}"
             )
-        return value
+        return value.reshape(-1)
 
     def _settle_unused(self, used: list[bool]) -> None:
         """A parameter without a gradient here but with one on another rank gets the average too; one
         without a gradient anywhere keeps grad None, as it would in a single process."""
         for i, param in enumerate(self._params):
             if param.grad is None and used[i]:
-                bucket, slot = self._locator[i]
-                view = self._buckets[bucket].views[slot]
-                param.grad = view if self._options.gradient_as_bucket_view else view.clone()
+                param.grad = self._gradient(i)  # its view, or the placeholder that now holds the average
 
     def _rebuild(self) -> None:
         """Rebuild the buckets in the order gradients became ready, once (the first synchronized backward)."""
@@ -354,15 +344,15 @@ class Reducer:
         assignment = assign_buckets(self._specs, self._options.caps, order.tolist())
         if assignment == self.bucket_indices():
             return
-        old_views = [self._buckets[b].views[slot] for b, slot in self._locator]
+        views = self._options.gradient_as_bucket_view
+        old_views = [self._buckets[b].views[slot] for b, slot in self._locator] if views else []
         self._build(assignment)
-        if self._options.gradient_as_bucket_view:
-            for i, param in enumerate(self._params):
-                bucket, slot = self._locator[i]
-                new_view = self._buckets[bucket].views[slot]
-                if param.grad is not None and _shares_memory(param.grad, old_views[i]):
-                    new_view.copy_(old_views[i])
-                    param.grad = new_view
+        for i, old_view in enumerate(old_views):
+            param = self._params[i]
+            if param.grad is not None and shares_memory(param.grad, old_view):
+                new_view = self._gradient(i)
+                new_view.copy_(old_view)
+                param.grad = new_view
 
     def _describe(self, indices: list[int]) -> str:
         names = [f"'{self._names[i]}'" for i in indices[:NAMES_SHOWN]]
