@@ -1,7 +1,8 @@
 """`World`: everything one launch shares between its rank threads, created by `launch` and dropped after.
 
 Nothing here is module-global: two launches (one after another, or nested) each have their own World,
-groups, mailboxes and stop signal.
+groups, mailboxes and stop signal. In a multi-process job each process has a World for the whole layout
+(every global rank), runs the threads of its own ranks, and reaches the others through `processes`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class World:
         timeout: float,
         seed: int,
         intraop_threads: int,
+        processes: Any = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -38,14 +40,23 @@ class World:
         self.timeout = float(timeout)
         self.seed = seed
         self.intraop_threads = intraop_threads
-        # Within one process every rank is a thread of it; multi-process launches override these.
-        self.process_rank = 0
-        self.threads_per_process = layout.world_size
+        self.processes = processes  # threadpar.runtime.processes.Processes, or None in a one-process launch
+        self.process_rank = 0 if processes is None else processes.rank
+        self.threads_per_process = layout.world_size if processes is None else processes.threads_per_process
         self.abort = AbortSignal()
         self.groups = GroupRegistry(self.world_size, self._make_backend)
 
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks whose threads run in this process."""
+        start = self.process_rank * self.threads_per_process
+        return range(start, start + self.threads_per_process)
+
     def _make_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
-        if self.backend == "threads":
+        here = len(ranks) if self.processes is None else sum(r in self.local_ranks for r in ranks)
+        if 0 < here < len(ranks):
+            return self._spanning_backend(name, ranks)
+        if self.backend == "threads" or here == 0:  # (no member here: a stand-in that is never used)
             from threadpar.comm.threads import ThreadsGroup
 
             return ThreadsGroup(name, ranks, self.abort, self.timeout)
@@ -63,3 +74,14 @@ class World:
         return self.groups.get_or_create(
             self.layout.group_ranks(axis, rank), self.layout.group_name(axis, rank)
         )
+
+    def _spanning_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
+        if self.backend == "nccl":
+            raise ConfigError(
+                f"group '{name}' spans processes, which the nccl backend does not support yet (NCCL communicators "
+                "across processes come from threadpar.comm.nccl_bootstrap once threadpar.comm.nccl uses it); "
+                "pass backend='threads' to run these groups through host memory and gloo"
+            )
+        from threadpar.comm.hierarchical import HierarchicalGroup
+
+        return HierarchicalGroup(name, ranks, self.processes, self.abort, self.timeout)
