@@ -322,6 +322,13 @@ def _multi_process_world(
     if devices is None and n_cuda > 0:
         devices = default_local_devices(n_cuda, threads, env.local_rank, env.local_count)
     placement = resolve_placement(threads, devices, 1, None, backend, n_cuda=n_cuda)
+    if placement.backend == "nccl":
+        raise ConfigError(
+            "groups that span processes are not supported on the nccl backend yet (threadpar.comm."
+            "nccl_bootstrap joins NCCL communicators across processes, but the nccl backend does not use it "
+            "yet); pass backend='threads' (cross-process steps go through host memory and gloo) or "
+            "devices='cpu'"
+        )
     world_size = env.count * threads
     layout = Layout.build(world_size, dp=dp, tp=tp, pp=pp, cp=cp, order=order)
     on_cpu = placement.devices[0].type == "cpu"

@@ -76,12 +76,8 @@ class World:
         )
 
     def _spanning_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
-        if self.backend == "nccl":
-            raise ConfigError(
-                f"group '{name}' spans processes, which the nccl backend does not support yet (NCCL communicators "
-                "across processes come from threadpar.comm.nccl_bootstrap once threadpar.comm.nccl uses it); "
-                "pass backend='threads' to run these groups through host memory and gloo"
-            )
+        # On the nccl backend this is where NCCL groups across processes will come from (their
+        # communicators joined through threadpar.comm.nccl_bootstrap); launch refuses that case for now.
         from threadpar.comm.hierarchical import HierarchicalGroup
 
         return HierarchicalGroup(name, ranks, self.processes, self.abort, self.timeout)
