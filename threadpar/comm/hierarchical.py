@@ -4,7 +4,7 @@ It has the method interface of `ThreadsGroup`, so `ProcessGroup` (validation, se
 Each collective has three steps:
 
 1. the members in this process meet at a local rendezvous (which checks they agree on the call);
-2. leader threads talk to the other processes over gloo (`gloo_ops`); meanwhile local member 0 all-gathers
+2. leader threads talk to the other processes over gloo (`gloo_ops`); meanwhile one of them all-gathers
    a description of the call from every process on a separate gloo group, so a mismatch between processes
    raises CollectiveMismatchError instead of hanging;
 3. the results are shared with the local members, and they meet once more.
@@ -12,7 +12,8 @@ Each collective has three steps:
 Large all-reduces and broadcasts use lanes: with L members in every process, local member j leads lane j,
 a 1/L slice of the data with a gloo group of its own, so the lanes reduce and transfer in parallel. An
 all-reduce is thus a local reduce-scatter, L parallel cross-process all-reduces, and a local all-gather.
-The other collectives use one leader and move bytes (any dtype). Each gloo group belongs to one threadpar
+The other collectives (and small ones) have one leader, the member that arrived last at the local
+rendezvous (it is running; the others are already waiting), and move bytes (any dtype). Each gloo group belongs to one threadpar
 group and one lane and is created on first use, so independent groups never share a torch.distributed
 group and never need a common order of calls.
 """
@@ -102,14 +103,24 @@ class HierarchicalGroup:
 
     def _arrive(self, member: int, seq: int, call: Call, payload: Any) -> tuple[int, Slot]:
         li = self.local_index[member]
-        return li, self.rendezvous.arrive(li, seq, call, payload)
 
-    def _step(
-        self, slot: Slot, li: int, seq: int, call: Call, leaders: int, work: Callable[[gloo_ops.Wait], None]
-    ) -> None:
-        """Local members below `leaders` run `work(wait)`; local member 0 checks that every process made
-        the same call; then all local members meet. An error in any of it is raised on every local member."""
-        control = self._control_start(seq, call) if li == 0 else None
+        def mark_last(slot: Slot) -> bool:  # run by the last member to arrive
+            slot.shared[li] = True
+            return False
+
+        return li, self.rendezvous.arrive(li, seq, call, payload, leader=mark_last)
+
+    def _step(self, slot: Slot, li: int, seq: int, call: Call, lanes: int, work: Callable) -> None:
+        """Run `work(wait, lane)` on the lane leaders: local members 0..lanes-1 when there are several
+        lanes, else the member that arrived last (it is running; the others are already waiting). One of
+        them (local member 0, or that last arrival) checks that every process made the same call. Then all
+        local members meet; an error in any of it is raised on every local member."""
+        last = slot.shared.index(True)
+        if lanes > 1:
+            lane, checks = (li if li < lanes else None), li == 0
+        else:
+            lane, checks = (0 if lanes == 1 and li == last else None), li == last
+        control = None
 
         def cancelled() -> bool:
             if slot.error is None and control is not None and control[0].is_completed():
@@ -130,8 +141,10 @@ class HierarchicalGroup:
             )
 
         try:
-            if li < leaders:
-                work(wait)
+            if checks:
+                control = self._control_start(seq, call)
+            if lane is not None:
+                work(wait, lane)
             if control is not None:
                 wait(control[0], "the call descriptions of the other processes")
                 cancelled()
@@ -177,7 +190,7 @@ class HierarchicalGroup:
     def _exchange(self, slot: Slot, li: int, seq: int, call: Call, input_of: Callable) -> torch.Tensor:
         """All-gather every member's input (`input_of(payload)`): a [processes, bytes] tensor."""
 
-        def work(wait: gloo_ops.Wait) -> None:
+        def work(wait: gloo_ops.Wait, lane: int) -> None:
             inputs = [input_of(p) for p in slot.payloads]
             n = _nbytes(inputs[0])
             packed = torch.empty(self.max_local * n, dtype=torch.uint8)
@@ -197,14 +210,14 @@ class HierarchicalGroup:
         lanes = self._lanes_for(sum(_nbytes(t) for t in tensors))
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op  # divide once, by the whole group's size
 
-        def work(wait: gloo_ops.Wait) -> None:
+        def work(wait: gloo_ops.Wait, lane: int) -> None:
             flat = [[t.view(-1) for t in payload] for payload in slot.payloads]
             others = [o for o in range(len(flat)) if o != li]
-            parts = pieces(numels, *split_range(sum(numels), lanes)[li])
+            parts = pieces(numels, *split_range(sum(numels), lanes)[lane])
             mine = [flat[li][i][a:b] for i, a, b in parts]
-            for (i, a, b), acc in zip(parts, mine):  # lane li's slice of the local sum, in my own tensor
+            for (i, a, b), acc in zip(parts, mine):  # this lane's slice of the local sum, in my own tensor
                 accumulate_(acc, [flat[o][i][a:b] for o in others], inner, self.size)
-            gloo_ops.all_reduce(self._pg(f"lane{li}"), mine, inner, wait)
+            gloo_ops.all_reduce(self._pg(f"lane{lane}"), mine, inner, wait)
             for (i, a, b), acc in zip(parts, mine):
                 if op is ReduceOp.AVG:
                     accumulate_(acc, [], op, self.size)
@@ -219,12 +232,12 @@ class HierarchicalGroup:
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op
         dst_li = self.local_index.get(dst)
 
-        def work(wait: gloo_ops.Wait) -> None:
+        def work(wait: gloo_ops.Wait, lane: int) -> None:
             flats = [t.view(-1) for t in slot.payloads]
-            a, b = split_range(tensor.numel(), lanes)[li]
+            a, b = split_range(tensor.numel(), lanes)[lane]
             acc = flats[li][a:b].clone()  # only dst's tensor may change
             accumulate_(acc, [f[a:b] for o, f in enumerate(flats) if o != li], inner, self.size)
-            gloo_ops.all_reduce(self._pg(f"lane{li}"), [acc], inner, wait)
+            gloo_ops.all_reduce(self._pg(f"lane{lane}"), [acc], inner, wait)
             if dst_li is not None:
                 if op is ReduceOp.AVG:
                     accumulate_(acc, [], op, self.size)
@@ -245,7 +258,7 @@ class HierarchicalGroup:
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op
         n = output.numel()
 
-        def work(wait: gloo_ops.Wait) -> None:
+        def work(wait: gloo_ops.Wait, lane: int) -> None:
             # The local sum of every member's whole input ([size * n]), reduced across processes.
             acc = torch.cat([t.reshape(-1) for t in slot.payloads[0][1]])
             for s in range(self.size):
@@ -265,11 +278,11 @@ class HierarchicalGroup:
         lanes = self._lanes_for(_nbytes(tensor))
         src_li = self.local_index.get(src)
 
-        def work(wait: gloo_ops.Wait) -> None:
+        def work(wait: gloo_ops.Wait, lane: int) -> None:
             flats = [t.view(-1) for t in slot.payloads]
-            a, b = split_range(tensor.numel(), lanes)[li]
+            a, b = split_range(tensor.numel(), lanes)[lane]
             holder = li if src_li is None else src_li  # the source's process sends from its tensor
-            gloo_ops.broadcast(self._pg(f"lane{li}"), flats[holder][a:b], self.proc_index[src], wait)
+            gloo_ops.broadcast(self._pg(f"lane{lane}"), flats[holder][a:b], self.proc_index[src], wait)
             for o, flat in enumerate(flats):
                 if o != holder:
                     copy_into(flat[a:b], flats[holder][a:b])
@@ -312,7 +325,7 @@ class HierarchicalGroup:
         n = _nbytes(tensor)
         src_li = self.local_index.get(src)
 
-        def work(wait: gloo_ops.Wait) -> None:
+        def work(wait: gloo_ops.Wait, lane: int) -> None:
             # Every process receives all chunks (a broadcast): simple, and scatter is never hot.
             packed = torch.empty(self.size * n, dtype=torch.uint8)
             if src_li is not None:
@@ -331,7 +344,7 @@ class HierarchicalGroup:
         sender-major, receiver-minor, both in member order; sizes come from each side's own tensors."""
         li, slot = self._arrive(member, seq, call, (outputs, inputs))
 
-        def work(wait: gloo_ops.Wait) -> None:
+        def work(wait: gloo_ops.Wait, lane: int) -> None:
             parts, in_splits, out_splits = [], [], []
             for members in self.members_by_proc:
                 sent = [slot.payloads[i][1][s] for i in range(len(self.local)) for s in members]
@@ -357,7 +370,7 @@ class HierarchicalGroup:
 
     def barrier(self, member: int, seq: int, call: Call) -> None:
         li, slot = self._arrive(member, seq, call, None)
-        self._step(slot, li, seq, call, 0, lambda wait: None)  # the call check is the barrier
+        self._step(slot, li, seq, call, 0, None)  # the call check is the barrier
 
     # point to point ---------------------------------------------------------------------------------------------
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
