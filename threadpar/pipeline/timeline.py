@@ -52,6 +52,15 @@ class Timeline:
         copy.events = list(self.events)
         return copy
 
+    def action_costs(self) -> dict[str, float]:
+        """Compute seconds of each action ("1F3": ...): its duration minus the messages inside it."""
+        comm = [e for e in self.events if e.category in COMM_CATEGORIES]
+        return {
+            a.name: a.duration - sum(c.duration for c in comm if a.start <= c.start and c.end <= a.end)
+            for a in self.events
+            if a.category in ACTION_CATEGORIES
+        }
+
     def compute_time(self) -> float:
         """Seconds spent in actions, minus the sends and receives inside them."""
         actions = sum(e.duration for e in self.events if e.category in ACTION_CATEGORIES)
