@@ -307,6 +307,8 @@ def test_configuration_errors_are_raised_at_construction_and_name_the_fix():
             )
         with pytest.raises(ConfigError, match="'1f1b' runs one chunk per rank"):
             PipelineParallel([nn.Linear(2, 2)] * 2, loss_fn=F.mse_loss, num_microbatches=2)
+        with pytest.raises(TypeError, match=r"schedule must be a name .* or a Plan, got list"):
+            PipelineParallel(nn.Linear(2, 2), loss_fn=F.mse_loss, schedule=["1f1b"], num_microbatches=2)
         with pytest.raises(TypeError, match="loss_fn must be callable"):
             PipelineParallel(nn.Linear(2, 2), loss_fn="mse", num_microbatches=2)
         with pytest.raises(ConfigError, match="num_microbatches must be a positive int"):
@@ -343,3 +345,38 @@ def test_a_loss_that_is_not_a_scalar_is_refused():
             pipe.train_step(torch.zeros(2, 2), torch.zeros(2, 2))
 
     run_ranks(body, 1)
+
+
+class BadGradient(nn.Module):
+    """A linear layer whose backward raises."""
+
+    class Raise(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("bad gradient")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.Raise.apply(self.linear(x))
+
+
+def test_a_failing_backward_stops_every_stage_and_is_reported_once():
+    def body():
+        chunk = BadGradient() if threadpar.get_coords().pp == 2 else nn.Linear(DIM, DIM)
+        pipe = PipelineParallel(chunk, loss_fn=F.mse_loss, num_microbatches=4)
+        pipe.train_step(torch.randn(8, DIM), torch.randn(8, DIM))
+
+    with pytest.raises(threadpar.RankFailedError) as caught:
+        threadpar.launch(body, world_size=4, pp=4, devices="cpu", timeout=20)
+    failed = caught.value
+    # The stages blocked in a receive stop as a consequence; only the cause is reported.
+    assert (failed.rank, type(failed.error), failed.other_failed_ranks) == (2, ValueError, [])
+    assert "in action 2B0 (backward of microbatch 0 through chunk 2)" in str(failed)
+    assert "[2B0]" in str(failed)

@@ -15,6 +15,7 @@ inside `no_sync()`, so its gradients are synchronized once per step, after the l
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -50,6 +51,14 @@ def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
             "pass group=None for this rank's PP group"
         )
     return handle
+
+
+@functools.lru_cache(maxsize=32)
+def _named_plan(schedule: str, pp: int, n: int, v: int) -> tuple[Plan, Simulation]:
+    """A named schedule's plan and its dry run. Both are immutable data, so the stages of a pipeline (threads
+    of one process) share one copy instead of each building and checking its own."""
+    plan = build_plan(schedule, pp, n, v)
+    return plan, simulate(plan)
 
 
 def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
@@ -88,10 +97,9 @@ class PipelineParallel:
         self.num_microbatches = n
         self.group = _resolve_group(group)
         self.pp, self.stage = self.group.size(), self.group.rank()
-        self.plan = self._make_plan(schedule, len(chunk_list))
+        # The dry run proves the plan cannot deadlock; its unit-cost grid is what a failure report shows.
+        self.plan, self.simulation = self._make_plan(schedule, len(chunk_list))
         check_tag_range(self.plan.num_chunks, n)
-        # A dry run proves the plan cannot deadlock; its unit-cost grid is what a failure report shows.
-        self.simulation: Simulation = simulate(self.plan)
         self.actions: tuple[Action, ...] = self.plan.actions[self.stage]
         self.is_first_stage = self.stage == 0
         self.is_last_stage = self.stage == self.pp - 1
@@ -111,9 +119,14 @@ class PipelineParallel:
         self._check_agreement()
 
     # construction helpers ---------------------------------------------------------------------------------------
-    def _make_plan(self, schedule: str | Plan, v: int) -> Plan:
+    def _make_plan(self, schedule: str | Plan, v: int) -> tuple[Plan, Simulation]:
+        if isinstance(schedule, str):
+            return _named_plan(schedule, self.pp, self.num_microbatches, v)
         if not isinstance(schedule, Plan):
-            return build_plan(schedule, self.pp, self.num_microbatches, v)
+            raise TypeError(
+                f"PipelineParallel: schedule must be a name ('afab', '1f1b', 'interleaved') or a Plan, "
+                f"got {type(schedule).__name__}"
+            )
         wanted = {"pp": self.pp, "n": self.num_microbatches, "v": v}
         got = {"pp": schedule.pp, "n": schedule.n, "v": schedule.v}
         if got != wanted or schedule.forward_only:
@@ -122,16 +135,15 @@ class PipelineParallel:
                 f"{schedule.forward_only}), but this pipeline has pp={self.pp} ranks, num_microbatches="
                 f"{self.num_microbatches} and {v} chunks on this rank; pass a training plan of those sizes"
             )
-        return schedule
+        return schedule, simulate(schedule)
 
     def _check_agreement(self) -> None:
         """Every stage must run the same plan with the same chunk count: check once, instead of hanging."""
         if self.pp == 1:
             return
-        mine = torch.tensor(
-            [len(self.chunks), self.num_microbatches, zlib.crc32(str(self.plan).encode())], dtype=torch.int64
-        )
-        everyone = torch.empty(self.pp * 3, dtype=torch.int64)
+        facts = [len(self.chunks), self.num_microbatches, zlib.crc32(str(self.plan).encode())]
+        mine = torch.tensor(facts, dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.pp * 3, dtype=torch.int64, device=self.device)
         self.group.all_gather_into_tensor(everyone, mine)
         rows = everyone.view(self.pp, 3).tolist()
         if any(row != rows[0] for row in rows):
