@@ -72,9 +72,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
-        object.__setattr__(
-            self, "forward_only", all(a.forward for row in self.actions for a in row) and self.n > 0
-        )
+        actions = [a for row in self.actions for a in row]
+        object.__setattr__(self, "forward_only", bool(actions) and all(a.forward for a in actions))
         _validate(self)
 
     @property
