@@ -112,7 +112,8 @@ class NcclGroup:
         # Sequence number 0 is never a collective's (ProcessGroup counts from 1): the members meet there
         # once, with the call that needs the communicators (so a mismatch shows already), so that all of
         # them are present before any blocks inside NCCL's own initialisation, which has no timeout.
-        slot = self.rendezvous.arrive(member, 0, call, None, leader=choose, final=True)
+        joining = call._replace(extra=(*call.extra, ("creating", "NCCL communicators")))
+        slot = self.rendezvous.arrive(member, 0, joining, None, leader=choose, final=True)
         if isinstance(slot.result, bytes):
             try:
                 with cuda.device_guard(self.devices[member]):
