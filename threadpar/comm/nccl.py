@@ -11,9 +11,9 @@ Communicators: one clique per group (sub-groups get their own), made on the grou
 every member thread calling `init_rank` concurrently, as NCCL requires (ncclCommInitAll-style within one
 process), then reused. Comm streams: one high-priority stream per member and group.
 
-What torch.cuda.nccl lacks is built from copies between devices on the comm streams, ordered by events:
-send/recv (no NCCL point-to-point inside one process), scatter, gather and all_to_all. dtypes and ops
-NCCL lacks are mapped as nccl_plan.py describes. Inputs reach this module validated by ProcessGroup.
+What torch.cuda.nccl lacks is built from copies between devices on the comm streams, ordered by events
+(nccl_copies.py): send/recv, scatter, gather and all_to_all. dtypes and ops NCCL lacks are mapped as
+nccl_plan.py describes. Inputs reach this module validated by ProcessGroup.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from threadpar.comm.mailbox import Mailboxes
+from threadpar.comm.nccl_copies import CopyOps
 from threadpar.comm.nccl_plan import (
     ReductionPlan,
     as_bytes,
@@ -60,7 +61,7 @@ def _tensors(payload: Any) -> tuple[torch.Tensor, ...]:
     return ()
 
 
-class NcclGroup:
+class NcclGroup(CopyOps):
     """The shared state of one group on the `nccl` backend; methods are called by each member."""
 
     stream_ordered = True  # ProcessGroup: ops return their own Work; no comm worker thread
@@ -337,59 +338,6 @@ class NcclGroup:
 
         return self._post(member, seq, call, (outputs, tensor), launch)
 
-    def scatter(
-        self,
-        member: int,
-        seq: int,
-        call: Call,
-        tensor: torch.Tensor,
-        chunks: list[torch.Tensor] | None,
-        src: int,
-    ) -> NcclWork:
-        def launch(payloads, streams) -> None:
-            sources = payloads[src][1]
-            for m, (t, _) in enumerate(payloads):
-                self._cuda.copy_(t, sources[m], streams[src], streams[m])
-
-        return self._post(member, seq, call, (tensor, chunks), launch, nccl=False)
-
-    def gather(
-        self,
-        member: int,
-        seq: int,
-        call: Call,
-        tensor: torch.Tensor,
-        outputs: list[torch.Tensor] | None,
-        dst: int,
-    ) -> NcclWork:
-        def launch(payloads, streams) -> None:
-            targets = payloads[dst][1]
-            for s, (t, _) in enumerate(payloads):
-                self._cuda.copy_(targets[s], t, streams[s], streams[dst])
-
-        return self._post(member, seq, call, (tensor, outputs), launch, nccl=False)
-
-    def all_to_all(
-        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
-    ) -> NcclWork:
-        """outputs[s] on member m receives inputs[m] of member s."""
-
-        def launch(payloads, streams) -> None:
-            for m, (outs, _) in enumerate(payloads):
-                for s in range(self.size):
-                    sent = payloads[s][1][m]
-                    if outs[s].shape != sent.shape:
-                        raise ConfigError(
-                            f"all_to_all on group '{self.name}': rank {self.ranks[m]} expects "
-                            f"{list(outs[s].shape)} from rank {self.ranks[s]}, which sends {list(sent.shape)}; "
-                            "output_tensor_list[i] must have the shape of what rank i puts at this rank's index"
-                        )
-            for m, (outs, _) in enumerate(payloads):
-                for s in range(self.size):
-                    self._cuda.copy_(outs[s], payloads[s][1][m], streams[s], streams[m])
-
-        return self._post(member, seq, call, (outputs, inputs), launch, nccl=False)
-
     def barrier(self, member: int, seq: int, call: Call) -> NcclWork:
         """A host barrier: done when every member has reached it (it orders no device work)."""
         return NcclWork(
@@ -400,47 +348,3 @@ class NcclGroup:
             timeout=self._timeout,
             arrival=self.rendezvous.post(member, seq, call, None),
         )
-
-    # point to point ---------------------------------------------------------------------------------------------
-    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> NcclWork:
-        """Copy `tensor` into a new buffer on the receiver's device, on the comm streams, and post it.
-
-        The caller's stream must not overwrite `tensor` before the copy has read it: ProcessGroup.send
-        waits for the returned Work (on the stream, not the host); isend leaves that to the caller."""
-        self._check_devices(member, "send", [tensor])
-        cuda = self._cuda
-        src_stream, dst_stream = self._stream(member), self._stream(dst)
-        ready, done = cuda.event(), cuda.event()
-        ready.record(cuda.current_stream(self.devices[member]))
-        with cuda.launch_lock:
-            src_stream.wait_event(ready)
-            # Allocated while the receiver's comm stream is current there: the buffer belongs to that stream.
-            with self._on(dst_stream):
-                message = torch.empty_like(
-                    tensor, device=self.devices[dst], memory_format=torch.contiguous_format
-                )
-            cuda.copy_(message, tensor, src_stream, dst_stream)
-            done.record(src_stream)
-            cuda.record_stream(tensor, src_stream)
-        self.mailboxes.put(member, dst, tag, (message, done))
-        return NcclWork(
-            f"send to rank {self.ranks[dst]} (tag {tag}, group '{self.name}')",
-            cuda=cuda,
-            device=self.devices[member],
-            abort=self._abort,
-            timeout=self._timeout,
-            done=done,
-        )
-
-    def recv_message(
-        self, member: int, src: int | None, tag: int, timeout: float | None = None
-    ) -> tuple[int, torch.Tensor]:
-        """Take a message; the caller's current stream waits for its copy before it reads the buffer."""
-        got, (message, done) = self.mailboxes.take(member, src, tag, timeout)
-        stream = self._cuda.current_stream(self.devices[member])
-        stream.wait_event(done)
-        self._cuda.record_stream(message, stream)
-        return got, message
-
-    def has_message(self, member: int, src: int | None, tag: int) -> bool:
-        return self.mailboxes.has_message(member, src, tag)
