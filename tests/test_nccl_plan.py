@@ -21,6 +21,7 @@ from threadpar.comm.nccl_plan import as_bytes, has_native_avg, joined, reduction
         (torch.complex64, ReduceOp.PRODUCT, True, (True, False, -1, False)),
         (torch.int16, ReduceOp.MAX, True, (True, False, -1, False)),
         (torch.bool, ReduceOp.SUM, True, (True, False, -1, False)),
+        (torch.bfloat16, ReduceOp.SUM, False, (True, False, -1, False)),  # NCCL < 2.10 has no bfloat16
     ],
 )
 def test_reduction_plan(dtype, op, native_avg, expected):

@@ -203,7 +203,10 @@ class FakeNccl:
         assert streams is not None and len(streams) == n, f"{name}: one stream per input"
         assert len({id(s) for s in streams}) == n, f"{name}: two ranks on one stream"
         dtype = inputs[0].dtype
-        if dtype not in NCCL_DTYPES and not (dtype == torch.bool and not reduces):
+        old = self._version[:2] < (2, 10)
+        if dtype not in NCCL_DTYPES - ({torch.bfloat16} if old else set()) and not (
+            dtype == torch.bool and not reduces
+        ):
             raise RuntimeError(f"Unconvertible NCCL type {dtype}")
         for t in [*inputs, *(outputs or [])]:
             assert t.dtype == dtype and t.is_contiguous(), (

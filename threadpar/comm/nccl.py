@@ -37,7 +37,7 @@ from threadpar.comm.nccl_plan import (
     reduction_plan,
     wire,
 )
-from threadpar.comm.nccl_work import NcclWork
+from threadpar.comm.nccl_work import Described, NcclWork
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.rendezvous import Call, Rendezvous, Slot
 from threadpar.errors import ConfigError, NcclError
@@ -164,7 +164,7 @@ class NcclGroup(CopyOps):
             leader=lambda slot: self._launch(slot, launch, nccl),
         )
         return NcclWork(
-            f"{call} #{seq} on group '{self.name}' (rank {self.ranks[member]})",
+            Described(call, seq, self.name, self.ranks[member]),
             cuda=cuda,
             device=device,
             abort=self._abort,
@@ -341,7 +341,7 @@ class NcclGroup(CopyOps):
     def barrier(self, member: int, seq: int, call: Call) -> NcclWork:
         """A host barrier: done when every member has reached it (it orders no device work)."""
         return NcclWork(
-            f"{call} #{seq} on group '{self.name}' (rank {self.ranks[member]})",
+            Described(call, seq, self.name, self.ranks[member]),
             cuda=self._cuda,
             device=self.devices[member],
             abort=self._abort,

@@ -38,12 +38,15 @@ class ReductionPlan(NamedTuple):
 
 
 def has_native_avg(version: Sequence[int | str]) -> bool:
+    """NCCL 2.10 brought ncclAvg (and bfloat16, which torch only maps to NCCL from then on)."""
     return tuple(int(v) for v in version[:2]) >= NCCL_AVG_VERSION
 
 
 def reduction_plan(dtype: torch.dtype, op: ReduceOp, native_avg: bool) -> ReductionPlan:
+    """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16)."""
     as_real = dtype.is_complex and op in (ReduceOp.SUM, ReduceOp.AVG)
-    if not as_real and dtype not in NCCL_REDUCIBLE:
+    old_bf16 = dtype == torch.bfloat16 and not native_avg
+    if old_bf16 or (not as_real and dtype not in NCCL_REDUCIBLE):
         return ReductionPlan(gather=True, as_real=False, nccl_op=-1, divide=False)
     floating = as_real or dtype.is_floating_point
     if op is ReduceOp.AVG and not (native_avg and floating):

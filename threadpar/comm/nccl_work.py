@@ -29,12 +29,39 @@ POLL_FIRST_S = 50e-6
 POLL_MAX_S = 1e-3
 
 
+class _Flag:
+    """threading.Event's is_set/set without its lock: nobody waits on an NcclWork's flag."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self) -> None:
+        self._value = False
+
+    def is_set(self) -> bool:
+        return self._value
+
+    def set(self) -> None:
+        self._value = True
+
+
+class Described:
+    """A Work's description, formatted only if it is shown (an error, a repr): not on the hot path."""
+
+    __slots__ = ("_call", "_group", "_rank", "_seq")
+
+    def __init__(self, call: Any, seq: int, group: str, rank: int) -> None:
+        self._call, self._seq, self._group, self._rank = call, seq, group, rank
+
+    def __str__(self) -> str:
+        return f"{self._call} #{self._seq} on group '{self._group}' (rank {self._rank})"
+
+
 class NcclWork(Work):
     __slots__ = ("_arrival", "_comm", "_cuda", "_device", "_done_event", "_timeout")
 
     def __init__(
         self,
-        description: str,
+        description: str | Described,
         *,
         cuda: Any,
         device: torch.device,
@@ -44,7 +71,10 @@ class NcclWork(Work):
         done: Any = None,
         comm: Any = None,
     ) -> None:
-        super().__init__(description, abort)
+        # Work's fields, without the threading.Event Work.__init__ makes (it costs more than the rest).
+        self._description, self._abort, self._done = description, abort, _Flag()
+        self._error: BaseException | None = None
+        self._result: Any = None
         self._cuda = cuda
         self._device = device
         self._timeout = timeout  # for synchronize(), which has no timeout argument
