@@ -39,8 +39,10 @@ class CliquePool:
             return free.pop() if free else None
 
     def give_back(self, devices: tuple[str, ...], comms: list[Any]) -> None:
+        if any(c is None for c in comms):
+            return  # a member never made its communicator: not a usable clique
         with self._lock:
-            self._free.setdefault(devices, []).append(comms)
+            self._free.setdefault(devices, []).append(list(comms))
 
 
 class TorchCuda:

@@ -85,7 +85,6 @@ class NcclGroup(CopyOps):
         self._streams: list[Any] = [None] * self.size
         self._comms: list[Any] = [None] * self.size
         self._clique_key = tuple(str(d) for d in self.devices)
-        self._clique_owned = False
         self._native_avg = has_native_avg(self._cuda.nccl.version())
 
     # setup ------------------------------------------------------------------------------------------------------
@@ -106,8 +105,10 @@ class NcclGroup(CopyOps):
         cuda = self._cuda
 
         def choose(slot: Slot) -> bool:
-            # A clique a finished launch left on these devices, or a fresh unique id for a new one.
+            # A clique a finished launch left on these devices, or a fresh unique id for a new one. The
+            # clique goes back to the pool when this group is dropped (the members fill self._comms).
             slot.result = cuda.cliques.take(self._clique_key) or cuda.nccl.unique_id()
+            weakref.finalize(self, cuda.cliques.give_back, self._clique_key, self._comms)
             return False
 
         # Sequence number 0 is never a collective's (ProcessGroup counts from 1): the members meet there
@@ -128,12 +129,6 @@ class NcclGroup(CopyOps):
             comm = slot.result[member]
         self._comms[member] = comm
         return comm
-
-    def _own_clique(self) -> None:
-        """Once every communicator exists: hand the clique back to the pool when this group is dropped."""
-        if not self._clique_owned:
-            self._clique_owned = True
-            weakref.finalize(self, self._cuda.cliques.give_back, self._clique_key, list(self._comms))
 
     def _check_devices(self, member: int, op: str, tensors: Sequence[torch.Tensor]) -> None:
         device = self.devices[member]
@@ -161,7 +156,7 @@ class NcclGroup(CopyOps):
             seq,
             call,
             _Posted(payload, tensors, ready, done),
-            leader=lambda slot: self._launch(slot, launch, nccl),
+            leader=lambda slot: self._launch(slot, launch),
         )
         return NcclWork(
             Described(call, seq, self.name, self.ranks[member]),
@@ -174,7 +169,7 @@ class NcclGroup(CopyOps):
             comm=comm,
         )
 
-    def _launch(self, slot: Slot, launch: Launch, nccl: bool) -> bool:
+    def _launch(self, slot: Slot, launch: Launch) -> bool:
         posted: list[_Posted] = slot.payloads
         streams = [self._stream(m) for m in range(self.size)]
         cuda = self._cuda
@@ -186,8 +181,6 @@ class NcclGroup(CopyOps):
                 p.done.record(stream)
                 for t in p.tensors:
                     cuda.record_stream(t, stream)
-        if nccl:
-            self._own_clique()
         return True
 
     def _nccl(self, name: str, *args: Any, **kwargs: Any) -> None:
