@@ -12,6 +12,8 @@ bound of the real host time (real event records and NCCL enqueues add a few micr
 Side by side in one run, on 4-byte all-reduces: the nccl path (each rank waits for each collective, and
 10 asynchronous ones issued and then waited), the threads backend (its whole cost on CPU), and
 torch.distributed over gloo with one process per rank (the anchor of benchmarks/collectives.py).
+Wall times on a shared machine are noisy, so the CPU time per collective is reported too: the process's
+CPU time for threadpar (all rank threads), and n times one rank's process for gloo.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import threading
+import time
 
 import torch
 
@@ -102,7 +105,7 @@ class NullCuda:
 
 
 def measure(api, iters: int, repeats: int, barrier) -> list[float]:
-    """[seconds per waited all-reduce, seconds per all-reduce issued asynchronously in batches]."""
+    """Seconds per all-reduce: [waited, issued asynchronously in batches, CPU time of this process (waited)]."""
     t = torch.ones(1)
 
     def batch() -> None:
@@ -113,7 +116,10 @@ def measure(api, iters: int, repeats: int, barrier) -> list[float]:
         api.all_reduce(t)  # warm-up (and, on the nccl path, the communicators)
     waited = median_time(lambda: api.all_reduce(t), iters=iters, repeats=repeats, sync=barrier)
     batched = median_time(batch, iters=max(1, iters // ASYNC_BATCH), repeats=repeats, sync=barrier)
-    return [waited, batched / ASYNC_BATCH]
+    cpu = median_time(
+        lambda: api.all_reduce(t), iters=iters, repeats=repeats, sync=barrier, clock=time.process_time
+    )
+    return [waited, batched / ASYNC_BATCH, cpu]
 
 
 def gloo_worker(rank: int, n: int, iters: int, repeats: int) -> list[float]:
@@ -139,15 +145,14 @@ def main() -> None:
         nccl_path = run_fake_gpus(work, n, NullCuda(), timeout=60.0)[0]
         threads = threadpar.launch(work, world_size=n, devices="cpu", backend="threads")[0]
         gloo = run_gloo(gloo_worker, n, iters, repeats)
+        gloo_cpu = gloo[2] * n  # one process per rank
         rows.append(
             [
                 n,
-                fmt_time(nccl_path[0]),
-                fmt_time(nccl_path[1]),
-                fmt_time(threads[0]),
-                fmt_time(threads[1]),
-                fmt_time(gloo[0]),
+                *(fmt_time(t) for t in (nccl_path[0], nccl_path[1], threads[0], threads[1], gloo[0])),
                 f"{gloo[0] / nccl_path[0]:.1f}x",
+                *(fmt_time(t) for t in (nccl_path[2], threads[2], gloo_cpu)),
+                f"{gloo_cpu / nccl_path[2]:.1f}x",
             ]
         )
     headers = [
@@ -157,7 +162,11 @@ def main() -> None:
         "threads, waited",
         f"threads, async x{ASYNC_BATCH}",
         "gloo, waited",
-        "gloo / nccl path (waited)",
+        "gloo / nccl path",
+        "CPU: nccl path",
+        "CPU: threads",
+        "CPU: gloo",
+        "gloo / nccl path (CPU)",
     ]
     print(table(headers, rows))
 

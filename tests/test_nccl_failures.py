@@ -128,3 +128,14 @@ def test_nccl_on_a_torch_without_nccl_says_so():
         pytest.skip("this torch has NCCL")
     with pytest.raises(ConfigError, match=r"this torch build has no NCCL support.*backend='threads'"):
         world.world_group()
+
+
+def test_a_clique_some_member_never_completed_is_not_pooled():
+    from threadpar.comm.cuda_api import CliquePool
+
+    pool = CliquePool()
+    pool.give_back(("cuda:0", "cuda:1"), ["comm0", None])
+    assert pool.take(("cuda:0", "cuda:1")) is None
+    pool.give_back(("cuda:0", "cuda:1"), ["comm0", "comm1"])
+    assert pool.take(("cuda:1", "cuda:0")) is None  # another device order is another clique
+    assert pool.take(("cuda:0", "cuda:1")) == ["comm0", "comm1"]
