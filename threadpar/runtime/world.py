@@ -26,6 +26,7 @@ class World:
         timeout: float,
         seed: int,
         intraop_threads: int,
+        cuda: Any = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -38,17 +39,32 @@ class World:
         self.timeout = float(timeout)
         self.seed = seed
         self.intraop_threads = intraop_threads
+        # The CUDA/NCCL API the backends call (threadpar.comm.cuda_api); None: torch.cuda. Tests pass a double,
+        # whose devices then stand in for GPUs.
+        self.cuda = cuda
         # Within one process every rank is a thread of it; multi-process launches override these.
         self.process_rank = 0
         self.threads_per_process = layout.world_size
         self.abort = AbortSignal()
         self.groups = GroupRegistry(self.world_size, self._make_backend)
 
+    def cuda_api(self) -> Any:
+        if self.cuda is not None:
+            return self.cuda
+        from threadpar.comm.cuda_api import torch_cuda
+
+        return torch_cuda()
+
     def _make_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
         if self.backend == "threads":
             from threadpar.comm.threads import ThreadsGroup
 
-            return ThreadsGroup(name, ranks, self.abort, self.timeout)
+            order = None
+            if self.cuda is not None or any(self.devices[r].type == "cuda" for r in ranks):
+                from threadpar.comm.stream_order import StreamOrder
+
+                order = StreamOrder(self.cuda_api(), [self.devices[r] for r in ranks])
+            return ThreadsGroup(name, ranks, self.abort, self.timeout, order)
         if self.backend == "nccl":
             from threadpar.comm.nccl import NcclGroup
 
