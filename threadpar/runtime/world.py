@@ -27,6 +27,7 @@ class World:
         timeout: float,
         seed: int,
         intraop_threads: int,
+        cuda: Any = None,
         processes: Any = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -40,6 +41,9 @@ class World:
         self.timeout = float(timeout)
         self.seed = seed
         self.intraop_threads = intraop_threads
+        # The CUDA/NCCL API the backends call (threadpar.comm.cuda_api); None: torch.cuda. Tests pass a double,
+        # whose devices then stand in for GPUs.
+        self.cuda = cuda
         self.processes = processes  # threadpar.runtime.processes.Processes, or None in a one-process launch
         self.process_rank = 0 if processes is None else processes.rank
         self.threads_per_process = layout.world_size if processes is None else processes.threads_per_process
@@ -52,6 +56,13 @@ class World:
         start = self.process_rank * self.threads_per_process
         return range(start, start + self.threads_per_process)
 
+    def cuda_api(self) -> Any:
+        if self.cuda is not None:
+            return self.cuda
+        from threadpar.comm.cuda_api import torch_cuda
+
+        return torch_cuda()
+
     def _make_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
         here = len(ranks) if self.processes is None else sum(r in self.local_ranks for r in ranks)
         if 0 < here < len(ranks):
@@ -59,7 +70,12 @@ class World:
         if self.backend == "threads" or here == 0:  # (no member here: a stand-in that is never used)
             from threadpar.comm.threads import ThreadsGroup
 
-            return ThreadsGroup(name, ranks, self.abort, self.timeout)
+            order = None
+            if self.cuda is not None or any(self.devices[r].type == "cuda" for r in ranks):
+                from threadpar.comm.stream_order import StreamOrder
+
+                order = StreamOrder(self.cuda_api(), [self.devices[r] for r in ranks])
+            return ThreadsGroup(name, ranks, self.abort, self.timeout, order)
         if self.backend == "nccl":
             from threadpar.comm.nccl import NcclGroup
 
