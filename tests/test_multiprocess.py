@@ -43,10 +43,11 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 120) -> 
     return output
 
 
-def test_torchrun_processes_run_every_collective_across_processes():
+def test_torchrun_processes_run_every_collective_and_a_pipeline_across_processes():
     output = torchrun(PROCS / "torchrun_checks.py")
     for process in (0, 1):
         assert f"process {process}: collectives OK" in output, output[-6000:]
+        assert f"process {process}: pipeline OK" in output, output[-6000:]
 
 
 def test_a_failing_rank_or_a_dead_process_stops_every_process():

@@ -30,6 +30,11 @@ def test_every_collective_and_message_matches_direct_results(processes, threads)
     assert all(c > 500 for per_process in counts for c in per_process)
 
 
+def test_pipeline_stages_in_different_processes_match_the_whole_model():
+    counts = run_processes(checks.check_pipeline, 2, 2, pp=2)
+    assert all(c > 0 for per_process in counts for c in per_process)
+
+
 def test_lanes_split_reductions_and_broadcasts(monkeypatch):
     monkeypatch.setattr(hierarchical, "LANE_MIN_BYTES", 8)  # lanes even for tiny tensors
 
@@ -67,22 +72,37 @@ def test_results_are_indexed_by_thread_rank_and_groups_without_local_members_are
     assert run_processes(body, 2, 2) == [[0, 1], [5.0, 5.0]]
 
 
-def test_a_mismatch_between_processes_raises_on_every_rank_with_each_process_call():
+@pytest.mark.parametrize("numel", [4, 100_000])  # inline in the control message, and through gloo
+def test_a_mismatch_between_processes_raises_on_every_rank_with_each_process_call(numel):
     def body():
-        t = torch.zeros(4)
+        process = threadpar.get_process_rank()
         try:
-            if threadpar.get_process_rank() == 0:
-                threadpar.all_reduce(t)
+            if process == 0:
+                threadpar.all_reduce(torch.zeros(numel))
             else:
-                threadpar.broadcast(t, src=0)
+                threadpar.broadcast(torch.zeros(numel + 3), src=0)  # sizes differ too: gloo would abort
         except CollectiveMismatchError as error:
             return str(error)
         return "no error"
 
     messages = [m for per_process in run_processes(body, 2, 2) for m in per_process]
     assert all("collective mismatch on group 'WORLD'" in m for m in messages)
-    assert "process 0: #1 all_reduce(float32[4], op=SUM)" in messages[0]
-    assert "process 1: #1 broadcast(float32[4], src=0)   <-- differs from process 0" in messages[0]
+    assert f"process 0: #1 all_reduce(float32[{numel}], op=SUM)" in messages[0]
+    assert f"process 1: #1 broadcast(float32[{numel + 3}], src=0)   <-- differs from process 0" in messages[0]
+
+
+def test_all_to_all_sizes_that_disagree_between_processes_raise_instead_of_crashing():
+    def body():
+        rank = threadpar.get_rank()
+        sends = [torch.zeros(2) for _ in range(4)]
+        recvs = [torch.zeros(3 if rank == 0 else 2) for _ in range(4)]  # rank 0 expects 3 from everyone
+        with pytest.raises(
+            CollectiveMismatchError, match=r"process 0 sends 32 bytes to process 0, which expects 40"
+        ):
+            threadpar.all_to_all(recvs, sends)
+        return True
+
+    assert run_processes(body, 2, 2) == [[True, True], [True, True]]
 
 
 def test_a_rank_failure_stops_every_process_and_each_reports_the_root_cause():

@@ -236,3 +236,41 @@ def run_all(processes: int, threads: int) -> int:
         + check_large("DP")
         + check_p2p()
     )
+
+
+def check_pipeline(steps: int = 2) -> int:
+    """A pp=2 pipeline whose stages sit in different processes (layout pp=2, dp=2 with 2 ranks per
+    process: process 0 holds stage 0 of both pipelines, process 1 stage 1). 1F1B and interleaved
+    schedules; after each SGD step, loss, and every parameter this stage holds, equal the whole model
+    trained in this thread on the same batch."""
+    from test_pipeline_executor import lm_loss, make_batch, make_model, my_chunks, reference
+
+    from threadpar.pipeline import PipelineParallel
+
+    checks, dp = 0, threadpar.get_coords().dp
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        inputs, targets = make_batch(8, seed=10 + dp)  # each pipeline its own batch
+        model = make_model(6)
+        chunks = my_chunks(model, v)
+        params = [p for c in chunks for p in c.parameters()]
+        pipe = PipelineParallel(
+            chunks,
+            loss_fn=lm_loss,
+            schedule=schedule,
+            num_microbatches=4,
+            optimizer=torch.optim.SGD(params, lr=0.1),
+        )
+        losses = [pipe.train_step(inputs, targets) for _ in range(steps)]
+        ref_loss, ref_model = reference(6, inputs, targets, steps=steps, lr=0.1)
+        torch.testing.assert_close(losses[-1], ref_loss)
+        mine = {id(p) for p in params}
+        expected = dict(ref_model.named_parameters())
+        for name, p in model.named_parameters():
+            if id(p) in mine:
+                torch.testing.assert_close(
+                    p.detach(), expected[name].detach(), msg=lambda m, n=name: f"{n}: {m}"
+                )
+                checks += 1
+    threads = threadpar.runtime.current().world.threads_per_process
+    assert len({r // threads for r in threadpar.get_group("PP").ranks}) == 2  # the stages span processes
+    return checks

@@ -2,13 +2,15 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/procs/torchrun_checks.py
 
-Each process runs 2 rank threads (layout tp=2: the TP groups sit inside a process, the DP groups and the
-world span both). Prints one "OK" line per process.
+Each process runs 2 rank threads. First launch (tp=2): every collective and message, on the world and DP
+groups (spanning both processes) and TP groups (inside one). Second launch (pp=2): pipelines whose stages
+sit in different processes, against the whole model trained in one thread. One "OK" line per launch and
+process.
 """
 
 import time
 
-from checks import run_all
+from checks import check_pipeline, run_all
 
 import threadpar
 
@@ -22,6 +24,10 @@ def main() -> None:
     )
     took = time.perf_counter() - start
     print(f"process {env.rank}: collectives OK ({sum(counts)} checks on {threads} threads, {took:.1f} s)")
+    start = time.perf_counter()
+    counts = threadpar.launch(check_pipeline, threads_per_process=threads, pp=2, devices="cpu", timeout=60)
+    took = time.perf_counter() - start
+    print(f"process {env.rank}: pipeline OK ({sum(counts)} parameters match, {took:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 
 One thread per process (and lane) calls these on a `ProcessGroupGloo` whose ranks are processes. They work
 in place on contiguous tensors, stage CUDA tensors through host memory, and wait in a way that a stop of
-the launch (or a failure of the same collective elsewhere) interrupts. Reductions gloo cannot do (bool,
-int16, complex products) fall back to an all-gather of the bytes and a reduction in process order, so
-every process computes the same result.
+the launch interrupts. Reductions gloo cannot do (bool, int16, complex products) fall back to an all-gather
+of the bytes and a reduction in process order, so every process computes the same result.
+
+Callers must have checked that every process makes the same call first: gloo aborts the whole process
+(std::terminate) when the sizes of a collective differ between processes.
 """
 
 from __future__ import annotations
 
-import threading
+import datetime
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,8 +25,8 @@ from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.router import as_bytes
 from threadpar.errors import CollectiveTimeoutError
 
-# How often a waiter looks at the stop signal and the cancellation test (completion wakes it at once).
-POLL_S = 0.1
+# How often a waiter looks at the stop signal (completion wakes it at once).
+POLL = datetime.timedelta(milliseconds=100)
 
 GLOO_REDUCE_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
@@ -39,29 +41,30 @@ _GLOO_OP = {
 Wait = Callable[[Any], None]  # waits for one gloo Work
 
 
-class Cancelled(Exception):
-    """A wait given up because the collective already failed (e.g. a mismatch found by another check)."""
+def wait_work(work: Any, *, abort: AbortSignal, timeout: float, describe: Callable[[], str]) -> None:
+    """Wait for a gloo Work; raise RankAborted on a stop, or a timeout naming the call.
 
-
-def wait_work(
-    work: Any,
-    *,
-    abort: AbortSignal,
-    timeout: float,
-    describe: Callable[[], str],
-    cancelled: Callable[[], bool] | None = None,
-) -> None:
-    """Wait for a gloo Work; raise RankAborted on a stop, Cancelled, or a timeout naming the call."""
-    done = threading.Event()
-    work.get_future().add_done_callback(lambda _: done.set())
+    Work.wait with a timeout leaves the operation running when it expires (unlike gloo's own timeout,
+    which closes the connections), and nothing is left registered on the Work: an operation that a stop
+    leaves pending must not call back into Python later, perhaps while the interpreter shuts down."""
     deadline = time.monotonic() + timeout
-    while not done.wait(POLL_S):
+    while True:
+        try:
+            work.wait(POLL)
+            return
+        except RuntimeError as error:
+            if "Operation timed out!" not in str(error):
+                raise  # gloo's own error
         abort.raise_if_set()
-        if cancelled is not None and cancelled():
-            raise Cancelled
         if time.monotonic() > deadline:
             raise CollectiveTimeoutError(describe())
-    work.wait()  # raises gloo's error, if any
+
+
+def reduce_rows(rows: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """A new tensor: `rows` (one per process, same shape and dtype) reduced in process order."""
+    acc = rows[0].clone()
+    accumulate_(acc, rows[1:], op, len(rows))
+    return acc
 
 
 def gloo_can_reduce(dtype: torch.dtype, op: ReduceOp) -> bool:
@@ -98,11 +101,10 @@ def all_reduce(pg: Any, tensors: Sequence[torch.Tensor], op: ReduceOp, wait: Wai
     else:
         joined = host[0].reshape(-1) if len(host) == 1 else torch.cat([t.reshape(-1) for t in host])
         parts = all_gather(pg, as_bytes(joined), wait)
-        values = [row.view(dtype) for row in parts.unbind(0)]
-        accumulate_(values[0], values[1:], op, len(values))
+        result = reduce_rows([row.view(dtype) for row in parts.unbind(0)], op)
         offset = 0
         for t in host:
-            copy_into(t.view(-1), values[0][offset : offset + t.numel()])
+            copy_into(t.view(-1), result[offset : offset + t.numel()])
             offset += t.numel()
     write_back()
 
