@@ -1,6 +1,6 @@
 """All-reduce over 4 ranks that span processes: 2 processes x 2 rank threads (hierarchical) vs 4 gloo processes.
 
-    python -m benchmarks.multiprocess            # 16 and 64 MiB: 3 rounds x 5 repeats per cell
+    python -m benchmarks.multiprocess            # 4 B, 16 and 64 MiB: 3 rounds x 5 repeats per cell
     python -m benchmarks.multiprocess --quick    # 1 round x 3 repeats
 
 Three ways to run 4 ranks, one after the other in one run, on this machine:
@@ -27,12 +27,12 @@ from benchmarks.harness import fmt_bytes, fmt_time, machine_line, median_time, r
 from threadpar.runtime.launch import available_cores
 
 MIB = 1 << 20
-SIZES = (16 * MIB, 64 * MIB)
+SIZES = (4, 16 * MIB, 64 * MIB)  # 4 B: latency (not part of the issue's target)
 RANKS = 4
 
 
 def iters_for(nbytes: int) -> int:
-    return 5 if nbytes <= 16 * MIB else 2
+    return 50 if nbytes < MIB else 5 if nbytes <= 16 * MIB else 2
 
 
 def measure(api, repeats: int, barrier) -> dict[str, list[float]]:
@@ -40,7 +40,7 @@ def measure(api, repeats: int, barrier) -> dict[str, list[float]]:
     (a mean over a few calls) per repeat."""
     results = {}
     for nbytes in SIZES:
-        t = torch.ones(nbytes // 4)
+        t = torch.ones(max(1, nbytes // 4))
         for _ in range(2):
             api.all_reduce(t)  # warm-up: connections, lanes, page faults
         results[str(nbytes)] = [

@@ -35,6 +35,21 @@ def test_pipeline_stages_in_different_processes_match_the_whole_model():
     assert all(c > 0 for per_process in counts for c in per_process)
 
 
+def test_messages_for_a_group_the_receiving_process_has_not_created_yet_wait_for_it():
+    def body():
+        rank = threadpar.get_rank()
+        if rank == 0:
+            threadpar.new_group([0, 3]).send(torch.arange(3), dst=3, tag=4)
+        elif rank == 3:
+            time.sleep(0.3)  # the message reaches this process before its group exists here
+            got = threadpar.new_group([0, 3]).recv_tensor(0, tag=4)
+            assert torch.equal(got, torch.arange(3))
+        threadpar.barrier()
+        return rank
+
+    assert run_processes(body, 2, 2) == [[0, 1], [2, 3]]
+
+
 def test_lanes_split_reductions_and_broadcasts(monkeypatch):
     monkeypatch.setattr(hierarchical, "LANE_MIN_BYTES", 8)  # lanes even for tiny tensors
 

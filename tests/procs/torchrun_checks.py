@@ -1,4 +1,4 @@
-"""Every collective and point-to-point path across processes, under torchrun (driven by test_processes.py).
+"""Every collective and point-to-point path across processes, under torchrun (driven by test_multiprocess.py).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/procs/torchrun_checks.py
 
