@@ -18,6 +18,7 @@ from threadpar.parallel.tensor_parallel.mappings import (
 )
 from threadpar.parallel.tensor_parallel.parallelize import (
     ColwiseParallel,
+    DropoutParallel,
     RowwiseParallel,
     SequenceParallel,
     VocabParallel,
@@ -51,6 +52,7 @@ __all__ = [
     "TP_REGION",
     "ColumnParallelLinear",
     "ColwiseParallel",
+    "DropoutParallel",
     "ParallelDropout",
     "RNGTracker",
     "RowParallelLinear",

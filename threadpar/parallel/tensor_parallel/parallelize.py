@@ -7,16 +7,21 @@
         "blocks.*.mlp.fc1": "colwise",
         "blocks.*.mlp.fc2": "rowwise",
         "blocks.*.ln_*": "sequence",              # norms on sequence shards (sequence_parallel=True only)
+        "blocks.*.attn.drop": "tp_dropout",       # on this rank's heads: a mask per rank
+        "blocks.*.resid_drop": "dropout",         # outside the TP region (sequence shards under SP)
         "head": ColwiseParallel(gather_output=True),
     }
     parallelize(model, plan, sequence_parallel=True)
 
 Patterns are fnmatch patterns over module names (`*` also matches dots); every pattern must match. The
 swapped layers hold this rank's shard of the dense weights, so the model computes what it did before.
-Weights tied across swapped modules (an embedding and its head) stay tied. The model's own code must
-not depend on the split sizes: attention should infer the local number of heads from the tensor
-(`q.view(batch, seq, -1, head_dim)`), and under sequence parallelism the sequence length from its input.
-Call it on every rank, each with its own copy of the model.
+Weights tied across swapped modules (an embedding and its head) stay tied. Every nn.Dropout with p > 0
+must be in the plan: nn.Dropout draws from the process-wide generator that all rank threads share (a
+dropout called as F.dropout in the model's code cannot be seen here and has the same problem).
+
+The model's own code must not depend on the split sizes: attention should infer the local number of
+heads from the tensor (`q.view(batch, seq, -1, head_dim)`), and under sequence parallelism the sequence
+length from the tensor it splits. Call parallelize on every rank, each with its own copy of the model.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from threadpar.parallel.tensor_parallel.layers import (
     RowParallelLinear,
     check_positive_int,
 )
+from threadpar.parallel.tensor_parallel.random import ParallelDropout
 from threadpar.parallel.tensor_parallel.sequence import mark_sequence_parallel
 
 
@@ -90,24 +96,49 @@ class SequenceParallel:
     parameters are marked for allreduce_sequence_parallel_grads. Needs sequence_parallel=True."""
 
 
-Style = ColwiseParallel | RowwiseParallel | VocabParallel | SequenceParallel
+@dataclass(kw_only=True)
+class DropoutParallel:
+    """nn.Dropout -> ParallelDropout drawing from a TP-aware stream (nn.Dropout would draw from the
+    process-wide generator that all rank threads share, so TP ranks would disagree on replicated masks).
+
+    in_tp_region=True ("tp_dropout"): the activation is split across the TP ranks (attention probabilities
+    over this rank's heads): a different mask on each rank. False ("dropout"): outside the TP region, where
+    the activation is replicated (one mask for the TP group) or, under sequence parallelism, split along the
+    sequence (a mask per rank)."""
+
+    in_tp_region: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "in_tp_region")
+
+
+Style = ColwiseParallel | RowwiseParallel | VocabParallel | SequenceParallel | DropoutParallel
 STYLES = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "vocab": VocabParallel,
     "sequence": SequenceParallel,
+    "dropout": DropoutParallel,
+    "tp_dropout": lambda: DropoutParallel(in_tp_region=True),
 }
-_NEEDS = {ColwiseParallel: nn.Linear, RowwiseParallel: nn.Linear, VocabParallel: nn.Embedding}
+_NEEDS = {
+    ColwiseParallel: nn.Linear,
+    RowwiseParallel: nn.Linear,
+    VocabParallel: nn.Embedding,
+    DropoutParallel: nn.Dropout,
+}
 
 
 def _parse_style(pattern: str, style: object) -> Style:
     if isinstance(style, str) and style in STYLES:
         return STYLES[style]()
-    if isinstance(style, (ColwiseParallel, RowwiseParallel, VocabParallel, SequenceParallel)):
+    if isinstance(
+        style, (ColwiseParallel, RowwiseParallel, VocabParallel, SequenceParallel, DropoutParallel)
+    ):
         return style
     raise ConfigError(
         f"plan entry {pattern!r}: {style!r} is not a style; use one of {sorted(STYLES)} or a "
-        "ColwiseParallel / RowwiseParallel / VocabParallel / SequenceParallel object"
+        "ColwiseParallel / RowwiseParallel / VocabParallel / SequenceParallel / DropoutParallel object"
     )
 
 
@@ -140,6 +171,13 @@ def _assign(module: nn.Module, plan: Mapping[str, object], sequence_parallel: bo
                     f"module '{name}' is matched by {assigned[name][0]!r} and {pattern!r} with different styles"
                 )
             assigned[name] = (pattern, style)
+    for name, sub in modules.items():
+        if type(sub) is nn.Dropout and sub.p > 0 and name not in assigned:
+            raise ConfigError(
+                f"module '{name}' is an nn.Dropout(p={sub.p}) the plan does not cover; on rank threads it "
+                "would draw from the process-wide generator and the TP ranks would disagree on its mask. "
+                "Add it to the plan as 'dropout' (outside the TP region) or 'tp_dropout' (on split activations)"
+            )
     return {name: style for name, (_, style) in assigned.items()}
 
 
@@ -175,33 +213,12 @@ def parallelize(
                 pad = vocab[0].pad_vocab_to_multiple_of
                 assigned[mod_name] = dataclasses.replace(style, pad_out_features_to_multiple_of=pad)
 
-    common = {"group": group, "sequence_dim": sequence_dim}
     for name, style in assigned.items():
         old = module.get_submodule(name)
         if isinstance(style, SequenceParallel):
-            mark_sequence_parallel(old)
+            mark_sequence_parallel(old)  # stays as it is; its gradients get summed over the TP group
             continue
-        if isinstance(style, ColwiseParallel):
-            new = ColumnParallelLinear.from_dense(
-                old,
-                gather_output=style.gather_output,
-                input_is_parallel=style.input_is_parallel,
-                stride=style.stride,
-                pad_out_features_to_multiple_of=style.pad_out_features_to_multiple_of,
-                sequence_parallel=sequence_parallel,
-                **common,
-            )
-        elif isinstance(style, RowwiseParallel):
-            new = RowParallelLinear.from_dense(
-                old, input_is_parallel=style.input_is_parallel, sequence_parallel=sequence_parallel, **common
-            )
-        else:
-            new = VocabParallelEmbedding.from_dense(
-                old,
-                pad_vocab_to_multiple_of=style.pad_vocab_to_multiple_of,
-                reduce_scatter_embeddings=sequence_parallel,
-                **common,
-            )
+        new = _build(old, style, group, bool(sequence_parallel), sequence_dim)
         parent_name, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent_name), child, new)
 
@@ -210,8 +227,37 @@ def parallelize(
     return module
 
 
+def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int) -> nn.Module:
+    """The replacement of `old`, holding this rank's shard of its weights."""
+    common = {"group": group, "sequence_dim": sequence_dim}
+    if isinstance(style, ColwiseParallel):
+        return ColumnParallelLinear.from_dense(
+            old,
+            gather_output=style.gather_output,
+            input_is_parallel=style.input_is_parallel,
+            stride=style.stride,
+            pad_out_features_to_multiple_of=style.pad_out_features_to_multiple_of,
+            sequence_parallel=sp,
+            **common,
+        )
+    if isinstance(style, RowwiseParallel):
+        return RowParallelLinear.from_dense(
+            old, input_is_parallel=style.input_is_parallel, sequence_parallel=sp, **common
+        )
+    if isinstance(style, VocabParallel):
+        pad = style.pad_vocab_to_multiple_of
+        return VocabParallelEmbedding.from_dense(
+            old, pad_vocab_to_multiple_of=pad, reduce_scatter_embeddings=sp, **common
+        )
+    # Dropout. Under SP, activations outside the TP region are sequence shards: each rank needs its own mask.
+    new = ParallelDropout(old.p, in_tp_region=style.in_tp_region or sp)
+    return new.train(old.training)
+
+
 def _retie(module: nn.Module, tie: list[tuple[str, str]], assigned: dict[str, Style]) -> None:
-    swapped = [m for m, _ in tie if m in assigned and not isinstance(assigned[m], SequenceParallel)]
+    swapped = [
+        m for m, _ in tie if isinstance(assigned.get(m), (ColwiseParallel, RowwiseParallel, VocabParallel))
+    ]
     if not swapped:
         return
     if len(swapped) != len(tie):
