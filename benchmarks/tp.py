@@ -8,7 +8,9 @@ Times: median over rounds of the mean of `iters` steps; every rank runs with `--
 intra-op threads. Each round times the dense block (on rank 0 while the other ranks wait: the anchor,
 "one thread" by default), TP and TP + SP one after the other, so load from outside hits all three alike.
 For context, the dense block also runs with as many threads as all TP ranks together (the same cores).
-A step ends when its slowest rank is done, so TP times are the slowest rank's.
+A step ends when its slowest rank is done, so TP times are the slowest rank's. With one thread per rank,
+"CPU time/rank" is the step's CPU time on the rank's own thread (compute and copies, not waits): on a
+machine shared with other work it shows the split of the work that wall-clock times can hide.
 
 Bytes: the TP group handle's collectives are wrapped to record every call, so the table shows what the
 layers actually send, next to the theoretical count per block (N = batch * seq * hidden * 4 bytes):
@@ -135,7 +137,9 @@ def rank_main(dense: MLP, x: torch.Tensor, grad_out: torch.Tensor, iters: int, r
     if rank == 0:
         cases["dense"] = (dense, x.clone().requires_grad_(), grad_out, None, None)
 
-    samples, comm_seconds = {name: [] for name in cases}, {name: 0.0 for name in cases}
+    samples = {name: [] for name in cases}
+    cpu_samples = {name: [] for name in cases}  # this thread's CPU time: what load from outside can't inflate
+    comm_seconds = {name: 0.0 for name in cases}
     for round_ in range(repeats + 1):  # round 0 warms up
         for name in ("dense", "tp", "sp"):
             group.barrier()
@@ -143,11 +147,14 @@ def rank_main(dense: MLP, x: torch.Tensor, grad_out: torch.Tensor, iters: int, r
                 continue  # dense runs on rank 0 only
             model, xi, gi, _, _ = cases[name]
             counter.seconds = 0.0
+            cpu = time.thread_time()
             seconds = median_time(lambda m=model, a=xi, b=gi: step(m, a, b), iters=iters, repeats=1)
             if round_:
                 samples[name].append(seconds)
+                cpu_samples[name].append((time.thread_time() - cpu) / iters)
                 comm_seconds[name] += counter.seconds
     result = {name: statistics.median(times) for name, times in samples.items()}
+    result.update({f"{name}_cpu": statistics.median(times) for name, times in cpu_samples.items()})
     for name in ("tp", "sp"):
         result[f"{name}_comm_share"] = comm_seconds[name] / (iters * sum(samples[name]))
         result[f"{name}_out"], result[f"{name}_calls"] = cases[name][3], cases[name][4]
@@ -238,20 +245,26 @@ def main() -> None:
 
     base = per_rank[0]["dense"]
     speedup = lambda seconds: f"{base / seconds:.2f}x"  # noqa: E731
+    # With one thread per rank all of a rank's work runs on its own thread, so its CPU time per step is
+    # the rank's share of the work, whatever else the machine runs: dense CPU / slowest rank CPU is the
+    # speed-up TP would reach with a free core per rank.
+    base_cpu = per_rank[0]["dense_cpu"]
+    cpu_cell = lambda seconds: f"{fmt_time(seconds)} ({base_cpu / seconds:.2f}x)" if threads == 1 else "-"  # noqa: E731
     rows = [
-        [f"dense, {threads} thread(s)", fmt_time(base), speedup(base), "-"],
-        [f"dense, {threads * tp} threads", fmt_time(wide), speedup(wide), "-"],
+        [f"dense, {threads} thread(s)", fmt_time(base), speedup(base), cpu_cell(base_cpu), "-"],
+        [f"dense, {threads * tp} threads", fmt_time(wide), speedup(wide), "-", "-"],
     ]
     for name, label in (("tp", f"TP={tp}"), ("sp", f"TP={tp} + SP")):
         seconds = max(r[name] for r in per_rank)  # a step ends when the slowest rank is done
+        cpu = max(r[f"{name}_cpu"] for r in per_rank)
         share = max(r[f"{name}_comm_share"] for r in per_rank)
-        rows.append(
-            [f"{label}, {threads} thread(s)/rank", fmt_time(seconds), speedup(seconds), f"{100 * share:.0f}%"]
-        )
+        label = f"{label}, {threads} thread(s)/rank"
+        rows.append([label, fmt_time(seconds), speedup(seconds), cpu_cell(cpu), f"{100 * share:.0f}%"])
     headers = [
         "model",
         "fwd+bwd",
         f"speed-up vs dense {threads} thread(s)",
+        "CPU time/rank (speed-up)",
         "time in collectives (incl. waits)",
     ]
     print(table(headers, rows))

@@ -8,7 +8,7 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
-from threadpar.parallel.tensor_parallel.layers import check_positive_int
+from threadpar.parallel.tensor_parallel.layers import check_positive_int, check_sequence_dim
 from threadpar.parallel.tensor_parallel.mappings import reduce_from_tp_region, reduce_scatter_to_sp_region
 from threadpar.parallel.tensor_parallel.random import INIT, get_rng_tracker
 from threadpar.parallel.tensor_parallel.sharding import ShardSpec, TensorParallelModule, padded_size
@@ -47,7 +47,7 @@ class VocabParallelEmbedding(TensorParallelModule):
             padding_idx %= num_embeddings  # nn.Embedding accepts negative ids
         self.padding_idx = padding_idx
         self.reduce_scatter_embeddings = bool(reduce_scatter_embeddings)
-        self.sequence_dim = sequence_dim
+        self.sequence_dim = check_sequence_dim(sequence_dim)
         self.padded_num_embeddings = padded_size(num_embeddings, self.tp_size, pad_vocab_to_multiple_of)
         self.pad_vocab_to_multiple_of = pad_vocab_to_multiple_of
         per_rank = self.padded_num_embeddings // self.tp_size

@@ -40,6 +40,12 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_sequence_dim(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"sequence_dim must be an int (1 for [batch, seq, hidden]), got {value!r}")
+    return value
+
+
 class _ParallelLinear(TensorParallelModule):
     """What both linear layers share: parameters, dense initialisation, from_dense, repr."""
 
@@ -47,11 +53,7 @@ class _ParallelLinear(TensorParallelModule):
         super().__init__(group)
         self.in_features = check_positive_int("in_features", in_features)
         self.out_features = check_positive_int("out_features", out_features)
-        if not isinstance(sequence_dim, int):
-            raise ConfigError(
-                f"sequence_dim must be an int (1 for [batch, seq, hidden]), got {sequence_dim!r}"
-            )
-        self.sequence_dim = sequence_dim
+        self.sequence_dim = check_sequence_dim(sequence_dim)
         self._factory = {"device": device, "dtype": dtype}
         self.has_bias = bool(bias)
 
