@@ -75,19 +75,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, target, lse = ctx.saved_tensors
         x, column, mine = _local_view(ctx, logits, target)
-        grad = torch.zeros(x.shape[0], logits.shape[-1], dtype=ctx.compute_dtype, device=logits.device)
-        if ctx.valid > 0:
-            probs = torch.exp(x - lse[:, None])  # [tokens, valid]: this rank's slice of the softmax
-            rows = torch.arange(x.shape[0], device=x.device)
-            probs[rows, column] -= (1.0 - ctx.smoothing) * mine.to(probs.dtype)
+        tokens, per_rank = x.shape[0], logits.shape[-1]
+        if ctx.valid == 0:  # every class of this rank is padding
+            grad = torch.zeros(tokens, per_rank, dtype=ctx.compute_dtype, device=logits.device)
+        else:
+            # softmax - (1 - s) * onehot(target) - s / V on this rank's classes, times the loss gradient
+            grad = (x - lse[:, None]).exp_()  # [tokens, valid]
+            rows = torch.arange(tokens, device=x.device)
+            grad[rows, column] -= (1.0 - ctx.smoothing) * mine.to(grad.dtype)
             if ctx.smoothing > 0:
-                probs -= ctx.smoothing / ctx.vocab_size
-            scale = (
-                grad_loss.reshape(-1)
-                .to(ctx.compute_dtype)
-                .masked_fill(target.reshape(-1) == ctx.ignore_index, 0.0)
-            )
-            grad[:, : ctx.valid] = probs * scale[:, None]
+                grad -= ctx.smoothing / ctx.vocab_size
+            scale = grad_loss.reshape(-1).to(ctx.compute_dtype)
+            grad *= scale.masked_fill(target.reshape(-1) == ctx.ignore_index, 0.0)[:, None]
+            if ctx.valid < per_rank:  # padded classes get zero gradient
+                grad = torch.cat([grad, grad.new_zeros(tokens, per_rank - ctx.valid)], dim=1)
         return grad.to(logits.dtype).view(logits.shape), None, None, None, None, None
 
 
