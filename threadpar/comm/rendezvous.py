@@ -90,12 +90,7 @@ class Rendezvous:
         wait; a leader that returns True has done the whole collective for everybody (`slot.finished`).
         `final` means this is the collective's only barrier.
         """
-        with self._lock:
-            slot = self._slots.get(seq)
-            if slot is None:
-                slot = self._slots[seq] = Slot(self.size)
-            slot.calls[member] = call
-            slot.payloads[member] = payload
+        slot = self._deposit(member, seq, call, payload)
         self._barrier(slot, member, seq, leader, final, check=True)
         if slot.error is not None:
             self._raise(slot, seq)
@@ -109,12 +104,7 @@ class Rendezvous:
         The last member to post checks the calls and runs `leader(slot)` (its only barrier); the others
         learn the outcome from `Arrival.wait()`, which raises what the leader raised.
         """
-        with self._lock:
-            slot = self._slots.get(seq)
-            if slot is None:
-                slot = self._slots[seq] = Slot(self.size)
-            slot.calls[member] = call
-            slot.payloads[member] = payload
+        slot = self._deposit(member, seq, call, payload)
         target, waiter = self._enter(slot, member, seq, leader, final=True, check=True)
         return Arrival(self, slot, member, seq, target, waiter)
 
@@ -125,6 +115,16 @@ class Rendezvous:
             self._raise(slot, seq)
 
     # internals --------------------------------------------------------------------------------------------------
+    def _deposit(self, member: int, seq: int, call: Call, payload: Any) -> Slot:
+        """Put this member's call and payload into the slot of collective `seq` (created by the first)."""
+        with self._lock:
+            slot = self._slots.get(seq)
+            if slot is None:
+                slot = self._slots[seq] = Slot(self.size)
+            slot.calls[member] = call
+            slot.payloads[member] = payload
+        return slot
+
     def _barrier(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool) -> None:
         target, waiter = self._enter(slot, member, seq, leader, final, check)
         if waiter is not None:

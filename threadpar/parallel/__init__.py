@@ -1,0 +1,6 @@
+"""Parallel wrappers built on threadpar's process groups: `from threadpar.parallel import ...`."""
+
+from threadpar.parallel import tensor_parallel
+from threadpar.parallel.tensor_parallel import *  # noqa: F403  (tensor and sequence parallelism)
+
+__all__ = [*tensor_parallel.__all__]
