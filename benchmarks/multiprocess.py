@@ -107,7 +107,7 @@ def main() -> None:
                 fmt_time(t_gloo),
                 fmt_time(t_hier),
                 fmt_time(t_threads),
-                f"{busbw(t_gloo):.2f} / {busbw(t_hier):.2f}",
+                f"{busbw(t_gloo):.2f} / {busbw(t_hier):.2f}" if nbytes >= MIB else "-",
                 f"{t_gloo / t_hier:.2f}x",
             ]
         )
