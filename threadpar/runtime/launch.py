@@ -121,6 +121,7 @@ class _Launch:
 
     def run(self) -> list[Any]:
         saved_threads = torch.get_num_threads()
+        processes = self.world.processes
         try:
             for t in self.threads:
                 t.start()
@@ -129,7 +130,6 @@ class _Launch:
             for ctx in self.contexts:
                 ctx.worker.stop()
             torch.set_num_threads(saved_threads)
-            processes = self.world.processes
             if processes is not None:
                 processes.finish(failed=bool(self.failures) or self.world.abort.is_set)
         root = None if processes is None else processes.failure
