@@ -20,18 +20,24 @@ import torch.multiprocessing as mp
 
 
 def median_time(
-    fn: Callable[[], None], *, iters: int, repeats: int, sync: Callable[[], None] | None = None
+    fn: Callable[[], None],
+    *,
+    iters: int,
+    repeats: int,
+    sync: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Median over `repeats` of the mean time of `iters` calls to fn (seconds). `sync` runs before each
-    repeat outside the timing (a barrier, so all ranks start together)."""
+    repeat outside the timing (a barrier, so all ranks start together). `clock`: e.g. time.process_time
+    for the CPU time of the whole process."""
     samples = []
     for _ in range(repeats):
         if sync is not None:
             sync()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(iters):
             fn()
-        samples.append((time.perf_counter() - start) / iters)
+        samples.append((clock() - start) / iters)
     return statistics.median(samples)
 
 

@@ -51,6 +51,16 @@ def _contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] 
     return staging, lambda: tensor.copy_(staging)
 
 
+def _write_back(result: Any, writebacks: Sequence[Callable[[], None] | None]) -> None:
+    """Copy staging buffers back; after a stream-ordered backend's Work, once the caller's stream waits for it."""
+    writebacks = [w for w in writebacks if w is not None]
+    if writebacks:
+        if isinstance(result, Work):
+            result.wait()
+        for writeback in writebacks:
+            writeback()
+
+
 class ProcessGroup:
     def __init__(self, state: GroupState, global_rank: int, worker: CommWorker | None, abort=None) -> None:
         self._state = state
@@ -62,6 +72,8 @@ class ProcessGroup:
         self._worker = worker
         self._abort = abort
         self._seq = 0
+        # A stream-ordered backend (nccl) enqueues ops on its own streams and returns their Work itself.
+        self._stream_ordered = bool(getattr(state.backend, "stream_ordered", False))
 
     # identity ---------------------------------------------------------------------------------------------------
     def rank(self) -> int:
@@ -133,6 +145,12 @@ class ProcessGroup:
     def _run(self, op: str, seq: int, fn: Callable[[], Any], async_op: bool) -> Work | None:
         """Run now, or on the rank's comm worker. A synchronous op still queues behind pending async ops,
         so a rank's operations on a tensor happen in issue order, as on a CUDA stream."""
+        if self._stream_ordered:
+            work = fn()  # enqueued on the backend's comm stream: its Work orders the caller's stream
+            if async_op:
+                return work
+            work.wait()
+            return None
         worker = self._worker
         if not async_op and (worker is None or worker.idle):
             fn()  # the common case: no Work object, no thread hop
@@ -179,13 +197,13 @@ class ProcessGroup:
         call = Call(_name, dtype, shape, op.extra)
         member, backend = self._member, self._backend
 
-        def run() -> None:
+        def run() -> Any:
             staged = [_contiguous(t) for t in tensors]
-            backend.all_reduce(member, seq, call, [c for c, _ in staged], op)
-            for _, writeback in staged:
-                if writeback is not None:
-                    writeback()
-            return list(tensors)  # the Work's result, as torch's: work.get_future().value()[0] is tensors[0]
+            result = backend.all_reduce(member, seq, call, [c for c, _ in staged], op)
+            _write_back(result, [writeback for _, writeback in staged])
+            # A stream-ordered backend returns its Work; otherwise the Work's result is the tensors, as in
+            # torch (work.get_future().value()[0] is tensors[0]).
+            return list(tensors) if result is None else result
 
         return self._run(_name, seq, run, async_op)
 
@@ -200,11 +218,11 @@ class ProcessGroup:
         call = Call("reduce", tensor.dtype, tuple(tensor.shape), (("dst", dst), ("op", op.value)))
         member, backend = self._member, self._backend
 
-        def run() -> None:
+        def run() -> Any:
             flat, writeback = _contiguous(tensor)
-            backend.reduce(member, seq, call, flat, dst_m, op)
-            if writeback is not None and member == dst_m:
-                writeback()
+            result = backend.reduce(member, seq, call, flat, dst_m, op)
+            _write_back(result, [writeback if member == dst_m else None])
+            return result
 
         return self._run("reduce", seq, run, async_op)
 
@@ -215,11 +233,11 @@ class ProcessGroup:
         call = Call("broadcast", tensor.dtype, tuple(tensor.shape), (("src", src),))
         member, backend = self._member, self._backend
 
-        def run() -> None:
+        def run() -> Any:
             staged, writeback = _contiguous(tensor)
-            backend.broadcast(member, seq, call, staged, src_m)
-            if writeback is not None and member != src_m:
-                writeback()
+            result = backend.broadcast(member, seq, call, staged, src_m)
+            _write_back(result, [writeback if member != src_m else None])
+            return result
 
         return self._run("broadcast", seq, run, async_op)
 
@@ -452,10 +470,16 @@ class ProcessGroup:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Buffered: returns as soon as the message is posted; `tensor` may be reused at once."""
         dst_m = self._p2p_check("send", tensor, dst, "dst", tag)
-        self._backend.send(self._member, dst_m, tag, tensor)
+        result = self._backend.send(self._member, dst_m, tag, tensor)
+        if isinstance(result, Work):
+            result.wait()  # stream-ordered: the caller's stream may reuse `tensor` once the copy has read it
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        self.send(tensor, dst, tag)
+        """On a stream-ordered backend, wait on the Work before overwriting `tensor`."""
+        dst_m = self._p2p_check("isend", tensor, dst, "dst", tag)
+        result = self._backend.send(self._member, dst_m, tag, tensor)
+        if isinstance(result, Work):
+            return result
         return CompletedWork(f"isend to rank {dst} (tag {tag}, group '{self.name}')")
 
     def recv(

@@ -47,7 +47,11 @@ def accumulate_(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp,
     """Reduce `others` into `acc` in place (no allocation); `count` is the number of members, for AVG.
 
     In-place ops are the fast ones on CPU (add_ beats add(out=) by 1.5x here) and allocate nothing.
+    Ranks sharing GPUs on the threads backend may hold their tensors on different devices: those are
+    copied to `acc`'s device first (on the calling thread's current streams).
     """
+    if others and acc.device.type == "cuda":
+        others = [p if p.device == acc.device else p.to(acc.device, non_blocking=True) for p in others]
     if op is ReduceOp.AVG and count == 2 and len(others) == 1 and acc.dtype.is_floating_point:
         # (a + b) / 2 in one pass over memory instead of two (add_, div_); it cannot overflow either.
         return acc.lerp_(others[0], 0.5)

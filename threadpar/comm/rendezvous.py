@@ -5,7 +5,8 @@ a description of the call. Members with the same sequence number meet in one slo
 checks that all described the same call (operation, dtype, shape, arguments), like NCCL's requirement
 that members call collectives in the same order, and raises a mismatch on every member instead of
 hanging or mixing data. A slot has numbered barriers (phases); algorithms that need more than one
-meeting (reduce, then copy) call `sync` for the next phase.
+meeting (reduce, then copy) call `sync` for the next phase. A stream-ordered backend (nccl) `post`s
+instead: it does not wait for the others, and waits on the returned `Arrival` when its Work is waited on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
-from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ThreadparError
+from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, NcclError, ThreadparError
 
 
 class Call(NamedTuple):
@@ -89,16 +90,23 @@ class Rendezvous:
         wait; a leader that returns True has done the whole collective for everybody (`slot.finished`).
         `final` means this is the collective's only barrier.
         """
-        with self._lock:
-            slot = self._slots.get(seq)
-            if slot is None:
-                slot = self._slots[seq] = Slot(self.size)
-            slot.calls[member] = call
-            slot.payloads[member] = payload
+        slot = self._deposit(member, seq, call, payload)
         self._barrier(slot, member, seq, leader, final, check=True)
         if slot.error is not None:
             self._raise(slot, seq)
         return slot
+
+    def post(
+        self, member: int, seq: int, call: Call, payload: Any, *, leader: Callable[[Slot], Any] | None = None
+    ) -> Arrival:
+        """Post this member's call and payload for collective `seq` without waiting for the others.
+
+        The last member to post checks the calls and runs `leader(slot)` (its only barrier); the others
+        learn the outcome from `Arrival.wait()`, which raises what the leader raised.
+        """
+        slot = self._deposit(member, seq, call, payload)
+        target, waiter = self._enter(slot, member, seq, leader, final=True, check=True)
+        return Arrival(self, slot, member, seq, target, waiter)
 
     def sync(self, slot: Slot, member: int, seq: int, *, final: bool = False) -> None:
         """Wait until every member of `slot` has reached this next barrier."""
@@ -107,7 +115,24 @@ class Rendezvous:
             self._raise(slot, seq)
 
     # internals --------------------------------------------------------------------------------------------------
+    def _deposit(self, member: int, seq: int, call: Call, payload: Any) -> Slot:
+        """Put this member's call and payload into the slot of collective `seq` (created by the first)."""
+        with self._lock:
+            slot = self._slots.get(seq)
+            if slot is None:
+                slot = self._slots[seq] = Slot(self.size)
+            slot.calls[member] = call
+            slot.payloads[member] = payload
+        return slot
+
     def _barrier(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool) -> None:
+        target, waiter = self._enter(slot, member, seq, leader, final, check)
+        if waiter is not None:
+            self._wait(slot, member, seq, target, waiter, self._timeout)
+
+    def _enter(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool):
+        """Reach the slot's next barrier; the last member runs the leader and releases the others.
+        Returns (barrier number, this member's locked waiter, or None for the last member)."""
         with self._lock:
             target = slot.phase + 1
             slot.reached[member] = target
@@ -133,15 +158,18 @@ class Rendezvous:
         if last:
             for w in waiters:
                 w.release()
-            return
+            return target, None
+        return target, waiter
+
+    def _wait(self, slot: Slot, member: int, seq: int, target: int, waiter, timeout: float) -> None:
         # Block on our own lock until the last arrival releases it; re-check the stop signal and the
         # deadline every poll interval (a stop also releases every waiter at once).
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + timeout
         while slot.phase < target:
             self._abort.raise_if_set()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise CollectiveTimeoutError(self._describe_timeout(slot, member, seq, target))
+                raise CollectiveTimeoutError(self._describe_timeout(slot, member, seq, target, timeout))
             waiter.acquire(True, remaining if remaining < POLL_INTERVAL_S else POLL_INTERVAL_S)
 
     def _wake_all(self) -> None:
@@ -169,11 +197,13 @@ class Rendezvous:
         if isinstance(slot.error, str):
             raise CollectiveMismatchError(slot.error)
         call = slot.calls[0]
-        raise ThreadparError(
+        # An NCCL failure stays an NcclError for every member; anything else is reported as the group's failure.
+        kind = NcclError if isinstance(slot.error, NcclError) else ThreadparError
+        raise kind(
             f"{call} #{seq} on group '{self.name}' failed: {type(slot.error).__name__}: {slot.error}"
         ) from slot.error
 
-    def _describe_timeout(self, slot: Slot, member: int, seq: int, target: int) -> str:
+    def _describe_timeout(self, slot: Slot, member: int, seq: int, target: int, timeout: float) -> str:
         missing = [self.ranks[m] for m in range(self.size) if slot.reached[m] < target]
         present = [self.ranks[m] for m in range(self.size) if slot.reached[m] >= target]
         stage = "did not arrive" if target == 1 else f"did not reach step {target} of the collective"
@@ -182,7 +212,34 @@ class Rendezvous:
         )
         return (
             f"{slot.calls[member]} #{seq} on group '{self.name}' (global ranks {list(self.ranks)}) timed out after "
-            f"{self._timeout:g} s on rank {self.ranks[member]}: ranks {missing} {stage} (waiting: {present}; {calls}). "
+            f"{timeout:g} s on rank {self.ranks[member]}: ranks {missing} {stage} (waiting: {present}; {calls}). "
             "A rank that skips a collective, calls them in another order, or is stuck in a long computation "
             "causes this; raise the launch's timeout= if the computation is legitimately slow."
         )
+
+
+class Arrival:
+    """One member's posted call: `wait()` returns once every member has posted and the leader has run."""
+
+    __slots__ = ("_member", "_rendezvous", "_seq", "_slot", "_target", "_waiter")
+
+    def __init__(
+        self, rendezvous: Rendezvous, slot: Slot, member: int, seq: int, target: int, waiter
+    ) -> None:
+        self._rendezvous, self._slot, self._member = rendezvous, slot, member
+        self._seq, self._target, self._waiter = seq, target, waiter
+
+    def done(self) -> bool:
+        """True once the leader has run (successfully or not); never blocks."""
+        return self._slot.phase >= self._target
+
+    def error(self) -> BaseException | str | None:
+        return self._slot.error if self.done() else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the leader has run (at most `timeout`, default the group's); raise what it raised."""
+        if self._waiter is not None and not self.done():
+            timeout = self._rendezvous._timeout if timeout is None else timeout
+            self._rendezvous._wait(self._slot, self._member, self._seq, self._target, self._waiter, timeout)
+        if self._slot.error is not None:
+            self._rendezvous._raise(self._slot, self._seq)

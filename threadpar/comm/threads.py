@@ -13,7 +13,8 @@ sees all of them and picks the algorithm:
 
 Each element is reduced once, by one member, in a fixed order, so every member gets bit-identical results,
 run after run.
-Inputs reach this module validated (by ProcessGroup); tensors are CPU tensors.
+Inputs reach this module validated (by ProcessGroup). Tensors are CPU tensors, or CUDA tensors when several
+ranks share a GPU: then a `StreamOrder` (stream_order.py) orders each cross-rank access with events.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from threadpar.comm.fastcopy import copy_into
 from threadpar.comm.mailbox import Mailboxes
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.rendezvous import Call, Rendezvous, Slot
+from threadpar.comm.stream_order import Fences, StreamOrder
 from threadpar.errors import ConfigError
 
 # Below this many bytes in a collective (all members together), one thread doing everything beats P
@@ -62,26 +64,54 @@ def pieces(numels: Sequence[int], start: int, stop: int) -> list[tuple[int, int,
 class ThreadsGroup:
     """The shared state of one group on the `threads` backend; methods are called by each member."""
 
-    def __init__(self, name: str, ranks: Sequence[int], abort: AbortSignal, timeout: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        ranks: Sequence[int],
+        abort: AbortSignal,
+        timeout: float,
+        order: StreamOrder | None = None,
+    ) -> None:
         self.name = name
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.rendezvous = Rendezvous(name, ranks, abort, timeout)
         self.mailboxes = Mailboxes(name, ranks, abort, timeout)
+        self._order = order  # None on CPU
 
     def _meet(self, member: int, seq: int, call: Call, payload, nbytes: Callable, whole: Callable) -> Slot:
         """Arrive; when the collective is small, the last arrival runs `whole(slot)` for everybody."""
+        order = self._order
+        if order is not None:
+            payload = (payload, order.arrive(member))
 
         def leader(slot: Slot) -> bool:
+            if order is not None:  # unwrap: the members' events go to slot.result
+                slot.result = Fences([p[1] for p in slot.payloads])
+                slot.payloads = [p[0] for p in slot.payloads]
             if self.size > 1 and sum(nbytes(p) for p in slot.payloads) > SMALL_BYTES:
                 return False
+            if order is not None:
+                order.begin(slot.result)
             whole(slot)
+            if order is not None:
+                order.end(slot.result)
             return True
 
-        return self.rendezvous.arrive(member, seq, call, payload, leader=leader)
+        slot = self.rendezvous.arrive(member, seq, call, payload, leader=leader)
+        if order is not None:
+            if slot.finished:
+                order.leave(slot.result, member)
+            else:
+                order.begin(slot.result)  # this member's share follows
+        return slot
 
     def _finish(self, slot: Slot, member: int, seq: int) -> None:
+        if self._order is not None:
+            self._order.end(slot.result)
         self.rendezvous.sync(slot, member, seq, final=True)
+        if self._order is not None:
+            self._order.leave(slot.result, member)
 
     # reductions -------------------------------------------------------------------------------------------------
     def all_reduce(
@@ -267,12 +297,19 @@ class ThreadsGroup:
     # point to point ---------------------------------------------------------------------------------------------
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
         # The message is a private copy: the sender may reuse its tensor as soon as send returns.
-        self.mailboxes.put(member, dst, tag, tensor.detach().clone(memory_format=torch.contiguous_format))
+        message = tensor.detach().clone(memory_format=torch.contiguous_format)
+        if self._order is not None:  # on CUDA: the receiver's stream must wait for the copy
+            message = (message, self._order.arrive(member))
+        self.mailboxes.put(member, dst, tag, message)
 
     def recv_message(
         self, member: int, src: int | None, tag: int, timeout: float | None = None
     ) -> tuple[int, torch.Tensor]:
-        return self.mailboxes.take(member, src, tag, timeout)
+        got, message = self.mailboxes.take(member, src, tag, timeout)
+        if self._order is not None:
+            message, copied = message
+            self._order.received(member, copied, message)
+        return got, message
 
     def has_message(self, member: int, src: int | None, tag: int) -> bool:
         return self.mailboxes.has_message(member, src, tag)

@@ -8,6 +8,7 @@ runs on PyTorch's device threads, where there is no rank context.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ class RankContext:
         self.worker = CommWorker(f"threadpar-comm-{rank}", on_start=self.enter)
         self._handles: dict[int, ProcessGroup] = {}
         self._world_handle: ProcessGroup | None = None
+        # Per-rank objects that higher layers create on first use (e.g. the tensor-parallel RNG tracker),
+        # keyed by a name of their choosing: rank state lives here, never in module globals.
+        self.extras: dict[str, Any] = {}
 
     def enter(self) -> None:
         """Make this the calling thread's context (rank thread or its comm worker); set its thread count."""

@@ -1,7 +1,8 @@
 """`World`: everything one launch shares between its rank threads, created by `launch` and dropped after.
 
 Nothing here is module-global: two launches (one after another, or nested) each have their own World,
-groups, mailboxes and stop signal.
+groups, mailboxes and stop signal. In a multi-process job each process has a World for the whole layout
+(every global rank), runs the threads of its own ranks, and reaches the others through `processes`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class World:
         timeout: float,
         seed: int,
         intraop_threads: int,
+        cuda: Any = None,
+        processes: Any = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -38,17 +41,41 @@ class World:
         self.timeout = float(timeout)
         self.seed = seed
         self.intraop_threads = intraop_threads
-        # Within one process every rank is a thread of it; multi-process launches override these.
-        self.process_rank = 0
-        self.threads_per_process = layout.world_size
+        # The CUDA/NCCL API the backends call (threadpar.comm.cuda_api); None: torch.cuda. Tests pass a double,
+        # whose devices then stand in for GPUs.
+        self.cuda = cuda
+        self.processes = processes  # threadpar.runtime.processes.Processes, or None in a one-process launch
+        self.process_rank = 0 if processes is None else processes.rank
+        self.threads_per_process = layout.world_size if processes is None else processes.threads_per_process
         self.abort = AbortSignal()
         self.groups = GroupRegistry(self.world_size, self._make_backend)
 
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks whose threads run in this process."""
+        start = self.process_rank * self.threads_per_process
+        return range(start, start + self.threads_per_process)
+
+    def cuda_api(self) -> Any:
+        if self.cuda is not None:
+            return self.cuda
+        from threadpar.comm.cuda_api import torch_cuda
+
+        return torch_cuda()
+
     def _make_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
-        if self.backend == "threads":
+        here = len(ranks) if self.processes is None else sum(r in self.local_ranks for r in ranks)
+        if 0 < here < len(ranks):
+            return self._spanning_backend(name, ranks)
+        if self.backend == "threads" or here == 0:  # (no member here: a stand-in that is never used)
             from threadpar.comm.threads import ThreadsGroup
 
-            return ThreadsGroup(name, ranks, self.abort, self.timeout)
+            order = None
+            if self.cuda is not None or any(self.devices[r].type == "cuda" for r in ranks):
+                from threadpar.comm.stream_order import StreamOrder
+
+                order = StreamOrder(self.cuda_api(), [self.devices[r] for r in ranks])
+            return ThreadsGroup(name, ranks, self.abort, self.timeout, order)
         if self.backend == "nccl":
             from threadpar.comm.nccl import NcclGroup
 
@@ -63,3 +90,10 @@ class World:
         return self.groups.get_or_create(
             self.layout.group_ranks(axis, rank), self.layout.group_name(axis, rank)
         )
+
+    def _spanning_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
+        # On the nccl backend this is where NCCL groups across processes will come from (their
+        # communicators joined through threadpar.comm.nccl_bootstrap); launch refuses that case for now.
+        from threadpar.comm.hierarchical import HierarchicalGroup
+
+        return HierarchicalGroup(name, ranks, self.processes, self.abort, self.timeout)

@@ -1,0 +1,175 @@
+"""Host cost of one collective on the nccl backend, measured without a GPU.
+
+    python -m benchmarks.nccl_launch            # 2, 4 and 8 ranks
+    python -m benchmarks.nccl_launch --quick
+
+On GPUs a small NCCL all-reduce takes the device some 10-30 us. What threadpar adds on the host is Python
+work serialized by the GIL across the rank threads: posting at the rendezvous, the events, the leader's
+grouped call for all members, the Work. This measures that cost per collective with a *null* CUDA API
+(streams, events and NCCL calls that do nothing), so the numbers are threadpar's own overhead, a lower
+bound of the real host time (real event records and NCCL enqueues add a few microseconds each).
+
+Side by side in one run, on 4-byte all-reduces: the nccl path (each rank waits for each collective, and
+10 asynchronous ones issued and then waited), the threads backend (its whole cost on CPU), and
+torch.distributed over gloo with one process per rank (the anchor of benchmarks/collectives.py).
+Wall times on a shared machine are noisy, so the CPU time per collective is reported too: the process's
+CPU time for threadpar (all rank threads), and n times one rank's process for gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import threading
+import time
+
+import torch
+
+import threadpar
+from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
+from tests.fakes.fake_cuda_nccl import run_fake_gpus
+from threadpar.comm.cuda_api import CliquePool
+
+ASYNC_BATCH = 10
+
+
+class NullStream:
+    def wait_event(self, event) -> None:
+        pass
+
+
+class NullEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class NullNccl:
+    """torch.cuda.nccl's interface; every call returns at once."""
+
+    def version(self):
+        return (2, 21, 5)
+
+    def unique_id(self) -> bytes:
+        return b"null"
+
+    def init_rank(self, num_ranks, uid, rank):
+        return object()
+
+    def _enqueue(self, *args, **kwargs) -> None:
+        pass
+
+    all_reduce = reduce = broadcast = all_gather = reduce_scatter = _enqueue
+
+
+class NullCuda:
+    """A CudaApi whose device does nothing: what remains is threadpar's own host work."""
+
+    def __init__(self) -> None:
+        self.nccl = NullNccl()
+        self.launch_lock = threading.Lock()
+        self.cliques = CliquePool()
+        self._stream = NullStream()
+
+    def nccl_available(self) -> bool:
+        return True
+
+    def comm_stream(self, device):
+        return NullStream()
+
+    def current_stream(self, device):
+        return self._stream
+
+    def event(self):
+        return NullEvent()
+
+    def on_streams(self, *streams):
+        return contextlib.nullcontext()
+
+    def device_guard(self, device):
+        return contextlib.nullcontext()
+
+    def copy_(self, dst, src, src_stream, dst_stream) -> None:
+        pass
+
+    def record_stream(self, tensor, stream) -> None:
+        pass
+
+    def synchronize(self, device) -> None:
+        pass
+
+    def async_error(self, comm):
+        return None
+
+
+def measure(api, iters: int, repeats: int, barrier) -> list[float]:
+    """Seconds per all-reduce: [waited, issued asynchronously in batches, CPU time of this process (waited)]."""
+    t = torch.ones(1)
+
+    def batch() -> None:
+        for work in [api.all_reduce(t, async_op=True) for _ in range(ASYNC_BATCH)]:
+            work.wait()
+
+    for _ in range(3):
+        api.all_reduce(t)  # warm-up (and, on the nccl path, the communicators)
+    waited = median_time(lambda: api.all_reduce(t), iters=iters, repeats=repeats, sync=barrier)
+    batched = median_time(batch, iters=max(1, iters // ASYNC_BATCH), repeats=repeats, sync=barrier)
+    cpu = median_time(
+        lambda: api.all_reduce(t), iters=iters, repeats=repeats, sync=barrier, clock=time.process_time
+    )
+    return [waited, batched / ASYNC_BATCH, cpu]
+
+
+def gloo_worker(rank: int, n: int, iters: int, repeats: int) -> list[float]:
+    import torch.distributed as dist
+
+    return measure(dist, iters, repeats, dist.barrier)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="3 repeats of 100")
+    args = parser.parse_args()
+    repeats, iters = (3, 100) if args.quick else (args.repeats, args.iters)
+    print(f"# host time per 4-byte all-reduce ({machine_line()}); median of {repeats} repeats of {iters}\n")
+    rows = []
+    for n in args.ranks:
+        work = lambda: measure(threadpar, iters, repeats, threadpar.barrier)  # noqa: E731
+        nccl_path = run_fake_gpus(work, n, NullCuda(), timeout=60.0)[0]
+        threads = threadpar.launch(work, world_size=n, devices="cpu", backend="threads")[0]
+        gloo = run_gloo(gloo_worker, n, iters, repeats)
+        gloo_cpu = gloo[2] * n  # one process per rank
+        rows.append(
+            [
+                n,
+                *(fmt_time(t) for t in (nccl_path[0], nccl_path[1], threads[0], threads[1], gloo[0])),
+                f"{gloo[0] / nccl_path[0]:.1f}x",
+                *(fmt_time(t) for t in (nccl_path[2], threads[2], gloo_cpu)),
+                f"{gloo_cpu / nccl_path[2]:.1f}x",
+            ]
+        )
+    headers = [
+        "ranks",
+        "nccl path, waited",
+        f"nccl path, async x{ASYNC_BATCH}",
+        "threads, waited",
+        f"threads, async x{ASYNC_BATCH}",
+        "gloo, waited",
+        "gloo / nccl path",
+        "CPU: nccl path",
+        "CPU: threads",
+        "CPU: gloo",
+        "gloo / nccl path (CPU)",
+    ]
+    print(table(headers, rows))
+
+
+if __name__ == "__main__":
+    main()

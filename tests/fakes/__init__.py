@@ -1,0 +1,1 @@
+"""Test doubles (stand-ins for what this machine lacks, such as GPUs)."""

@@ -1,0 +1,292 @@
+"""The nccl backend on the CUDA/NCCL test double: results vs the `threads` backend, and how it drives NCCL.
+
+Results: one workload (every collective, every dtype and ReduceOp the threads backend supports, on the
+world and on TP/DP sub-groups, plus point to point) runs on the threads backend (the oracle) and on the nccl
+backend over the double; the outputs must agree. Mechanics: one grouped call per collective with each
+member's tensor, comm stream and communicator in group-rank order, under the launch lock; ready/done events
+that order the NCCL op after the caller's earlier work and the caller's later work after the op.
+"""
+
+import gc
+
+import pytest
+import torch
+from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+
+import threadpar
+from threadpar import ReduceOp
+from threadpar.comm.reduce_op import check_reducible
+from threadpar.errors import ConfigError
+from threadpar.testing import run_ranks
+
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+]  # fmt: skip
+
+
+def make(rank: int, key: int, shape, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + key)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(
+            shape, generator=g, dtype=torch.complex128 if dtype.is_complex else torch.float64
+        ).to(dtype)
+    return torch.randint(0 if dtype == torch.uint8 else -3, 4, shape, generator=g).to(dtype)
+
+
+def valid_ops(dtype, ops=tuple(ReduceOp)):
+    valid = []
+    for op in ops:
+        try:
+            check_reducible(dtype, op)
+        except ConfigError:
+            continue
+        if not (dtype == torch.bool and op is ReduceOp.AVG):  # bool has no average on either backend
+            valid.append(op)
+    return valid
+
+
+def workload(groups, dtypes=DTYPES, shapes=((3, 4),), ops=tuple(ReduceOp)):
+    """Every collective; returns {key: output} for comparison between backends."""
+    rank, out, key = threadpar.get_rank(), {}, 0
+    for group in groups:
+        g = threadpar.get_group(group)
+        n, root = g.size(), g.ranks[-1]
+        for dtype in dtypes:
+            for shape in shapes:
+                key += 1
+                tag = (str(group), str(dtype), shape)
+                x = make(rank, key, shape, dtype)
+                for op in valid_ops(dtype, ops):
+                    t = x.clone()
+                    threadpar.all_reduce(t, op=op, group=group)
+                    out[("all_reduce", op, *tag)] = t
+                    t = x.clone()
+                    threadpar.reduce(t, dst=root, op=op, group=group)
+                    out[("reduce", op, *tag)] = t
+                    parts = [make(rank, key + 100 + i, shape, dtype) for i in range(n)]
+                    y = torch.empty(shape, dtype=dtype)
+                    threadpar.reduce_scatter(y, parts, op=op, group=group)
+                    out[("reduce_scatter", op, *tag)] = y
+                    y = torch.empty(shape, dtype=dtype)
+                    threadpar.reduce_scatter_tensor(y, torch.stack(parts), op=op, group=group)
+                    out[("reduce_scatter_tensor", op, *tag)] = y
+                pair = [x.clone(), make(rank, key + 50, (5,), dtype)]
+                threadpar.all_reduce_coalesced(pair, group=group)
+                out[("coalesced", *tag)] = pair
+                t = x.clone()
+                threadpar.broadcast(t, src=root, group=group)
+                out[("broadcast", *tag)] = t
+                lst = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+                threadpar.all_gather(lst, x, group=group)
+                out[("all_gather", *tag)] = lst
+                whole = torch.empty((n, *shape), dtype=dtype)
+                threadpar.all_gather_into_tensor(whole, x, group=group)
+                out[("all_gather_into_tensor", *tag)] = whole
+                y = torch.empty(shape, dtype=dtype)
+                chunks = [make(rank, key + 200 + i, shape, dtype) for i in range(n)]
+                threadpar.scatter(y, chunks if rank == root else None, src=root, group=group)
+                out[("scatter", *tag)] = y
+                outs = [torch.empty(shape, dtype=dtype) for _ in range(n)] if rank == root else None
+                threadpar.gather(x, outs, dst=root, group=group)
+                out[("gather", *tag)] = outs
+        sends = [torch.full((g.rank() + d + 1, 2), 10.0 * rank + d) for d in range(n)]
+        recvs = [torch.empty((s + g.rank() + 1, 2)) for s in range(n)]
+        threadpar.all_to_all(recvs, sends, group=group)
+        out["all_to_all", str(group)] = recvs
+        threadpar.barrier(group=group)
+    noncontiguous = (torch.arange(12.0).reshape(3, 4) * (rank + 1)).t()
+    threadpar.all_reduce(noncontiguous, op="MAX")
+    out["noncontiguous"] = noncontiguous
+    world = threadpar.get_world_size()
+    threadpar.send(torch.arange(3.0) + rank, dst=(rank + 1) % world, tag=rank)
+    got = torch.empty(3)
+    src = threadpar.recv(got, src=(rank - 1) % world, tag=(rank - 1) % world)
+    out["p2p"] = (src, got)
+    return out
+
+
+def assert_same(actual, expected, where):
+    if isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for a, e in zip(actual, expected):
+            assert_same(a, e, where)
+    elif isinstance(expected, torch.Tensor):
+        exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex)
+        tol = {} if not exact else {"rtol": 0, "atol": 0}
+        if expected.dtype in (torch.float16, torch.bfloat16):
+            tol = {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{where}: {m}")
+    else:
+        assert actual == expected, where
+
+
+def compare(fake, world_size, *args, **layout):
+    expected = run_ranks(workload, world_size, *args, **layout)
+    actual = run_fake_gpus(lambda: workload(*args), world_size, fake, **layout)
+    for rank in range(world_size):
+        assert actual[rank].keys() == expected[rank].keys()
+        for key in expected[rank]:
+            assert_same(actual[rank][key], expected[rank][key], f"rank {rank} {key}")
+
+
+def test_every_collective_dtype_and_op_matches_the_threads_backend():
+    compare(FakeCuda(), 4, [None, "TP"], tp=2)
+
+
+def test_scalars_and_empty_tensors_match_the_threads_backend():
+    compare(FakeCuda(), 3, [None], [torch.float32, torch.int16, torch.complex64, torch.bool], [(), (0,)])
+
+
+@pytest.mark.parametrize("nccl_version", [(2, 21, 5), (2, 8, 4)], ids=["ncclAvg", "sum-then-divide"])
+def test_avg_uses_ncclavg_only_where_nccl_has_it(nccl_version):
+    fake = FakeCuda(nccl_version)
+    dtypes = [torch.float32, torch.bfloat16, torch.complex128, torch.int32, torch.uint8]
+    compare(fake, 3, [None], dtypes, ((2, 3),), (ReduceOp.AVG,))
+    reduces = fake.calls_named("reduce")  # only the AVG loop issues these
+    float_ops = {c.extra["op"] for c in reduces if c.inputs[0].dtype.is_floating_point}
+    int_ops = {c.extra["op"] for c in reduces if not c.inputs[0].dtype.is_floating_point}
+    assert float_ops == ({4} if nccl_version >= (2, 10) else {0})
+    assert int_ops == {0}  # integers: SUM, then a division that truncates like the threads backend
+
+
+def test_one_grouped_call_per_collective_with_each_members_tensor_stream_and_communicator():
+    fake = FakeCuda()
+
+    def body():
+        rank, device = threadpar.get_rank(), threadpar.get_device()
+        mine = fake.current_stream(device)
+        t = torch.full((4,), float(rank))
+        produced = fake.mark(mine, "produce")
+        threadpar.all_reduce(t, group="TP")
+        consumed = fake.mark(mine, "consume")
+        threadpar.all_reduce(t, group="TP")  # reuses the communicators
+        return t, produced, consumed
+
+    results = run_fake_gpus(body, 4, fake, tp=2)
+    calls = fake.calls_named("all_reduce")
+    assert len(calls) == 4  # two collectives on each of the two TP groups: one grouped call each
+    firsts = []  # the first call of each TP group
+    for group_ranks in ([0, 1], [2, 3]):
+        mine = [c for c in calls if c.inputs[0].data_ptr() == results[group_ranks[0]][0].data_ptr()]
+        assert len(mine) == 2
+        firsts.append(mine[0])
+    for call, group_ranks in zip(firsts, ([0, 1], [2, 3])):
+        for i, r in enumerate(group_ranks):
+            t, produced, consumed = results[r]
+            assert call.inputs[i].data_ptr() == t.data_ptr()  # in group-rank order
+            assert call.streams[i] in fake.comm_streams and call.streams[i].priority == -1
+            assert call.comms[i].rank == i and call.comms[i].thread == f"threadpar-rank-{r}"
+            assert fake.ordered(produced, call.nodes[i]), "the op must wait for the caller's earlier work"
+            assert fake.ordered(call.nodes[i], consumed), "the caller's later work must wait for the op"
+            assert not fake.ordered(call.nodes[i], produced)
+            # protected from the caching allocator until its comm stream is done with it
+            assert any(x.data_ptr() == t.data_ptr() and s is call.streams[i] for x, s in fake.recorded)
+        assert call.lock_held and call.thread.startswith("threadpar-rank-")
+    # Each member has its own comm stream and communicator; the two TP groups are two cliques, made once.
+    assert len({id(s) for c in calls for s in c.streams}) == 4
+    assert len({c.comms[0].uid for c in calls}) == 2
+    assert len({tuple(c.comms) for c in calls}) == 2
+    assert len(fake.nccl.init_calls) == 4
+
+
+def test_async_work_orders_the_stream_at_wait_and_blocks_the_host_only_with_a_timeout():
+    fake = FakeCuda()
+
+    def body():
+        device = threadpar.get_device()
+        mine = fake.current_stream(device)
+        t = torch.ones(3)
+        work = threadpar.all_reduce(t, async_op=True)
+        threadpar.barrier()  # every member has posted: the all-reduce is launched, but the device hangs
+        before = fake.mark(mine, "before wait")
+        assert not work.is_completed()
+        assert work.wait() is True  # returns at once: only the stream waits
+        after = fake.mark(mine, "after wait")
+        with pytest.raises(threadpar.CollectiveTimeoutError, match=r"did not finish it within 0\.2 s"):
+            work.wait(timeout=0.2)
+        threadpar.barrier()
+        if threadpar.get_rank() == 0:
+            fake.resume()
+        threadpar.barrier()
+        work.wait(timeout=5)
+        assert work.is_completed() and work.is_success()
+        node = next(c for c in fake.calls_named("all_reduce")).nodes[threadpar.get_rank()]
+        return fake.ordered(node, before), fake.ordered(node, after), t
+
+    fake.hang()
+    for before, after, t in run_fake_gpus(body, 2, fake):
+        assert (before, after) == (False, True)
+        torch.testing.assert_close(t, torch.full((3,), 2.0))
+
+
+def test_send_and_recv_are_ordered_copies_on_the_comm_streams():
+    fake = FakeCuda()
+
+    def body():
+        rank, device = threadpar.get_rank(), threadpar.get_device()
+        mine = fake.current_stream(device)
+        if rank == 0:
+            t = torch.arange(4.0)
+            produced = fake.mark(mine, "produce")
+            threadpar.send(t, dst=1)
+            reused = fake.mark(mine, "overwrite")  # send returned: the stream may write t again
+            work = threadpar.isend(t * 2, dst=1, tag=1)
+            return produced, reused, work
+        got = torch.empty(4)
+        threadpar.recv(got, src=0)
+        consumed = fake.mark(mine, "consume")
+        return got, consumed, threadpar.get_group().recv_tensor(src=0, tag=1)
+
+    (produced, reused, work), (got, consumed, second) = run_fake_gpus(body, 2, fake)
+    copy = fake.copies[0]
+    assert copy.lock_held and copy.src_stream is not copy.dst_stream
+    assert {copy.src_stream, copy.dst_stream} <= set(fake.comm_streams)
+    assert fake.ordered(produced, copy.node) and fake.ordered(copy.node, consumed)
+    assert fake.ordered(copy.node, reused)
+    assert not fake.ordered(fake.copies[1].node, reused)  # isend: ordered only once its Work is waited on
+    assert isinstance(work, threadpar.Work)
+    torch.testing.assert_close(got, torch.arange(4.0))
+    torch.testing.assert_close(second, torch.arange(4.0) * 2)
+
+
+def test_scatter_gather_all_to_all_are_copies_between_the_members_comm_streams():
+    fake = FakeCuda()
+
+    def body():
+        rank = threadpar.get_rank()
+        t = torch.empty(2)
+        threadpar.scatter(t, [torch.full((2,), float(i)) for i in range(3)] if rank == 2 else None, src=2)
+        return t
+
+    assert [t[0].item() for t in run_fake_gpus(body, 3, fake)] == [0.0, 1.0, 2.0]
+    assert not fake.calls and not fake.nccl.init_calls  # no NCCL, so no communicators either
+    src_streams = {id(c.src_stream) for c in fake.copies}
+    assert len(fake.copies) == 3 and len(src_streams) == 1 and all(c.lock_held for c in fake.copies)
+    assert len({id(c.dst_stream) for c in fake.copies}) == 3
+
+
+def test_sub_groups_get_their_own_cliques_and_later_launches_reuse_them():
+    fake = FakeCuda()
+
+    def body():
+        for group in (None, "TP", "DP"):
+            threadpar.all_reduce(torch.ones(2), group=group)
+
+    run_fake_gpus(body, 4, fake, tp=2)
+    first = {c.comms[0].uid for c in fake.calls}
+    assert len(first) == 5 and len(fake.nccl.init_calls) == 12  # WORLD, TP0, TP1, DP0, DP1
+    gc.collect()  # the launch's groups are gone: their cliques went back to the pool
+    run_fake_gpus(body, 4, fake, tp=2)
+    assert len(fake.nccl.init_calls) == 12  # no new communicators
+    assert {c.comms[0].uid for c in fake.calls[5:]} == first
+
+
+def test_tensors_must_be_on_the_ranks_device():
+    def body():
+        with pytest.raises(ConfigError, match=r"rank \d runs on cpu but passed a tensor on meta"):
+            threadpar.all_reduce(torch.empty(3, device="meta"))
+
+    run_fake_gpus(body, 2, FakeCuda(), timeout=1.0)

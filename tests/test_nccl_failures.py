@@ -1,0 +1,141 @@
+"""The nccl backend's failures on the test double: NCCL errors, device hangs, asynchronous errors, mismatches,
+missing ranks. Each must reach every affected rank as a clear exception, never a hang."""
+
+import time
+
+import pytest
+import torch
+from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+
+import threadpar
+from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, NcclError
+
+
+def test_an_nccl_call_that_fails_raises_ncclerror_on_every_member():
+    fake = FakeCuda()
+    fake.nccl.fail_next["all_reduce"] = "unhandled cuda error"
+
+    def body():
+        with pytest.raises(NcclError) as info:
+            threadpar.all_reduce(torch.ones(2))
+        return str(info.value)
+
+    for message in run_fake_gpus(body, 3, fake):
+        assert "all_reduce(float32[2], op=SUM) #1 on group 'WORLD' failed" in message
+        assert (
+            "torch.cuda.nccl.all_reduce on group 'WORLD' failed: NCCL Error 3: unhandled cuda error"
+            in message
+        )
+
+
+def test_synchronize_and_wait_with_timeout_fail_clearly_when_the_device_hangs():
+    fake = FakeCuda()
+
+    def body():
+        work = threadpar.broadcast(torch.ones(2), src=0, async_op=True)
+        start = time.monotonic()
+        with pytest.raises(
+            CollectiveTimeoutError, match=r"broadcast.*was launched but the device did not finish"
+        ):
+            work.synchronize()  # the launch's timeout (0.3 s)
+        with pytest.raises(CollectiveTimeoutError, match=r"within 0\.1 s"):
+            work.wait(timeout=0.1)
+        assert not work.is_completed()
+        return time.monotonic() - start
+
+    fake.hang()
+    assert all(elapsed < 2.0 for elapsed in run_fake_gpus(body, 2, fake, timeout=0.3))
+
+
+def test_an_asynchronous_nccl_error_ends_a_blocking_wait_at_once():
+    fake = FakeCuda()
+
+    def body():
+        work = threadpar.all_reduce(torch.ones(2), async_op=True)
+        threadpar.barrier()
+        if threadpar.get_rank() == 0:
+            fake.async_error_message = "NCCL error 6: remote process exited or there was a network error"
+        threadpar.barrier()
+        start = time.monotonic()
+        with pytest.raises(
+            NcclError, match=r"all_reduce.*failed on the device: NCCL error 6: remote process"
+        ):
+            work.wait(timeout=30)
+        assert time.monotonic() - start < 2.0
+        assert work.is_completed() and not work.is_success()
+        with pytest.raises(NcclError):
+            work.wait()  # the failure sticks to the Work
+
+    fake.hang()
+    run_fake_gpus(body, 2, fake)
+
+
+def test_a_cuda_error_seen_by_the_done_event_becomes_an_ncclerror():
+    fake = FakeCuda()
+
+    def body():
+        work = threadpar.all_reduce(torch.ones(2), async_op=True)
+        threadpar.barrier()
+        if threadpar.get_rank() == 0:
+            fake.device_error = "an illegal memory access was encountered"
+        threadpar.barrier()
+        with pytest.raises(NcclError, match=r"failed on the device: CUDA error: an illegal memory access"):
+            work.synchronize()
+
+    run_fake_gpus(body, 2, fake)
+
+
+def test_mismatched_collectives_raise_on_every_member():
+    def body():
+        t = torch.zeros(4)
+        threadpar.all_reduce(t)  # the communicators exist: the next call meets at the rendezvous only
+        with pytest.raises(
+            CollectiveMismatchError, match=r"rank 1: broadcast\(float32\[4\], src=0\)   <-- differs"
+        ):
+            if threadpar.get_rank() == 1:
+                threadpar.broadcast(t, src=0)
+            else:
+                threadpar.all_reduce(t)
+
+    run_fake_gpus(body, 3, FakeCuda())
+
+
+def test_a_rank_that_does_not_come_times_out_naming_it():
+    def body():
+        if threadpar.get_rank() == 0:
+            threadpar.barrier()
+            with pytest.raises(CollectiveTimeoutError, match=r"all_reduce.*ranks \[1\] did not arrive"):
+                threadpar.all_reduce(torch.ones(1))
+        else:
+            threadpar.barrier()
+            time.sleep(0.6)
+
+    run_fake_gpus(body, 2, FakeCuda(), timeout=0.3)
+
+
+def test_nccl_on_a_torch_without_nccl_says_so():
+    from threadpar.runtime.world import World
+
+    world = World(
+        layout=threadpar.Layout.build(2),
+        backend="nccl",
+        devices=(torch.device("cuda", 0), torch.device("cuda", 1)),
+        timeout=1.0,
+        seed=0,
+        intraop_threads=1,
+    )
+    if world.cuda_api().nccl_available():
+        pytest.skip("this torch has NCCL")
+    with pytest.raises(ConfigError, match=r"this torch build has no NCCL support.*backend='threads'"):
+        world.world_group()
+
+
+def test_a_clique_some_member_never_completed_is_not_pooled():
+    from threadpar.comm.cuda_api import CliquePool
+
+    pool = CliquePool()
+    pool.give_back(("cuda:0", "cuda:1"), ["comm0", None])
+    assert pool.take(("cuda:0", "cuda:1")) is None
+    pool.give_back(("cuda:0", "cuda:1"), ["comm0", "comm1"])
+    assert pool.take(("cuda:1", "cuda:0")) is None  # another device order is another clique
+    assert pool.take(("cuda:0", "cuda:1")) == ["comm0", "comm1"]

@@ -1,0 +1,76 @@
+"""The `threads` backend on CUDA tensors (several ranks sharing a GPU) orders cross-rank accesses with events.
+
+On the CUDA test double every rank thread computes on its own stream, so without events nothing orders one
+rank's kernels against another's: each test checks, with the double's model of stream order and event
+edges, that a rank's work after a collective or a receive is ordered after every peer's work before it.
+"""
+
+import pytest
+import torch
+from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+
+import threadpar
+import threadpar.comm.threads as threads_backend
+from threadpar.comm.stream_order import StreamOrder
+from threadpar.runtime.world import World
+
+
+@pytest.mark.parametrize("path", ["one_thread", "split"])
+def test_collectives_order_every_peers_earlier_work_before_each_ranks_later_work(path, monkeypatch):
+    monkeypatch.setattr(threads_backend, "SMALL_BYTES", 1 << 40 if path == "one_thread" else -1)
+    fake = FakeCuda()
+
+    def body():
+        stream = fake.current_stream(threadpar.get_device())
+        rank, marks = threadpar.get_rank(), []
+        t = torch.full((6,), float(rank))
+        for op in ("all_reduce", "all_gather", "broadcast"):
+            before = fake.mark(stream, f"{op} input")
+            if op == "all_reduce":
+                threadpar.all_reduce(t)
+            elif op == "all_gather":
+                threadpar.all_gather([torch.empty(6) for _ in range(3)], t)
+            else:
+                threadpar.broadcast(t, src=2)
+            marks.append((before, fake.mark(stream, f"after {op}")))
+        return marks
+
+    marks = run_fake_gpus(body, 3, fake, backend="threads")
+    for step in range(3):
+        for rank in range(3):
+            for peer in range(3):
+                assert fake.ordered(marks[peer][step][0], marks[rank][step][1]), (step, rank, peer)
+            assert not fake.ordered(marks[rank][step][1], marks[rank][step][0])
+
+
+def test_a_received_message_is_ordered_after_the_senders_copy():
+    fake = FakeCuda()
+
+    def body():
+        stream = fake.current_stream(threadpar.get_device())
+        if threadpar.get_rank() == 0:
+            produced = fake.mark(stream, "produce")
+            threadpar.send(torch.arange(3.0), dst=1)
+            return produced
+        got = threadpar.get_group().recv_tensor(src=0)
+        assert torch.equal(got, torch.arange(3.0))
+        assert any(t is got for t, _ in fake.recorded)  # kept alive for the receiver's stream
+        return fake.mark(stream, "consume")
+
+    produced, consumed = run_fake_gpus(body, 2, fake, backend="threads")
+    assert fake.ordered(produced, consumed)
+
+
+def test_threads_groups_get_stream_ordering_only_on_cuda_devices():
+    def world(device):
+        return World(
+            layout=threadpar.Layout.build(2),
+            backend="threads",
+            devices=(torch.device(device),) * 2,
+            timeout=1.0,
+            seed=0,
+            intraop_threads=1,
+        )
+
+    assert isinstance(world("cuda:0").world_group().backend._order, StreamOrder)  # two ranks on one GPU
+    assert world("cpu").world_group().backend._order is None

@@ -1,0 +1,343 @@
+"""The `nccl` backend: one thread launches each collective for all members, on their comm streams.
+
+NCCL calls are not thread-safe across communicators that share a device, so rank threads never call NCCL
+themselves. A member that calls a collective records a *ready* event on its current stream and posts its
+tensors at the group's rendezvous (without waiting). The last member to post, the leader, then under the
+process-wide launch lock makes each member's comm stream wait for that member's ready event, issues ONE
+grouped torch.cuda.nccl call with every member's tensor, comm stream and communicator in group-rank order,
+and records each member's *done* event on its comm stream. Each member gets an `NcclWork` on its done event.
+
+Communicators: one clique per group (sub-groups get their own), made on the group's first collective by
+every member thread calling `init_rank` concurrently, as NCCL requires (ncclCommInitAll-style within one
+process), then reused. Comm streams: one high-priority stream per member and group.
+
+What torch.cuda.nccl lacks is built from copies between devices on the comm streams, ordered by events
+(nccl_copies.py): send/recv, scatter, gather and all_to_all. dtypes and ops NCCL lacks are mapped as
+nccl_plan.py describes. Inputs reach this module validated by ProcessGroup.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from threadpar.comm.mailbox import Mailboxes
+from threadpar.comm.nccl_copies import CopyOps
+from threadpar.comm.nccl_plan import (
+    ReductionPlan,
+    as_bytes,
+    flat,
+    has_native_avg,
+    joined,
+    nbytes,
+    reduction_plan,
+    wire,
+)
+from threadpar.comm.nccl_work import Described, NcclWork
+from threadpar.comm.reduce_op import ReduceOp, accumulate_
+from threadpar.comm.rendezvous import Call, Rendezvous, Slot
+from threadpar.errors import ConfigError, NcclError
+
+# Launch = what the leader enqueues: f(payloads in group-rank order, comm streams in group-rank order).
+Launch = Callable[[list[Any], list[Any]], None]
+
+
+class _Posted(NamedTuple):
+    payload: Any  # the member's tensors, as its op passes them
+    tensors: tuple[torch.Tensor, ...]  # all of them, to protect from the caching allocator
+    ready: Any  # recorded on the member's current stream when it called
+    done: Any  # recorded by the leader on the member's comm stream after the operation
+
+
+def _tensors(payload: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(payload, torch.Tensor):
+        return (payload,)
+    if isinstance(payload, (list, tuple)):
+        return tuple(t for part in payload for t in _tensors(part))
+    return ()
+
+
+class NcclGroup(CopyOps):
+    """The shared state of one group on the `nccl` backend; methods are called by each member."""
+
+    stream_ordered = True  # ProcessGroup: ops return their own Work; no comm worker thread
+
+    def __init__(self, name: str, ranks: Sequence[int], world: Any) -> None:
+        self.name = name
+        self.ranks = tuple(ranks)
+        self.size = len(self.ranks)
+        self.devices = tuple(world.devices[r] for r in self.ranks)
+        self._cuda = world.cuda_api()
+        if not self._cuda.nccl_available():
+            raise ConfigError(
+                f"backend='nccl' (group '{name}'): this torch build has no NCCL support (torch.cuda.nccl cannot "
+                f"run; torch {torch.__version__}); install a CUDA build of torch, or use backend='threads'"
+            )
+        self._abort = world.abort
+        self._timeout = world.timeout
+        self.rendezvous = Rendezvous(name, ranks, world.abort, world.timeout)
+        self.mailboxes = Mailboxes(name, ranks, world.abort, world.timeout)
+        self._lock = threading.Lock()
+        self._streams: list[Any] = [None] * self.size
+        self._comms: list[Any] = [None] * self.size
+        self._clique_key = tuple(str(d) for d in self.devices)
+        self._native_avg = has_native_avg(self._cuda.nccl.version())
+
+    # setup ------------------------------------------------------------------------------------------------------
+    def _stream(self, member: int) -> Any:
+        stream = self._streams[member]
+        if stream is None:
+            with self._lock:
+                if self._streams[member] is None:
+                    self._streams[member] = self._cuda.comm_stream(self.devices[member])
+                stream = self._streams[member]
+        return stream
+
+    def _communicator(self, member: int, call: Call) -> Any:
+        """This member's communicator; on first use every member joins the group's clique (blocking)."""
+        comm = self._comms[member]
+        if comm is not None:
+            return comm
+        cuda = self._cuda
+
+        def choose(slot: Slot) -> bool:
+            # A clique a finished launch left on these devices, or a fresh unique id for a new one. The
+            # clique goes back to the pool when this group is dropped (the members fill self._comms).
+            slot.result = cuda.cliques.take(self._clique_key) or cuda.nccl.unique_id()
+            weakref.finalize(self, cuda.cliques.give_back, self._clique_key, self._comms)
+            return False
+
+        # Sequence number 0 is never a collective's (ProcessGroup counts from 1): the members meet there
+        # once, with the call that needs the communicators (so a mismatch shows already), so that all of
+        # them are present before any blocks inside NCCL's own initialisation, which has no timeout.
+        joining = call._replace(extra=(*call.extra, ("creating", "NCCL communicators")))
+        slot = self.rendezvous.arrive(member, 0, joining, None, leader=choose, final=True)
+        if isinstance(slot.result, bytes):
+            try:
+                with cuda.device_guard(self.devices[member]):
+                    comm = cuda.nccl.init_rank(self.size, slot.result, member)
+            except RuntimeError as error:
+                raise NcclError(
+                    f"creating the NCCL communicator of rank {self.ranks[member]} in group '{self.name}' "
+                    f"(devices {list(self._clique_key)}) failed: {error}"
+                ) from error
+        else:
+            comm = slot.result[member]
+        self._comms[member] = comm
+        return comm
+
+    def _check_devices(self, member: int, op: str, tensors: Sequence[torch.Tensor]) -> None:
+        device = self.devices[member]
+        for t in tensors:
+            if t.device != device:
+                raise ConfigError(
+                    f"{op} on group '{self.name}': rank {self.ranks[member]} runs on {device} but passed a tensor "
+                    f"on {t.device}; move it with tensor.to(threadpar.get_device())"
+                )
+
+    # the common path --------------------------------------------------------------------------------------------
+    def _post(
+        self, member: int, seq: int, call: Call, payload: Any, launch: Launch, *, nccl: bool = True
+    ) -> NcclWork:
+        """Record this member's ready event, post its tensors, and return its Work; the last member to
+        post launches the operation for all (`nccl`: it needs the communicators)."""
+        tensors = _tensors(payload)
+        self._check_devices(member, call.op, tensors)
+        comm = self._communicator(member, call) if nccl else None
+        cuda, device = self._cuda, self.devices[member]
+        ready, done = cuda.event(), cuda.event()
+        ready.record(cuda.current_stream(device))
+        arrival = self.rendezvous.post(
+            member,
+            seq,
+            call,
+            _Posted(payload, tensors, ready, done),
+            leader=lambda slot: self._launch(slot, launch),
+        )
+        return NcclWork(
+            Described(call, seq, self.name, self.ranks[member]),
+            cuda=cuda,
+            device=device,
+            abort=self._abort,
+            timeout=self._timeout,
+            arrival=arrival,
+            done=done,
+            comm=comm,
+        )
+
+    def _launch(self, slot: Slot, launch: Launch) -> bool:
+        posted: list[_Posted] = slot.payloads
+        streams = [self._stream(m) for m in range(self.size)]
+        cuda = self._cuda
+        with cuda.launch_lock:
+            for p, stream in zip(posted, streams):
+                stream.wait_event(p.ready)
+            launch([p.payload for p in posted], streams)
+            for p, stream in zip(posted, streams):
+                p.done.record(stream)
+                for t in p.tensors:
+                    cuda.record_stream(t, stream)
+        return True
+
+    def _nccl(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Call torch.cuda.nccl.<name> with every member's communicator; NCCL failures become NcclError."""
+        try:
+            getattr(self._cuda.nccl, name)(*args, comms=self._comms, **kwargs)
+        except RuntimeError as error:
+            raise NcclError(f"torch.cuda.nccl.{name} on group '{self.name}' failed: {error}") from error
+
+    def _on(self, stream: Any):
+        return self._cuda.on_streams(stream)
+
+    def _contiguous(self, t: torch.Tensor, stream: Any) -> torch.Tensor:
+        if t.is_contiguous():
+            return t
+        with self._on(stream):
+            return t.contiguous()
+
+    # reductions -------------------------------------------------------------------------------------------------
+    def _reduce(
+        self, ins: list[torch.Tensor], outs: list[torch.Tensor], op: ReduceOp, streams, kind: str, root=0
+    ):
+        """The reduction core. kind "all": outs[m] = reduce(ins); "root": outs[root] = reduce(ins);
+        "scatter": outs[m] = reduce(ins)[m-th 1/size]. Every tensor is contiguous, 1-D per member."""
+        plan = reduction_plan(ins[0].dtype, op, self._native_avg)
+        if ins[0].numel() == 0:
+            return
+        if plan.gather:
+            self._gather_reduce(ins, outs, op, streams, kind, root)
+            return
+        wins, wouts = [wire(t, plan) for t in ins], [wire(t, plan) for t in outs]
+        if kind == "all":
+            self._nccl("all_reduce", wins, wouts, op=plan.nccl_op, streams=streams)
+        elif kind == "root":
+            self._nccl("reduce", wins, wouts[root], root=root, op=plan.nccl_op, streams=streams)
+        else:
+            self._nccl("reduce_scatter", wins, wouts, op=plan.nccl_op, streams=streams)
+        self._divide(plan, outs, streams, [root] if kind == "root" else range(self.size))
+
+    def _divide(self, plan: ReductionPlan, outs, streams, members) -> None:
+        if plan.divide:
+            for m in members:
+                with self._on(streams[m]):
+                    accumulate_(outs[m], (), ReduceOp.AVG, self.size)
+
+    def _gather_reduce(self, ins, outs, op: ReduceOp, streams, kind: str, root: int) -> None:
+        """For dtypes/ops NCCL cannot reduce: all-gather the bytes, then each member reduces in rank order."""
+        P, n = self.size, ins[0].numel()
+        stages = []
+        for m in range(P):
+            with self._on(streams[m]):
+                stages.append(torch.empty(P * nbytes(ins[m]), dtype=torch.uint8, device=self.devices[m]))
+        self._nccl("all_gather", [as_bytes(t) for t in ins], stages, streams=streams)
+        for m in [root] if kind == "root" else range(P):
+            rows = stages[m].view(ins[0].dtype).view(P, n)  # rows[s] = member s's input
+            if kind == "scatter":
+                step = n // P
+                rows = rows[:, m * step : (m + 1) * step]
+            with self._on(streams[m]):
+                outs[m].copy_(rows[0])
+                accumulate_(outs[m], list(rows[1:]), op, P)
+
+    def all_reduce(
+        self, member: int, seq: int, call: Call, tensors: list[torch.Tensor], op: ReduceOp
+    ) -> NcclWork:
+        """`tensors`: this member's contiguous tensors (several for a coalesced all-reduce: one buffer)."""
+
+        def launch(payloads: list[list[torch.Tensor]], streams) -> None:
+            bufs = []
+            for ts, stream in zip(payloads, streams):
+                if len(ts) == 1:
+                    bufs.append(flat(ts[0]))
+                else:
+                    with self._on(stream):
+                        bufs.append(torch.cat([flat(t) for t in ts]))
+            self._reduce(bufs, bufs, op, streams, "all")
+            for ts, buf, stream in zip(payloads, bufs, streams):
+                if len(ts) > 1:
+                    with self._on(stream):
+                        torch._foreach_copy_([flat(t) for t in ts], list(buf.split([t.numel() for t in ts])))
+
+        return self._post(member, seq, call, tensors, launch)
+
+    def reduce(
+        self, member: int, seq: int, call: Call, tensor: torch.Tensor, dst: int, op: ReduceOp
+    ) -> NcclWork:
+        def launch(payloads: list[torch.Tensor], streams) -> None:
+            bufs = [flat(t) for t in payloads]
+            self._reduce(bufs, bufs, op, streams, "root", root=dst)
+
+        return self._post(member, seq, call, tensor, launch)
+
+    def reduce_scatter(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        output: torch.Tensor,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+    ) -> NcclWork:
+        def launch(payloads, streams) -> None:
+            ins, outs = [], []
+            for (out, parts), stream in zip(payloads, streams):
+                whole = joined(parts)  # reduce_scatter_tensor: the input is already one buffer
+                if whole is None:
+                    with self._on(stream):
+                        whole = torch.cat([flat(p) for p in parts])
+                ins.append(whole)
+                outs.append(self._contiguous(out, stream))
+            self._reduce(ins, [flat(o) for o in outs], op, streams, "scatter")
+            for (out, _), staged, stream in zip(payloads, outs, streams):
+                if staged is not out:
+                    with self._on(stream):
+                        out.copy_(staged)
+
+        return self._post(member, seq, call, (output, inputs), launch)
+
+    # data movement ----------------------------------------------------------------------------------------------
+    def broadcast(self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int) -> NcclWork:
+        def launch(payloads: list[torch.Tensor], streams) -> None:
+            if payloads[0].numel():
+                self._nccl("broadcast", [as_bytes(t) for t in payloads], root=src, streams=streams)
+
+        return self._post(member, seq, call, tensor, launch)
+
+    def all_gather(
+        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], tensor: torch.Tensor
+    ) -> NcclWork:
+        def launch(payloads, streams) -> None:
+            if payloads[0][1].numel() == 0:
+                return
+            ins, bufs, staged = [], [], []
+            for (outs, t), stream, device in zip(payloads, streams, self.devices):
+                ins.append(as_bytes(self._contiguous(t, stream)))
+                whole = joined(outs)  # all_gather_into_tensor: gather straight into the output
+                staged.append(whole is None)
+                if whole is None:
+                    with self._on(stream):
+                        whole = torch.empty(self.size * nbytes(t), dtype=torch.uint8, device=device)
+                bufs.append(as_bytes(whole))
+            self._nccl("all_gather", ins, bufs, streams=streams)
+            for (outs, t), buf, stream, copy_out in zip(payloads, bufs, streams, staged):
+                if copy_out:  # separate output tensors: copy the chunks out on the comm stream
+                    chunks = buf.view(t.dtype).view(self.size, *t.shape)
+                    with self._on(stream):
+                        torch._foreach_copy_(list(outs), list(chunks.unbind(0)))
+
+        return self._post(member, seq, call, (outputs, tensor), launch)
+
+    def barrier(self, member: int, seq: int, call: Call) -> NcclWork:
+        """A host barrier: done when every member has reached it (it orders no device work)."""
+        return NcclWork(
+            Described(call, seq, self.name, self.ranks[member]),
+            cuda=self._cuda,
+            device=self.devices[member],
+            abort=self._abort,
+            timeout=self._timeout,
+            arrival=self.rendezvous.post(member, seq, call, None),
+        )

@@ -1,0 +1,89 @@
+"""How the nccl backend maps each (dtype, ReduceOp) and tensor layout onto what torch.cuda.nccl offers.
+
+NCCL reduces float32/64, float16, bfloat16, int8, uint8, int32 and int64. The `threads` backend also
+supports bool, int16 and complex; the nccl backend covers them the same way:
+
+- data movement (broadcast, all-gather, copies) does not care about dtypes: tensors travel as bytes;
+- complex SUM/AVG reduce the (real, imag) float pairs, which is the same arithmetic;
+- whatever is left (bool, int16, complex PRODUCT) is all-gathered as bytes and reduced by each member on
+  its comm stream, in rank order, with the very function the `threads` backend uses (`accumulate_`).
+
+AVG uses NCCL's own average (ncclAvg, NCCL >= 2.10) for floating dtypes; otherwise SUM, then a division
+on the comm stream that rounds like the `threads` backend (towards zero for integers).
+Pure functions only: no CUDA calls here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from threadpar.comm.reduce_op import ReduceOp
+
+# ncclRedOp_t values, which torch.cuda.nccl passes through unchanged.
+NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
+NCCL_REDUCIBLE = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
+}  # fmt: skip
+NCCL_AVG_VERSION = (2, 10)
+
+
+class ReductionPlan(NamedTuple):
+    gather: bool  # all-gather bytes and reduce locally (dtype/op NCCL lacks)
+    as_real: bool  # complex viewed as its float (real, imag) pairs
+    nccl_op: int  # the ncclRedOp_t to pass
+    divide: bool  # AVG as SUM, then divide by the group size on the comm stream
+
+
+def has_native_avg(version: Sequence[int | str]) -> bool:
+    """NCCL 2.10 brought ncclAvg (and bfloat16, which torch only maps to NCCL from then on)."""
+    return tuple(int(v) for v in version[:2]) >= NCCL_AVG_VERSION
+
+
+def reduction_plan(dtype: torch.dtype, op: ReduceOp, native_avg: bool) -> ReductionPlan:
+    """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16)."""
+    as_real = dtype.is_complex and op in (ReduceOp.SUM, ReduceOp.AVG)
+    old_bf16 = dtype == torch.bfloat16 and not native_avg
+    if old_bf16 or (not as_real and dtype not in NCCL_REDUCIBLE):
+        return ReductionPlan(gather=True, as_real=False, nccl_op=-1, divide=False)
+    floating = as_real or dtype.is_floating_point
+    if op is ReduceOp.AVG and not (native_avg and floating):
+        return ReductionPlan(gather=False, as_real=as_real, nccl_op=NCCL_OPS[ReduceOp.SUM], divide=True)
+    return ReductionPlan(gather=False, as_real=as_real, nccl_op=NCCL_OPS[op], divide=False)
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as a 1-D view."""
+    return tensor.view(-1)
+
+
+def wire(tensor: torch.Tensor, plan: ReductionPlan) -> torch.Tensor:
+    """The 1-D view of a contiguous tensor that NCCL reduces under `plan`."""
+    flat_view = tensor.view(-1)
+    return torch.view_as_real(flat_view).view(-1) if plan.as_real else flat_view
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of any dtype as a 1-D uint8 view (for data movement)."""
+    return tensor.view(-1).view(torch.uint8)
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """If `parts` lie back to back in one storage (the chunks of one contiguous tensor, as
+    all_gather_into_tensor and reduce_scatter_tensor pass them), the 1-D tensor covering all of them."""
+    first = parts[0]
+    step = first.numel()
+    if not all(p.is_contiguous() and p.dtype == first.dtype and p.numel() == step for p in parts):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    size = step * first.element_size()
+    for i, p in enumerate(parts):
+        if p.untyped_storage().data_ptr() != storage or p.data_ptr() != first.data_ptr() + i * size:
+            return None
+    return first.as_strided((step * len(parts),), (1,), first.storage_offset())

@@ -1,0 +1,106 @@
+"""Random streams for tensor parallelism: which ranks share a dropout mask, and weight init.
+
+torch.nn.functional.dropout draws from the process-wide default generator, which all rank threads share
+(rule 3 of DESIGN.md), and Megatron's trick of swapping that generator's state per region is not
+thread-safe. So each rank has an RNGTracker of named torch.Generators, and ParallelDropout draws its
+mask from one of them explicitly:
+
+- TP_REGION: seeded with the TP rank. Inside the TP region (attention probabilities over this rank's
+  heads, an MLP's sharded hidden, or any activation split along the sequence under sequence parallelism)
+  ranks hold different parts of the activation, so their masks must differ. Identical across DP replicas.
+- REPLICATED: shared by the TP group, for activations every TP rank holds whole (it would be wrong for
+  them to disagree: the replicas of the activation would diverge).
+- INIT: shared by the TP group; TP layers draw their dense initial weights from it and keep their shard,
+  so a TP model starts as the dense model split, whatever the TP size.
+
+Every stream is also keyed by the pipeline stage and context-parallel rank. Seeds derive from
+`launch(seed=...)`, so runs repeat. Generators live on the rank's device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from threadpar.errors import ConfigError
+from threadpar.runtime.context import current
+from threadpar.runtime.rng import derive_seed
+from threadpar.topology import Coords
+
+TP_REGION = "tensor-parallel-region"
+REPLICATED = "replicated"
+INIT = "init"
+_PER_TP_RANK = {TP_REGION}
+
+
+class RNGTracker:
+    """One rank's named generators (created on first use); see the module docstring for the streams."""
+
+    def __init__(self, base_seed: int, coords: Coords, device: torch.device) -> None:
+        self._base_seed = base_seed
+        self._coords = coords
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def seed(self, name: str) -> int:
+        keys = ("tp-rng", name, self._coords.pp, self._coords.cp)
+        if name in _PER_TP_RANK:
+            keys += (self._coords.tp,)
+        return derive_seed(self._base_seed, *keys)
+
+    def generator(self, name: str = REPLICATED) -> torch.Generator:
+        gen = self._generators.get(name)
+        if gen is None:
+            gen = self._generators[name] = torch.Generator(device=self.device)
+            gen.manual_seed(self.seed(name))
+        return gen
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The generators' states, for a checkpoint (each rank saves its own)."""
+        return {name: gen.get_state() for name, gen in self._generators.items()}
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        for name, state in states.items():
+            self.generator(name).set_state(state)
+
+
+def get_rng_tracker() -> RNGTracker:
+    """This rank's tracker (inside a launched rank thread)."""
+    ctx = current()
+    tracker = ctx.extras.get("tp_rng_tracker")
+    if tracker is None:
+        tracker = ctx.extras["tp_rng_tracker"] = RNGTracker(ctx.world.seed, ctx.coords, ctx.device)
+    return tracker
+
+
+def dropout(x: torch.Tensor, p: float, generator: torch.Generator, training: bool = True) -> torch.Tensor:
+    """Inverted dropout whose mask comes from `generator` (on x's device)."""
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    keep = torch.rand(x.shape, generator=generator, device=x.device) >= p  # bool mask: 1 byte per element
+    return x.masked_fill(~keep, 0.0) * (1.0 / (1.0 - p))
+
+
+class ParallelDropout(nn.Module):
+    """nn.Dropout drawing from this rank's TP_REGION stream (`in_tp_region=True`) or REPLICATED stream.
+
+    Use in_tp_region=True where TP ranks hold different parts of the activation: after attention softmax
+    over a rank's heads, and on activations split along the sequence under sequence parallelism.
+    """
+
+    def __init__(self, p: float = 0.5, *, in_tp_region: bool = False) -> None:
+        super().__init__()
+        if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ConfigError(f"dropout probability must be between 0 and 1, got {p!r}")
+        self.p = float(p)
+        self.in_tp_region = bool(in_tp_region)
+        # Captured now, on the rank thread: forward may run where there is no rank context.
+        self.generator = get_rng_tracker().generator(TP_REGION if in_tp_region else REPLICATED)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.generator, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, in_tp_region={self.in_tp_region}"

@@ -1,0 +1,71 @@
+"""Sequence parallelism's replicated parameters: the gradients that must be summed over the TP group.
+
+Under sequence parallelism the activations outside the TP region are split along the sequence, so a
+parameter replicated on every TP rank and applied there (LayerNorm weights, the bias RowParallelLinear
+adds after its reduce-scatter, a position embedding added to a sequence shard) gets on each rank only the
+gradient of its own part of the sequence. Summing those partial gradients over the TP group gives the
+dense gradient. Megatron marks such parameters `sequence_parallel=True`; here a module records the names
+of its marked parameters (a module attribute, which survives copy.deepcopy, `to_empty` and `.to`), and
+`allreduce_sequence_parallel_grads` sums their gradients in one collective after backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from threadpar.comm.group import ProcessGroup
+from threadpar.errors import ConfigError
+from threadpar.parallel.tensor_parallel.collectives import resolve_tp_group
+
+# On a module: the frozenset of names of its own parameters that are sequence-parallel replicas.
+SP_PARAMS_ATTR = "sequence_parallel_params"
+
+
+def mark_sequence_parallel(*modules: nn.Module, names: Iterable[str] | None = None) -> None:
+    """Mark parameters of `modules` (all of them and their children's, or only those `names`) as
+    replicated across the TP group and applied to sequence shards, e.g. `mark_sequence_parallel(block.ln_1)`."""
+    for module in modules:
+        targets = [(module, list(names))] if names is not None else list(_own_params(module))
+        for sub, own in targets:
+            missing = [n for n in own if not isinstance(getattr(sub, n, None), nn.Parameter)]
+            if missing:
+                raise ConfigError(
+                    f"{type(sub).__name__} has no parameters named {missing}; name its own parameters"
+                )
+            setattr(sub, SP_PARAMS_ATTR, frozenset(getattr(sub, SP_PARAMS_ATTR, ())) | frozenset(own))
+
+
+def _own_params(module: nn.Module):
+    for sub in module.modules():
+        own = [n for n, _ in sub.named_parameters(recurse=False)]
+        if own:
+            yield sub, own
+
+
+def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The marked parameters of `module` (each once, in module order)."""
+    seen, params = set(), []
+    for sub in module.modules():
+        for name in sorted(getattr(sub, SP_PARAMS_ATTR, ())):
+            param = getattr(sub, name)
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, group: ProcessGroup | str | None = None) -> None:
+    """Sum the gradients of the marked parameters over the TP group (call after backward, before the
+    optimizer step, on every TP rank). One coalesced all-reduce per dtype."""
+    group = resolve_tp_group(group)
+    if group.size() == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in sequence_parallel_parameters(module):
+        if param.grad is not None:
+            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        group.all_reduce_coalesced(by_dtype[dtype])

@@ -1,0 +1,305 @@
+"""`PipelineParallel`: run this rank's actions of a pipeline schedule over the PP group.
+
+Every rank of the pipeline builds one with its own chunks (the modules of the global chunks
+stage, stage + pp, ...) and calls `train_step` with the same arguments, SPMD style:
+
+    chunks = build_chunks(layers, pp_size=pp, pp_rank=stage, chunks_per_stage=v, first=embed, last=head)
+    pipe = PipelineParallel(chunks, loss_fn=F.cross_entropy, schedule="interleaved", num_microbatches=8)
+    loss = pipe.train_step(inputs, targets)  # inputs used on the first stage, targets on the last
+
+Each microbatch's saved activations are released as soon as its backward has run. A chunk that has a
+`no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its last of the step
+inside `no_sync()`, so its gradients are synchronized once per step, after the last microbatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from threadpar.comm.group import ProcessGroup
+from threadpar.errors import ConfigError, RankAborted
+from threadpar.pipeline.p2p import (
+    Link,
+    LocalChannel,
+    add_note,
+    check_tag_range,
+    gradient_anchor,
+    message_tag,
+    recv_activation,
+    run_backward,
+    send_activation,
+)
+from threadpar.pipeline.schedule import Action, Plan, build_plan
+from threadpar.pipeline.simulator import Simulation, simulate
+from threadpar.pipeline.timeline import Timeline
+from threadpar.runtime.context import get_group
+
+
+def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
+    handle = group if isinstance(group, ProcessGroup) else get_group("PP" if group is None else group)
+    if not handle.is_member():
+        raise ConfigError(
+            f"PipelineParallel: rank {handle.global_rank} is not a member of group '{handle.name}'; "
+            "pass group=None for this rank's PP group"
+        )
+    return handle
+
+
+@functools.lru_cache(maxsize=32)
+def _named_plan(schedule: str, pp: int, n: int, v: int) -> tuple[Plan, Simulation]:
+    """A named schedule's plan and its dry run. Both are immutable data, so the stages of a pipeline (threads
+    of one process) share one copy instead of each building and checking its own."""
+    plan = build_plan(schedule, pp, n, v)
+    return plan, simulate(plan)
+
+
+def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
+    for chunk in chunks:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+class PipelineParallel:
+    """This rank's stage of a pipeline: its chunks, its action list, its links to the neighbouring ranks."""
+
+    def __init__(
+        self,
+        chunks: nn.Module | Sequence[nn.Module],
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        schedule: str | Plan = "1f1b",
+        num_microbatches: int,
+        group: ProcessGroup | str | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        chunk_list = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
+        if not chunk_list or not all(isinstance(c, nn.Module) for c in chunk_list):
+            raise TypeError("PipelineParallel: chunks must be an nn.Module or a non-empty list of nn.Modules")
+        if not callable(loss_fn):
+            raise TypeError(f"PipelineParallel: loss_fn must be callable, got {type(loss_fn).__name__}")
+        if optimizer is not None and not (hasattr(optimizer, "step") and hasattr(optimizer, "zero_grad")):
+            raise TypeError("PipelineParallel: optimizer must have step() and zero_grad()")
+        n = num_microbatches
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"PipelineParallel: num_microbatches must be a positive int, got {n!r}")
+        self.chunks = chunk_list
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.num_microbatches = n
+        self.group = _resolve_group(group)
+        self.pp, self.stage = self.group.size(), self.group.rank()
+        # The dry run proves the plan cannot deadlock; its unit-cost grid is what a failure report shows.
+        self.plan, self.simulation = self._make_plan(schedule, len(chunk_list))
+        check_tag_range(self.plan.num_chunks, n)
+        self.actions: tuple[Action, ...] = self.plan.actions[self.stage]
+        self.is_first_stage = self.stage == 0
+        self.is_last_stage = self.stage == self.pp - 1
+        self.expected_peak_saved_activations = self.simulation.peak_in_flight[self.stage]
+        self.peak_saved_activations = 0  # measured by the last train_step
+        self.timeline = Timeline(self.group.global_rank, self.stage)
+        self.device = _device_of(chunk_list)
+        channel = self.group if self.pp > 1 else LocalChannel()
+        ranks = self.group.ranks
+        self._from_prev = Link(channel, ranks[(self.stage - 1) % self.pp], self.device, self.timeline)
+        self._to_next = Link(channel, ranks[(self.stage + 1) % self.pp], self.device, self.timeline)
+        self._anchor = gradient_anchor(self.device)
+        # Gradient sync (DDP chunks): only the last backward of each chunk runs outside no_sync().
+        last_backward = {a.chunk: i for i, a in enumerate(self.actions) if not a.forward}
+        self._sync_indices = frozenset(last_backward.values())
+        self._forward_plan: tuple[Plan, Simulation] | None = None
+        self._check_agreement()
+
+    # construction helpers ---------------------------------------------------------------------------------------
+    def _make_plan(self, schedule: str | Plan, v: int) -> tuple[Plan, Simulation]:
+        if isinstance(schedule, str):
+            return _named_plan(schedule, self.pp, self.num_microbatches, v)
+        if not isinstance(schedule, Plan):
+            raise TypeError(
+                f"PipelineParallel: schedule must be a name ('afab', '1f1b', 'interleaved') or a Plan, "
+                f"got {type(schedule).__name__}"
+            )
+        wanted = {"pp": self.pp, "n": self.num_microbatches, "v": v}
+        got = {"pp": schedule.pp, "n": schedule.n, "v": schedule.v}
+        if got != wanted or schedule.forward_only:
+            raise ConfigError(
+                f"PipelineParallel: the plan {schedule.name!r} is for {got} (forward only: "
+                f"{schedule.forward_only}), but this pipeline has pp={self.pp} ranks, num_microbatches="
+                f"{self.num_microbatches} and {v} chunks on this rank; pass a training plan of those sizes"
+            )
+        return schedule, simulate(schedule)
+
+    def _check_agreement(self) -> None:
+        """Every stage must run the same plan with the same chunk count: check once, instead of hanging."""
+        if self.pp == 1:
+            return
+        facts = [len(self.chunks), self.num_microbatches, zlib.crc32(str(self.plan).encode())]
+        mine = torch.tensor(facts, dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.pp * 3, dtype=torch.int64, device=self.device)
+        self.group.all_gather_into_tensor(everyone, mine)
+        rows = everyone.view(self.pp, 3).tolist()
+        if any(row != rows[0] for row in rows):
+            table = ", ".join(f"stage {s}: {c} chunks, n={n}" for s, (c, n, _) in enumerate(rows))
+            raise ConfigError(
+                f"PipelineParallel: the stages of group '{self.group.name}' disagree ({table}; plans "
+                f"{'equal' if len({r[2] for r in rows}) == 1 else 'differ'}); every stage must pass the "
+                "same schedule, num_microbatches and number of chunks"
+            )
+
+    # public API -------------------------------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of this rank's chunks (what its optimizer updates)."""
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+    def train_step(self, inputs: torch.Tensor | None = None, targets: Any = None) -> torch.Tensor:
+        """One step: forward and backward of every microbatch in schedule order, gradients accumulated
+        (each microbatch loss scaled by 1/n). Returns the mean loss (0-dim float32) on every stage."""
+        input_mbs = self._split("inputs", inputs) if self.is_first_stage else None
+        target_mbs = self._split("targets", targets) if self.is_last_stage else None
+        saved: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk, microbatch) -> backward root
+        losses: list[torch.Tensor] = []
+        peak = 0
+
+        def run(index: int, action: Action) -> None:
+            nonlocal peak
+            if action.forward:
+                output = self._forward(action, input_mbs)
+                if action.chunk == self.plan.num_chunks - 1:
+                    loss = self._loss(output, target_mbs[action.microbatch])
+                    losses.append(loss.detach())
+                    saved[(action.chunk, action.microbatch)] = loss / self.num_microbatches
+                else:
+                    saved[(action.chunk, action.microbatch)] = send_activation(
+                        output, self._to_next, chunk=action.chunk, microbatch=action.microbatch
+                    )
+                peak = max(peak, len(saved))
+            else:
+                # pop: the graph (this microbatch's activations) is freed by its backward, right here.
+                self._backward(action, index, saved.pop((action.chunk, action.microbatch)))
+
+        with torch.enable_grad():
+            self._run(self.actions, self.simulation, run)
+        self.peak_saved_activations = peak
+        loss = self._share_loss(losses)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def eval_step(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward only, without autograd: the model's output for the whole batch on the last stage (the
+        microbatch outputs concatenated along dim 0), None on the other stages."""
+        if self._forward_plan is None:
+            plan = self.plan.forward_plan()
+            self._forward_plan = (plan, simulate(plan))
+        plan, simulation = self._forward_plan
+        input_mbs = self._split("inputs", inputs) if self.is_first_stage else None
+        outputs: list[torch.Tensor] = []
+
+        def run(index: int, action: Action) -> None:
+            output = self._forward(action, input_mbs)
+            if action.chunk == plan.num_chunks - 1:
+                outputs.append(output)
+            else:
+                send_activation(output, self._to_next, chunk=action.chunk, microbatch=action.microbatch)
+
+        with torch.no_grad():
+            self._run(plan.actions[self.stage], simulation, run)
+        return torch.cat(outputs) if self.is_last_stage else None
+
+    # the action loop --------------------------------------------------------------------------------------------
+    def _run(self, actions: Sequence[Action], simulation: Simulation, run: Callable[[int, Action], None]):
+        self.timeline.clear()
+        record = self.timeline.record
+        for index, action in enumerate(actions):
+            t0 = time.perf_counter()
+            try:
+                run(index, action)
+            except RankAborted:
+                raise  # a consequence of another rank's failure, reported there
+            except Exception as error:
+                add_note(error, self._failure_report(simulation, index, action))
+                raise
+            record(str(action), "forward" if action.forward else "backward", t0, time.perf_counter())
+
+    def _failure_report(self, simulation: Simulation, index: int, action: Action) -> str:
+        grid = simulation.grid(mark=[(self.stage, index)], legend="[x] = the failing action (unit-cost grid)")
+        return (
+            f"pipeline schedule {simulation.plan.name!r} failed on rank {self.group.global_rank} "
+            f"(stage {self.stage}) in action {action} ({'forward' if action.forward else 'backward'} of "
+            f"microbatch {action.microbatch} through chunk {action.chunk}), its action #{index}:\n{grid}"
+        )
+
+    def _forward(self, action: Action, input_mbs: list | None) -> Any:
+        chunk, microbatch = action.chunk, action.microbatch
+        if chunk == 0:
+            x = input_mbs[microbatch]
+        else:
+            x = recv_activation(self._from_prev, self._anchor, chunk=chunk, microbatch=microbatch)
+        return self.chunks[action.local_chunk(self.pp)](x)
+
+    def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
+        module = self.chunks[action.local_chunk(self.pp)]
+        no_sync = getattr(module, "no_sync", None)
+        sync_guard = (
+            no_sync() if callable(no_sync) and index not in self._sync_indices else contextlib.nullcontext()
+        )
+        with sync_guard:
+            if action.chunk == self.plan.num_chunks - 1:
+                if root is not None and root.requires_grad:
+                    root.backward()
+            elif root is not None:
+                run_backward(root)  # receives dL/d(output) from the next stage, sends dL/d(input) back
+            else:
+                # This chunk's output needs no gradient (a frozen first chunk): take the gradient the
+                # next stage sends anyway, so no message is left behind.
+                self._to_next.recv(message_tag(action.microbatch, action.chunk, backward=True))
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError(
+                f"PipelineParallel: loss_fn must return a scalar tensor (a mean over the microbatch), got "
+                f"{type(loss).__name__}{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+            )
+        return loss.reshape(())
+
+    def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean microbatch loss, computed on the last stage and broadcast to every stage."""
+        mean = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.is_last_stage:
+            mean = torch.stack(losses).to(torch.float64).mean()
+        if self.pp > 1:
+            self.group.broadcast(mean, src=self.group.ranks[-1])
+        return mean.to(torch.float32)
+
+    def _split(self, what: str, batch: Any) -> list:
+        n = self.num_microbatches
+        stage = "first" if what == "inputs" else "last"
+        if not isinstance(batch, torch.Tensor):
+            raise TypeError(
+                f"PipelineParallel: the {stage} stage needs {what} as a tensor whose dim 0 is the batch, "
+                f"got {type(batch).__name__}"
+            )
+        if batch.dim() == 0 or batch.shape[0] % n:
+            size = batch.shape[0] if batch.dim() else "no"
+            raise ConfigError(
+                f"PipelineParallel: {what} has batch size {size} (dim 0), which must be a multiple of "
+                f"num_microbatches={n} so that every microbatch has the same size"
+            )
+        return list(batch.split(batch.shape[0] // n))
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelineParallel(stage {self.stage} of {self.pp}, {len(self.chunks)} chunks, "
+            f"schedule {self.plan.name!r}, {self.num_microbatches} microbatches)"
+        )

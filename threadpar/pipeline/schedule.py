@@ -1,0 +1,249 @@
+"""Pipeline schedules as data (pure: no torch, no threads): actions, plans, their text form, generators.
+
+An `Action` is one unit of work on one rank: the forward or backward of one microbatch through one chunk.
+Chunks are numbered globally (virtual stages): chunk c runs on rank c % pp as local chunk c // pp, so the
+forward of chunk c feeds chunk c + 1, which runs on the next rank (wrapping from the last rank to rank 0
+when a rank holds several chunks). Its short form is torch.distributed.pipelining's: "1F3" is chunk 1,
+forward, microbatch 3.
+
+A `Plan` is every rank's ordered action list. The generators build the classic schedules:
+
+- afab / gpipe: all forwards, then all backwards (InfiniTrain's GPipe table, chunks in step order).
+- 1f1b: pp - rank - 1 warm-up forwards, then one forward one backward, then the remaining backwards.
+- interleaved: Megatron's interleaved 1F1B over v chunks per rank (needs n to be a multiple of pp).
+
+`simulator.simulate` runs a plan to prove it cannot deadlock and to predict its timing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from threadpar.errors import ConfigError
+
+
+class ScheduleError(ConfigError):
+    """A plan that cannot run: a missing or misplaced action, a backward before its forward, a deadlock."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """The forward or backward of `microbatch` through global chunk `chunk`, on `rank`."""
+
+    rank: int
+    chunk: int
+    microbatch: int
+    forward: bool
+
+    def __str__(self) -> str:
+        return f"{self.chunk}{'F' if self.forward else 'B'}{self.microbatch}"
+
+    def local_chunk(self, pp: int) -> int:
+        """Index of the chunk among the rank's own chunks."""
+        return self.chunk // pp
+
+    @classmethod
+    def parse(cls, text: str, rank: int) -> Action:
+        """Inverse of str(): `Action.parse("1F3", rank=1)`."""
+        match = _ACTION_RE.fullmatch(text.strip())
+        if match is None:
+            raise ScheduleError(
+                f"cannot parse action {text!r}: write chunk, F or B, microbatch, e.g. '0F1' or '3B0'"
+            )
+        chunk, kind, microbatch = match.groups()
+        return cls(rank, int(chunk), int(microbatch), kind.upper() == "F")
+
+
+_ACTION_RE = re.compile(r"(\d+)([FBfb])(\d+)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every rank's ordered actions for `n` microbatches on `pp` ranks with `v` chunks each."""
+
+    name: str
+    pp: int
+    n: int
+    v: int
+    actions: tuple[tuple[Action, ...], ...]  # actions[rank], in execution order
+    forward_only: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        actions = [a for row in self.actions for a in row]
+        object.__setattr__(self, "forward_only", bool(actions) and all(a.forward for a in actions))
+        _validate(self)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pp * self.v
+
+    def __str__(self) -> str:
+        return "\n".join(f"r{r}: {' '.join(str(a) for a in row)}" for r, row in enumerate(self.actions))
+
+    @classmethod
+    def parse(cls, text: str, name: str = "custom") -> Plan:
+        """Inverse of str(): one line per rank, "r0: 0F0 0F1 0B0 0B1"; pp, n and v follow from the actions."""
+        rows: list[list[Action]] = []
+        for line in (ln.strip() for ln in text.strip().splitlines()):
+            if not line:
+                continue
+            label, sep, body = line.partition(":")
+            if not sep or label.strip() != f"r{len(rows)}":
+                raise ScheduleError(
+                    f"plan line {line!r} must start with 'r{len(rows)}:' (one line per rank, in rank order)"
+                )
+            rows.append([Action.parse(tok, len(rows)) for tok in body.split()])
+        actions = [a for row in rows for a in row]
+        if not actions:
+            raise ScheduleError("cannot parse an empty plan: give one line of actions per rank")
+        pp = len(rows)
+        v = max(a.chunk for a in actions) // pp + 1
+        n = max(a.microbatch for a in actions) + 1
+        return cls(name, pp, n, v, tuple(tuple(r) for r in rows))
+
+    def forward_plan(self) -> Plan:
+        """The forwards alone, in the same order: what an evaluation step runs."""
+        rows = tuple(tuple(a for a in row if a.forward) for row in self.actions)
+        return Plan(f"{self.name} (forward only)", self.pp, self.n, self.v, rows)
+
+
+def _validate(plan: Plan) -> None:
+    """Structural checks: every (chunk, microbatch) forward, and backward unless forward-only, exactly
+    once on its rank, each backward after its forward. Whether the plan deadlocks is the simulator's job."""
+    for name in ("pp", "n", "v"):
+        value = getattr(plan, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"plan {plan.name!r}: {name} must be a positive int, got {value!r}")
+    if len(plan.actions) != plan.pp:
+        raise ScheduleError(f"plan {plan.name!r} has {len(plan.actions)} rank rows for pp={plan.pp}")
+    seen: dict[tuple[int, int, bool], int] = {}
+    for rank, row in enumerate(plan.actions):
+        for index, a in enumerate(row):
+            where = f"plan {plan.name!r}, rank {rank}, action {index} ({a})"
+            if a.rank != rank or a.chunk % plan.pp != rank:
+                raise ScheduleError(f"{where}: chunk {a.chunk} runs on rank {a.chunk % plan.pp}, not here")
+            if not (0 <= a.chunk < plan.num_chunks and 0 <= a.microbatch < plan.n):
+                raise ScheduleError(
+                    f"{where}: chunk must be in 0..{plan.num_chunks - 1}, microbatch in 0..{plan.n - 1}"
+                )
+            key = (a.chunk, a.microbatch, a.forward)
+            if key in seen:
+                raise ScheduleError(f"{where}: {a} appears twice")
+            if not a.forward and (a.chunk, a.microbatch, True) not in seen:
+                raise ScheduleError(
+                    f"{where}: the backward comes before its forward {a.chunk}F{a.microbatch}"
+                )
+            seen[key] = index
+    kinds = (True,) if plan.forward_only else (True, False)
+    missing = [
+        Action(c % plan.pp, c, m, f)
+        for c in range(plan.num_chunks)
+        for m in range(plan.n)
+        for f in kinds
+        if (c, m, f) not in seen
+    ]
+    if missing:
+        shown = ", ".join(f"r{a.rank}:{a}" for a in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ScheduleError(f"plan {plan.name!r} misses {len(missing)} actions: {shown}")
+
+
+# generators -------------------------------------------------------------------------------------------------
+def _check_sizes(schedule: str, pp: object, n: object, v: object) -> None:
+    for name, value in (("pp", pp), ("num_microbatches", n), ("chunks per rank", v)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"schedule {schedule!r}: {name} must be a positive int, got {value!r}")
+
+
+def afab(pp: int, n: int, v: int = 1) -> Plan:
+    """All forwards, then all backwards (GPipe). With v > 1 each rank runs its chunks in the order of
+    InfiniTrain's table: forward of (c, m) at step m + c, backward at step m + (pp*v - 1 - c)."""
+    _check_sizes("afab", pp, n, v)
+    last = pp * v - 1
+    rows = []
+    for r in range(pp):
+        cells = [(c, m) for c in range(r, pp * v, pp) for m in range(n)]
+        forwards = sorted(cells, key=lambda cm: (cm[1] + cm[0], cm[0]))
+        backwards = sorted(cells, key=lambda cm: (cm[1] + last - cm[0], -cm[0]))
+        rows.append(
+            [Action(r, c, m, True) for c, m in forwards] + [Action(r, c, m, False) for c, m in backwards]
+        )
+    return Plan("afab", pp, n, v, tuple(tuple(row) for row in rows))
+
+
+def one_f_one_b(pp: int, n: int, v: int = 1) -> Plan:
+    """1F1B: rank r runs min(pp - r - 1, n) warm-up forwards, then alternates forward and backward, then
+    drains the backwards. At most pp - r microbatches are in flight on rank r."""
+    _check_sizes("1f1b", pp, n, v)
+    if v != 1:
+        raise ConfigError(
+            f"schedule '1f1b' runs one chunk per rank, but this rank has {v}; "
+            "use schedule='interleaved' for several chunks per rank, or 'afab'"
+        )
+    rows = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, n)
+        row = [Action(r, r, m, True) for m in range(warmup)]
+        for i in range(n - warmup):
+            row += [Action(r, r, warmup + i, True), Action(r, r, i, False)]
+        row += [Action(r, r, m, False) for m in range(n - warmup, n)]
+        rows.append(row)
+    return Plan("1f1b", pp, n, 1, tuple(tuple(row) for row in rows))
+
+
+def interleaved_1f1b(pp: int, n: int, v: int = 2) -> Plan:
+    """Megatron's interleaved 1F1B. Microbatches go through the chunks in groups of pp: the k-th forward of
+    a rank is microbatch (k // (pp*v)) * pp + k % pp on its local chunk (k // pp) % v; backwards visit the
+    local chunks in reverse. Warm-up: 2 (pp - r - 1) + (v - 1) pp forwards."""
+    _check_sizes("interleaved", pp, n, v)
+    if v < 2:
+        raise ConfigError(
+            "schedule 'interleaved' needs at least 2 chunks per rank (one module per chunk); "
+            "with one chunk per rank use schedule='1f1b'"
+        )
+    if n % pp:
+        raise ConfigError(
+            f"schedule 'interleaved' sends microbatches through the chunks in groups of pp={pp}, so "
+            f"num_microbatches must be a multiple of {pp}; got {n}: use {max(pp, n - n % pp)} or "
+            f"{n - n % pp + pp}, or schedule='1f1b'/'afab'"
+        )
+    total = n * v
+
+    def action(r: int, k: int, forward: bool) -> Action:
+        group, within = divmod(k, pp * v)
+        local = within // pp if forward else v - 1 - within // pp
+        return Action(r, local * pp + r, group * pp + within % pp, forward)
+
+    rows = []
+    for r in range(pp):
+        warmup = min(2 * (pp - r - 1) + (v - 1) * pp, total)
+        row = [action(r, k, True) for k in range(warmup)]
+        for i in range(total - warmup):
+            row += [action(r, warmup + i, True), action(r, i, False)]
+        row += [action(r, k, False) for k in range(total - warmup, total)]
+        rows.append(row)
+    return Plan("interleaved", pp, n, v, tuple(tuple(row) for row in rows))
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], Plan]] = {
+    "afab": afab,
+    "gpipe": afab,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "interleaved1f1b": interleaved_1f1b,
+}
+
+
+def build_plan(schedule: str, pp: int, n: int, v: int = 1) -> Plan:
+    """The plan of a named schedule ("afab"/"gpipe", "1f1b", "interleaved") for pp ranks, n microbatches
+    and v chunks per rank; raises ConfigError at once for sizes the schedule cannot run."""
+    key = schedule.lower().replace("-", "_") if isinstance(schedule, str) else None
+    if key not in SCHEDULES:
+        raise ConfigError(
+            f"unknown pipeline schedule {schedule!r}; use one of 'afab' (alias 'gpipe'), '1f1b', "
+            "'interleaved', or pass a Plan"
+        )
+    return SCHEDULES[key](pp, n, v)

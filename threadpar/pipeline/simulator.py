@@ -1,0 +1,195 @@
+"""Dry-run a plan (pure): blocking receives, buffered sends, unit or given costs; and the grid printer.
+
+Each rank runs its actions in order. An action starts when its rank is free and its inputs have arrived:
+the forward of chunk c needs the forward of chunk c - 1 (same microbatch), the backward of chunk c needs
+its own forward and the backward of chunk c + 1. Sends never block (threadpar's mailboxes buffer them).
+If no rank can move while some still have work, the plan deadlocks: `simulate` raises a ScheduleError
+with the grid of what ran and the blocked actions marked. Otherwise it reports every action's start and
+finish, each rank's peak number of saved activations (forwards whose backward has not run) and the bubble.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from threadpar.errors import ConfigError
+from threadpar.pipeline.schedule import Action, Plan, ScheduleError
+
+Key = tuple[int, int, bool]  # (chunk, microbatch, forward)
+# An error grid wider than this many time steps shows only the steps around the marked actions.
+GRID_MAX_STEPS = 24
+
+
+@dataclass(frozen=True)
+class Simulation:
+    plan: Plan
+    start: tuple[tuple[float, ...], ...]  # start[rank][i]: start time of the rank's i-th action
+    finish: tuple[tuple[float, ...], ...]
+    busy: tuple[float, ...]  # per rank: total cost of its actions
+    peak_in_flight: tuple[int, ...]  # per rank: most (chunk, microbatch) activations saved at once
+
+    @property
+    def makespan(self) -> float:
+        return max((row[-1] for row in self.finish if row), default=0.0)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the ranks over the step: 1 - total busy time / (pp * makespan)."""
+        span = self.makespan
+        return 1.0 - sum(self.busy) / (self.plan.pp * span) if span > 0 else 0.0
+
+    def grid(self, mark: Iterable[tuple[int, int]] = (), legend: str = "") -> str:
+        """Ranks x start times; `mark` holds (rank, action index) pairs to show in brackets."""
+        return render_grid(self.plan, self.start, set(mark), legend)
+
+
+def in_flight_peaks(plan: Plan) -> tuple[int, ...]:
+    """Per rank, the most forwards done whose backward has not (what its executor must keep saved)."""
+    peaks = []
+    for row in plan.actions:
+        live = peak = 0
+        for a in row:
+            live += 1 if a.forward else -1
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _inputs(a: Action, last_chunk: int) -> list[Key]:
+    """The actions whose results `a` waits for."""
+    if a.forward:
+        return [(a.chunk - 1, a.microbatch, True)] if a.chunk > 0 else []
+    deps = [(a.chunk, a.microbatch, True)]
+    if a.chunk < last_chunk:
+        deps.append((a.chunk + 1, a.microbatch, False))
+    return deps
+
+
+def _cost_function(
+    forward: float, backward: float, cost: Callable[[Action], float] | None
+) -> Callable[[Action], float]:
+    if cost is not None:
+        if not callable(cost):
+            raise ConfigError(f"cost must be a function of an Action, got {type(cost).__name__}")
+        return cost
+    for name, value in (("forward", forward), ("backward", backward)):
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{name} cost must be a non-negative number, got {value!r}")
+    return lambda a: forward if a.forward else backward
+
+
+def simulate(
+    plan: Plan,
+    *,
+    forward: float = 1.0,
+    backward: float = 1.0,
+    cost: Callable[[Action], float] | None = None,
+    latency: float = 0.0,
+) -> Simulation:
+    """Run `plan` with the given cost per forward and backward (or `cost(action)`), and `latency` from a
+    send on one rank to its receive on another. Raises ScheduleError if the plan deadlocks."""
+    cost_of = _cost_function(forward, backward, cost)
+    pp, last_chunk = plan.pp, plan.num_chunks - 1
+    rows = plan.actions
+    start = [[0.0] * len(row) for row in rows]
+    finish = [[0.0] * len(row) for row in rows]
+    done: dict[Key, float] = {}
+    pos, free = [0] * pp, [0.0] * pp
+    progress = True
+    while progress:
+        # Start times depend only on the rank's previous action and the inputs' finish times, so the order
+        # in which ranks are advanced here does not change the result.
+        progress = False
+        for r in range(pp):
+            row = rows[r]
+            while pos[r] < len(row):
+                a = row[pos[r]]
+                deps = _inputs(a, last_chunk)
+                if any(d not in done for d in deps):
+                    break
+                ready = max((done[d] + (latency if d[0] % pp != r else 0.0) for d in deps), default=0.0)
+                t0 = max(free[r], ready)
+                t1 = t0 + float(cost_of(a))
+                start[r][pos[r]], finish[r][pos[r]] = t0, t1
+                done[(a.chunk, a.microbatch, a.forward)] = free[r] = t1
+                pos[r] += 1
+                progress = True
+    if any(pos[r] < len(rows[r]) for r in range(pp)):
+        _raise_deadlock(plan, start, pos, free, done)
+    busy = tuple(sum(f - s for s, f in zip(start[r], finish[r])) for r in range(pp))
+    return Simulation(
+        plan=plan,
+        start=tuple(tuple(row) for row in start),
+        finish=tuple(tuple(row) for row in finish),
+        busy=busy,
+        peak_in_flight=in_flight_peaks(plan),
+    )
+
+
+def _raise_deadlock(plan: Plan, start: list, pos: list[int], free: list[float], done: dict) -> None:
+    pp, last_chunk = plan.pp, plan.num_chunks - 1
+    lines, marks, shown = [], set(), []
+    for r in range(pp):
+        row = plan.actions[r]
+        if pos[r] >= len(row):
+            shown.append(list(start[r]))
+            continue
+        a = row[pos[r]]
+        waits = [
+            f"{c}{'F' if f else 'B'}{m} on rank {c % pp}"
+            for c, m, f in _inputs(a, last_chunk)
+            if (c, m, f) not in done
+        ]
+        lines.append(f"  rank {r}: {a} waits for {', '.join(waits)}")
+        marks.add((r, pos[r]))
+        # What ran, then the blocked action at the time the rank started waiting.
+        shown.append([*start[r][: pos[r]], free[r]])
+    grid = render_grid(plan, shown, marks, "[x] = blocked forever")
+    raise ScheduleError(
+        f"plan {plan.name!r} (pp={plan.pp}, n={plan.n}, v={plan.v}) deadlocks: no rank can make progress\n"
+        + "\n".join(lines)
+        + "\n"
+        + grid
+    )
+
+
+def render_grid(
+    plan: Plan, starts: Iterable[Iterable[float]], mark: set[tuple[int, int]], legend: str
+) -> str:
+    """One row per rank, one column per distinct start time; "." where no action starts."""
+    starts = [list(row) for row in starts]
+    times = sorted({round(t, 9) for row in starts for t in row})
+    column = {t: i for i, t in enumerate(times)}
+    width = max((len(str(a)) for row in plan.actions for a in row), default=3) + 2
+    cells = [["." for _ in times] for _ in range(plan.pp)]
+    for r, row in enumerate(starts):
+        for i, t in enumerate(row):
+            text = str(plan.actions[r][i])
+            cells[r][column[round(t, 9)]] = f"[{text}]" if (r, i) in mark else text
+    keep = _visible_columns(len(times), {column[round(starts[r][i], 9)] for r, i in mark})
+    unit = all(float(t).is_integer() for t in times)
+    header = f"{plan.name}: pp={plan.pp} n={plan.n} v={plan.v}" + (
+        "" if unit else " (columns: distinct start times)"
+    )
+    label = "step" if unit else "#"
+    out = [header, _line(label, [str(times[c] if unit else c).removesuffix(".0") for c in keep], width)]
+    for r in range(plan.pp):
+        out.append(_line(f"r{r}", [cells[r][c] for c in keep], width))
+    if len(keep) < len(times):
+        out.append(f"(showing {len(keep)} of {len(times)} steps, around the marked actions)")
+    if legend and mark:
+        out.append(legend)
+    return "\n".join(out)
+
+
+def _visible_columns(total: int, marked: set[int]) -> list[int]:
+    if total <= GRID_MAX_STEPS or not marked:
+        return list(range(total))
+    half = GRID_MAX_STEPS // (2 * len(marked)) or 1
+    keep = {c for m in marked for c in range(m - half, m + half + 1) if 0 <= c < total}
+    return sorted(keep)
+
+
+def _line(label: str, cells: list[str], width: int) -> str:
+    return (label.ljust(5) + "".join(c.center(width) for c in cells)).rstrip()
