@@ -17,6 +17,7 @@ from torch import nn
 
 import threadpar
 from threadpar.parallel import DistributedDataParallel
+from threadpar.testing import run_ranks
 
 DTYPE = torch.float64  # parity down to rounding of a different summation order
 
@@ -82,7 +83,13 @@ def reference_run(template: nn.Module, data, make_optimizer: OptimizerFactory, l
 
 
 def ddp_run(
-    template: nn.Module, data, make_optimizer: OptimizerFactory, world: int, loss=mse, **ddp_kwargs
+    template: nn.Module,
+    data,
+    make_optimizer: OptimizerFactory,
+    world: int,
+    loss=mse,
+    runner: Callable[[Callable, int], list] = run_ranks,
+    **ddp_kwargs,
 ) -> list[tuple[dict, dict]]:
     """The same on `world` rank threads with DDP; per rank: (first-step gradients, final parameters)."""
 
@@ -99,7 +106,7 @@ def ddp_run(
             optimizer.step()
         return first_grads, params_of(model)
 
-    return threadpar.testing.run_ranks(body, world)
+    return runner(body, world)
 
 
 def assert_same(actual: dict, expected: dict, what: str) -> None:

@@ -86,6 +86,12 @@ class ProcessGroup:
     def is_member(self) -> bool:
         return self._member >= 0
 
+    @property
+    def stream_ordered(self) -> bool:
+        """True when async ops are ordered on device streams (nccl): their Work finishes on the device, so
+        `wait()` orders the caller's stream instead of blocking, and `get_future()` does not complete."""
+        return self._stream_ordered
+
     def group_rank(self, global_rank: int) -> int:
         return self._to_member(global_rank, "rank")
 

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from threadpar.comm.work import Work
+
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True if `a` and `b` are the same elements (same start, shape and strides)."""
@@ -18,7 +20,7 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Bucket:
-    __slots__ = ("buffer", "future", "members", "numels", "params", "views")
+    __slots__ = ("buffer", "members", "numels", "params", "reduction", "views")
 
     def __init__(self, members: list[int], params: Sequence[torch.nn.Parameter], with_views: bool) -> None:
         self.members = members  # indices into the reducer's parameters, in bucket order
@@ -26,7 +28,7 @@ class Bucket:
         self.numels = [p.numel() for p in self.params]
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] | None = None  # with gradient_as_bucket_view: param.grad for each
-        self.future: torch.futures.Future | None = None  # the running reduction, during a backward
+        self.reduction: Work | torch.futures.Future | None = None  # in flight during a backward
         if with_views:
             self._allocate()
             self.views = [

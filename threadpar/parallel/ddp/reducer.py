@@ -36,10 +36,11 @@ import torch
 from threadpar.comm.abort import AbortSignal
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
+from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.ddp.bucket import Bucket, shares_memory
 from threadpar.parallel.ddp.bucketing import TensorSpec, assign_buckets, caps_in_bytes, rebuild_order
-from threadpar.parallel.ddp.comm_hooks import CommHook, GradBucket, allreduce_hook, then
+from threadpar.parallel.ddp.comm_hooks import CommHook, GradBucket, then
 
 # How many parameter names an error message lists before it says "and N more".
 NAMES_SHOWN = 8
@@ -106,9 +107,8 @@ class Reducer:
         self._specs = [TensorSpec(p.numel() * p.element_size(), (str(p.device), p.dtype)) for p in params]
         self._lock = threading.Lock()
         self.require_backward_grad_sync = True
-        self._hook: CommHook = allreduce_hook
+        self._hook: CommHook | None = None  # None: the built-in in-place average, without futures
         self._hook_state: Any = group
-        self._hook_registered = False
         self._ran_backward = False
         self._rebuilt = False
         self._build(assign_buckets(self._specs, options.caps))
@@ -132,15 +132,20 @@ class Reducer:
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
-        if self._hook_registered:
+        if self._hook is not None:
             raise ConfigError("register_comm_hook can be called only once per DistributedDataParallel module")
         if self._ran_backward:
             raise ConfigError(
                 "register_comm_hook must be called before the first backward through the module"
             )
+        if self._group.stream_ordered:
+            raise ConfigError(
+                f"comm hooks are not supported on group '{self._group.name}': its backend orders operations on "
+                "device streams, so a hook's future would never complete on the host; use the default "
+                "reduction (no hook)"
+            )
         self._hook = hook
         self._hook_state = self._group if state is None else state  # built-in hooks take the group
-        self._hook_registered = True
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the module then trains without synchronizing)."""
@@ -173,7 +178,7 @@ class Reducer:
         self._ready_order: list[int] = []
         self._placeholders: dict[int, torch.Tensor] = {}  # zeros standing in for missing gradients
         for bucket in self._buckets:
-            bucket.future = None
+            bucket.reduction = None
 
     # during backward (hook threads) -----------------------------------------------------------------------------
     def _mark_ready(self, index: int) -> None:
@@ -213,10 +218,10 @@ class Reducer:
     def _abandon(self) -> None:
         """Let the all-reduces of an interrupted backward finish (they use the buffers), then forget it."""
         for bucket in self._buckets:
-            if bucket.future is not None:
+            if bucket.reduction is not None:
                 # That backward already failed and its error was reported then.
                 with contextlib.suppress(Exception):
-                    bucket.future.wait()
+                    bucket.reduction.wait()
         self._reset()
 
     def _prepare(self, index: int) -> None:
@@ -254,12 +259,16 @@ class Reducer:
             k, bucket = self._next, self._buckets[self._next]
             # The gradients of this backward: the ones to average and write to, whatever happens later.
             grads = [self._gradient(i) for i in bucket.members]
-            flatten = functools.partial(bucket.flatten, grads)
-            reduced = self._hook(
-                self._hook_state, GradBucket(k, grads, bucket.params, k == len(self._buckets) - 1, flatten)
-            )
-            # Unpacked where the all-reduce completes (the comm worker), overlapping the rest of backward.
-            bucket.future = then(reduced, functools.partial(self._unpack, bucket, grads))
+            if self._hook is None:
+                # The default: one coalesced all-reduce, in place. Its Work's wait() blocks until done on
+                # the threads backend and orders the caller's stream after it on nccl.
+                bucket.reduction = self._group.all_reduce_coalesced(grads, ReduceOp.AVG, async_op=True)
+            else:
+                flatten = functools.partial(bucket.flatten, grads)
+                last = k == len(self._buckets) - 1
+                reduced = self._hook(self._hook_state, GradBucket(k, grads, bucket.params, last, flatten))
+                # Unpacked where the all-reduce completes (the comm worker), overlapping the rest of backward.
+                bucket.reduction = then(reduced, functools.partial(self._unpack, bucket, grads))
             self._next += 1
 
     def _unpack(self, bucket: Bucket, grads: list[torch.Tensor], value: Any) -> None:
@@ -292,7 +301,7 @@ class Reducer:
         self._launch_ready_buckets()
         used = self._globally_used() if self._options.find_unused_parameters else None
         for bucket in self._buckets:
-            self._wait(bucket.future)
+            self._wait(bucket.reduction)
         if used is not None:
             self._settle_unused(used)
         if not self._rebuilt:
@@ -305,9 +314,9 @@ class Reducer:
         self._group.all_reduce(flags, ReduceOp.MAX)  # queued behind the bucket all-reduces
         return [bool(f) for f in flags.tolist()]
 
-    def _wait(self, future: torch.futures.Future) -> Any:
+    def _wait(self, pending: Work | torch.futures.Future) -> None:
         try:
-            return future.wait()
+            pending.wait()
         except BaseException:
             if self._abort is not None:
                 self._abort.raise_if_set()  # a peer failed: report this rank as stopped, not as a cause
