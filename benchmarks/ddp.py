@@ -8,9 +8,15 @@ zero_grad, forward, backward (with gradient synchronization) and optimizer.step(
 each; the single process runs batch 128 with all cores. Ratios: throughput vs torch DDP over gloo (higher is
 better) and step time vs the single process (lower is better).
 
-The overlap table compares ways of averaging the same gradients on threadpar (bucketed DDP, one all-reduce
-per gradient, all gradients after backward, nothing at all), and a timeline shows when each bucket's
-all-reduce ran relative to the end of backward.
+Each configuration is timed twice in the same loop: wall-clock step time (what the issue's targets are
+about), and CPU time per step summed over every thread of every rank (process CPU time; both processes for
+gloo). On a machine shared with other work, wall-clock time measures the cores we were given as much as the
+code, while CPU time barely moves with the load: 2 cores / CPU time per step is the throughput the
+configuration would have on the 2 cores alone (spinning threads, e.g. OpenMP's, count as busy).
+
+The table also compares ways of averaging the same gradients on threadpar (bucketed DDP, one all-reduce per
+gradient, all gradients after backward, nothing at all), and a timeline shows when each bucket's all-reduce
+ran relative to the end of backward.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 from torch import nn
 
 import threadpar
-from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
+from benchmarks.harness import fmt_time, machine_line, run_gloo, table
 from threadpar.parallel import DistributedDataParallel
 from threadpar.parallel.ddp import comm_hooks
 
@@ -70,7 +76,23 @@ def make_step(model: nn.Module, trained: nn.Module, batch: int, generator: torch
     return step
 
 
-def threadpar_rank(template: nn.Module, mode: str, ddp_kwargs: dict, iters: int, repeats: int) -> float:
+def wall_and_cpu(step, iters: int, repeats: int, sync=None) -> tuple[float, float]:
+    """Medians over `repeats` of the wall-clock and process CPU seconds per call of `step`."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(iters):
+            step()
+        walls.append((time.perf_counter() - wall) / iters)
+        cpus.append((time.process_time() - cpu) / iters)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def threadpar_rank(
+    template: nn.Module, mode: str, ddp_kwargs: dict, iters: int, repeats: int
+) -> tuple[float, float]:
     module = copy.deepcopy(template)
     model, sync = module, None
     grads = lambda: [p.grad for p in module.parameters()]  # noqa: E731
@@ -83,10 +105,11 @@ def threadpar_rank(template: nn.Module, mode: str, ddp_kwargs: dict, iters: int,
     step = make_step(model, module, BATCH, threadpar.get_generator(), sync)
     for _ in range(3):
         step()  # warm-up (and DDP's bucket rebuild)
-    return median_time(step, iters=iters, repeats=repeats, sync=threadpar.barrier)
+    # All ranks are threads of this process: its CPU time covers every rank and comm worker.
+    return wall_and_cpu(step, iters, repeats, sync=threadpar.barrier)
 
 
-def gloo_rank(rank: int, world: int, iters: int, repeats: int) -> float:
+def gloo_rank(rank: int, world: int, iters: int, repeats: int) -> tuple[float, float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -95,7 +118,10 @@ def gloo_rank(rank: int, world: int, iters: int, repeats: int) -> float:
     step = make_step(TorchDDP(module), module, BATCH, torch.Generator().manual_seed(rank))
     for _ in range(3):
         step()
-    return median_time(step, iters=iters, repeats=repeats, sync=dist.barrier)
+    wall, cpu = wall_and_cpu(step, iters, repeats, sync=dist.barrier)
+    total = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(total)  # the CPU time of both processes
+    return wall, total.item()
 
 
 def timeline_rank(template: nn.Module, ddp_kwargs: dict, steps: int) -> list[list[float]]:
@@ -141,13 +167,13 @@ def print_timeline(template: nn.Module, ddp_kwargs: dict, steps: int) -> None:
     print(table(["bucket", "launched", "done", "ms of it inside backward"], lines))
 
 
-def measure_round(template: nn.Module, iters: int, repeats: int) -> dict[str, float]:
+def measure_round(template: nn.Module, iters: int, repeats: int) -> dict[str, tuple[float, float]]:
     """Every configuration once, one after the other (rounds interleave them, so noise hits all alike)."""
     single_step = make_step(template, template, RANKS * BATCH, torch.Generator().manual_seed(0))
     for _ in range(3):
         single_step()
-    times = {"single": median_time(single_step, iters=iters, repeats=repeats)}
-    times["gloo"] = run_gloo(gloo_rank, RANKS, iters, repeats)
+    times = {"single": wall_and_cpu(single_step, iters, repeats)}
+    times["gloo"] = tuple(run_gloo(gloo_rank, RANKS, iters, repeats))
     for name, (mode, kwargs) in THREADPAR_CONFIGS.items():
         times[name] = threadpar.launch(
             threadpar_rank, template, mode, kwargs, iters, repeats, world_size=RANKS, devices="cpu"
@@ -167,33 +193,48 @@ def main() -> None:
     rounds, iters, repeats = (2, 5, 3) if args.quick else (args.rounds, args.iters, args.repeats)
     torch.manual_seed(0)
     template = build_mlp()
+    cores = len(os.sched_getaffinity(0))
     print(f"# DDP: MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), {RANKS} ranks x batch {BATCH} ({machine_line()})")
     print(
-        f"# step time: median over {rounds} interleaved rounds of the median of {repeats} repeats of the mean "
-        f"of {iters} steps (rank 0); load average at start {os.getloadavg()[0]:.1f}\n"
+        f"# median over {rounds} interleaved rounds of the median of {repeats} repeats of the mean of {iters} "
+        f"steps (rank 0); load average at start {os.getloadavg()[0]:.1f}\n"
     )
     per_round = [measure_round(template, iters, repeats) for _ in range(rounds)]
-    t = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
-    single, gloo, samples = t["single"], t["gloo"], RANKS * BATCH
+    wall = {name: statistics.median(r[name][0] for r in per_round) for name in per_round[0]}
+    cpu = {name: statistics.median(r[name][1] for r in per_round) for name in per_round[0]}
+    samples = RANKS * BATCH
     labels = {
         "single": f"one process, batch {samples}, {torch.get_num_threads()} threads",
         "gloo": f"torch DDP over gloo, {RANKS} processes",
     } | {name: f"threadpar {name}" for name in THREADPAR_CONFIGS}
     rows = []
     for key, label in labels.items():
-        low, high = min(r[key] for r in per_round), max(r[key] for r in per_round)
-        vs_gloo = "" if key == "single" else f"{gloo / t[key]:.2f}x"
-        step = [fmt_time(t[key]), f"{fmt_time(low)} .. {fmt_time(high)}"]
-        rows.append([label, *step, f"{samples / t[key]:.0f}", vs_gloo, f"{t[key] / single:.2f}x"])
+        low, high = min(r[key][0] for r in per_round), max(r[key][0] for r in per_round)
+        rows.append(
+            [
+                label,
+                fmt_time(wall[key]),
+                f"{fmt_time(low)} .. {fmt_time(high)}",
+                f"{samples / wall[key]:.0f}",
+                "" if key == "single" else f"{wall['gloo'] / wall[key]:.2f}x",
+                f"{wall[key] / wall['single']:.2f}x",
+                fmt_time(cpu[key]),
+                "" if key == "single" else f"{cpu['gloo'] / cpu[key]:.2f}x",
+                f"{cpu[key] / cpu['single']:.2f}x",
+            ]
+        )
     headers = ["configuration", "step", "range over rounds", "samples/s", "throughput vs gloo DDP"]
-    print(table([*headers, "step vs one process"], rows))
+    headers += ["step vs one process", "CPU time/step", "vs gloo, by CPU time", "vs one process, by CPU time"]
+    print(table(headers, rows))
+    print(
+        f"\n(by CPU time: ratios of CPU time per step, i.e. of throughput on {cores} cores used by nothing else)"
+    )
 
-    compute = t["no communication (compute only, lower bound)"]
-    after = t["no DDP: one coalesced all-reduce after backward"]
-    best = t[HEADLINE]
+    name = "no communication (compute only, lower bound)"
+    compute, after = wall[name], wall["no DDP: one coalesced all-reduce after backward"]
     print(
         f"\nSynchronizing costs {fmt_time(after - compute)} per step as one all-reduce after backward and "
-        f"{fmt_time(best - compute)} with {HEADLINE} (compute-only step {fmt_time(compute)})."
+        f"{fmt_time(wall[HEADLINE] - compute)} with {HEADLINE} (compute-only step {fmt_time(compute)})."
     )
     print_timeline(template, THREADPAR_CONFIGS[HEADLINE][1], steps=max(5, iters))
     print(f"\n# load average at end {os.getloadavg()[0]:.1f}")
