@@ -4,11 +4,11 @@ One synchronized backward (InfiniTrain's Reducer and torch's reducer.cpp, in Pyt
 
 1. A parameter's post-accumulate-grad hook marks it ready (with gradient_as_bucket_view it first makes
    sure param.grad is the parameter's view into its bucket's flat buffer).
-2. When all of a bucket's parameters are ready, the bucket goes to the comm hook, which starts an
-   asynchronous all-reduce on the rank's communication worker (by default a coalesced all-reduce of the
-   gradients themselves: no copies). Buckets start strictly in order (a bucket ready early waits for those
-   before it), so every rank issues the same collectives in the same order. Where the hook returned a flat
-   result, it is written back into the gradients on the worker, as soon as it is there.
+2. When all of a bucket's parameters are ready, its reduction starts asynchronously on the rank's
+   communication worker: by default one coalesced all-reduce that averages the gradients in place (no
+   copies), else the registered comm hook (whose flat result is written back into the gradients on the
+   worker, as soon as it is there). Buckets start strictly in order (a bucket ready early waits for those
+   before it), so every rank issues the same collectives in the same order.
 3. At the end of backward (an autograd engine callback queued by the first hook), the reducer launches
    what is left (buckets holding parameters that got no gradient, with find_unused_parameters) and waits
    for every bucket. After the first synchronized backward it rebuilds the buckets in the order the
