@@ -214,3 +214,15 @@ def test_cp_of_one_is_plain_attention_and_errors_are_clear():
         assert "cp=2" in repr(RingAttention())
 
     run_ranks(errors, 2, cp=2)
+
+
+def test_tp_layers_initialise_alike_on_every_cp_rank():
+    """CP ranks hold replicas of one model: the TP layers' INIT stream must not depend on the CP rank."""
+
+    def body():
+        layer = ColumnParallelLinear(8, 8)
+        return threadpar.get_coords(), gather_dense_state_dict(layer)["weight"]
+
+    results = run_ranks(body, 4, cp=2, tp=2)
+    assert {c.cp for c, _ in results} == {0, 1}
+    assert all(torch.equal(w, results[0][1]) for _, w in results)
