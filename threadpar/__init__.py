@@ -40,6 +40,7 @@ from threadpar.errors import (
     ConfigError,
     RankAborted,
     RankFailedError,
+    RemoteRankError,
     ThreadparError,
 )
 from threadpar.runtime import (
@@ -57,6 +58,7 @@ from threadpar.runtime import (
     is_main_rank,
     launch,
     print0,
+    process_env,
     rank_print,
 )
 from threadpar.topology import Axis, Coords, Layout
@@ -74,6 +76,7 @@ __all__ = [
     "RankAborted",
     "RankFailedError",
     "ReduceOp",
+    "RemoteRankError",
     "ThreadparError",
     "Work",
     "all_gather",
@@ -103,6 +106,7 @@ __all__ = [
     "launch",
     "new_group",
     "print0",
+    "process_env",
     "rank_print",
     "recv",
     "reduce",

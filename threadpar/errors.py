@@ -50,3 +50,10 @@ class RankFailedError(ThreadparError, RuntimeError):
 
 class NcclError(ThreadparError, RuntimeError):
     """An NCCL call or an asynchronous NCCL error."""
+
+
+class RemoteRankError(ThreadparError, RuntimeError):
+    """A rank (or the whole process) failed in another process of a multi-process job.
+
+    Its message says which rank and process and what it raised; RankFailedError carries its traceback.
+    """

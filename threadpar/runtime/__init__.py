@@ -18,9 +18,11 @@ from threadpar.runtime.context import (
 )
 from threadpar.runtime.launch import DEFAULT_TIMEOUT_S, launch
 from threadpar.runtime.printing import print0, rank_print
+from threadpar.runtime.process_env import ProcessEnv, process_env
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "ProcessEnv",
     "RankContext",
     "current",
     "get_coords",
@@ -37,5 +39,6 @@ __all__ = [
     "is_main_rank",
     "launch",
     "print0",
+    "process_env",
     "rank_print",
 ]

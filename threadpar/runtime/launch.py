@@ -5,6 +5,9 @@ rank at once (they raise RankAborted, a consequence that is not reported as a ca
 Python code that does not reach a wait within a grace period gets RankAborted injected asynchronously.
 `launch` then raises RankFailedError naming the failing rank, with its traceback, chained to its exception.
 Ctrl-C in the calling thread stops every rank the same way and re-raises KeyboardInterrupt.
+
+Under torchrun (`threads_per_process=T`) each process runs the threads of its own T ranks; a failure in any
+process stops every process (threadpar.runtime.processes), and each raises the same root cause.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Any
 
 import torch
 
-from threadpar.errors import ConfigError, RankAborted, RankFailedError
+from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError
 from threadpar.runtime.context import RankContext, leave
-from threadpar.runtime.devices import resolve_placement, say_once
+from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
+from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
+from threadpar.runtime.processes import Processes
 from threadpar.runtime.world import World
 from threadpar.topology import Layout
 
@@ -67,33 +72,36 @@ def _inject(thread: threading.Thread) -> None:
 
 
 class _Launch:
+    """The rank threads of this process (all ranks, unless the launch spans processes)."""
+
     def __init__(self, world: World, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         self.world = world
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        n = world.world_size
-        self.results: list[Any] = [None] * n
+        ranks = world.local_ranks
+        n = len(ranks)
+        self.results: list[Any] = [None] * n  # indexed by thread rank (= global rank in one process)
         self.failures: list[_Failure] = []
-        self.contexts = [RankContext(world, r) for r in range(n)]
+        self.contexts = [RankContext(world, r) for r in ranks]
         self.running = [False] * n  # inside the user's function: only then may an abort be injected
         self.lock = threading.Lock()
         self.finished = 0
         self.all_done = threading.Event()
         self.threads = [
-            threading.Thread(target=self._rank_main, args=(r,), name=f"threadpar-rank-{r}", daemon=True)
-            for r in range(n)
+            threading.Thread(target=self._rank_main, args=(i,), name=f"threadpar-rank-{r}", daemon=True)
+            for i, r in enumerate(ranks)
         ]
 
-    def _rank_main(self, rank: int) -> None:
-        ctx = self.contexts[rank]
+    def _rank_main(self, i: int) -> None:
+        ctx = self.contexts[i]
         try:
             ctx.enter()
-            self.running[rank] = True
+            self.running[i] = True
             try:
-                self.results[rank] = self.fn(*self.args, **self.kwargs)
+                self.results[i] = self.fn(*self.args, **self.kwargs)
             finally:
-                self.running[rank] = False
+                self.running[i] = False
         except BaseException as error:
-            self._record(rank, error)
+            self._record(ctx.rank, error)
         finally:
             leave()
             with self.lock:
@@ -104,12 +112,16 @@ class _Launch:
     def _record(self, rank: int, error: BaseException) -> None:
         consequence = isinstance(error, RankAborted) and self.world.abort.is_set
         if not consequence:
+            text = traceback.format_exc()
             with self.lock:
-                self.failures.append(_Failure(rank, error, traceback.format_exc(), time.monotonic()))
+                self.failures.append(_Failure(rank, error, text, time.monotonic()))
+            if self.world.processes is not None:
+                self.world.processes.publish_rank_failure(rank, error, text)
             self.world.abort.trigger(f"rank {rank} failed with {type(error).__name__}: {error}")
 
     def run(self) -> list[Any]:
         saved_threads = torch.get_num_threads()
+        processes = self.world.processes
         try:
             for t in self.threads:
                 t.start()
@@ -118,6 +130,16 @@ class _Launch:
             for ctx in self.contexts:
                 ctx.worker.stop()
             torch.set_num_threads(saved_threads)
+            if processes is not None:
+                processes.finish(failed=bool(self.failures) or self.world.abort.is_set)
+        root = None if processes is None else processes.failure
+        if root is not None and (root.process != processes.rank or not self.failures):
+            # The root cause is in another process (or is not a rank's exception): report it here too.
+            if root.rank < 0:
+                raise RemoteRankError(root.describe())
+            failed_here = sorted({f.rank for f in self.failures})
+            error = RemoteRankError(root.describe())
+            raise RankFailedError(root.rank, error, root.traceback, failed_here) from error
         if self.failures:
             first = min(self.failures, key=lambda f: f.when)
             others = sorted({f.rank for f in self.failures if f is not first})
@@ -131,6 +153,10 @@ class _Launch:
                     self._stop_stragglers()
                     return
         except KeyboardInterrupt:
+            if self.world.processes is not None:
+                self.world.processes.lost(
+                    f"process {self.world.process_rank} was interrupted (KeyboardInterrupt)"
+                )
             self.world.abort.trigger("KeyboardInterrupt in the calling thread")
             self._stop_stragglers()
             raise
@@ -161,12 +187,14 @@ def launch(
     order: str | None = None,
     intraop_threads: int | None = None,
     print_layout: bool = False,
+    threads_per_process: int | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on one thread per rank; return the per-rank results indexed by global rank.
+    """Run `fn(*args, **kwargs)` on one thread per rank; return the per-rank results indexed by thread
+    rank (which is the global rank when all ranks are threads of this process).
 
     world_size: number of ranks (default: from devices, dp*tp*cp*pp, or the visible GPUs).
-    devices: an int (that many devices), a list of CUDA device ids, or "cpu".
+    devices: an int (that many devices), a list of CUDA device ids, or "cpu" (this process's devices).
     dp, tp, pp, cp: layout sizes; dp defaults to world_size / (tp * cp * pp).
     backend: "auto" (nccl with one GPU per rank, else threads on CPU), "threads" or "nccl".
     timeout: seconds any collective or receive may wait before it fails, naming who did not arrive.
@@ -174,27 +202,156 @@ def launch(
     order: axis order, outermost first (default "PP-DP-CP-TP": TP ranks adjacent).
     intraop_threads: torch threads per rank (default: the cores divided among the ranks on CPU).
     print_layout: print every rank's coordinates and groups before starting.
+    threads_per_process: rank threads in each process of a job started by torchrun (or any launcher
+        that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); world size = processes x this, and this
+        process runs global ranks process_rank * T .. + T - 1. Required when there is more than one process.
     """
+    return launch_in_process(
+        process_env(),
+        fn,
+        args,
+        kwargs,
+        world_size=world_size,
+        devices=devices,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        backend=backend,
+        timeout=timeout,
+        seed=seed,
+        order=order,
+        intraop_threads=intraop_threads,
+        print_layout=print_layout,
+        threads_per_process=threads_per_process,
+    )
+
+
+def _threads_per_process(threads: object, env: ProcessEnv, world_size: int | None) -> int | None:
+    if threads is None:
+        if env.count > 1:
+            raise ConfigError(
+                f"this is process {env.rank} of {env.count} (torchrun's environment), so say how many rank "
+                "threads each process runs: launch(fn, threads_per_process=T) gives "
+                f"{env.count} x T ranks"
+            )
+        return None
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ConfigError(f"threads_per_process must be a positive int, got {threads!r}")
+    if world_size is not None and world_size != env.count * threads:
+        raise ConfigError(
+            f"world_size={world_size} but {env.count} process(es) x threads_per_process={threads} = "
+            f"{env.count * threads} ranks; leave world_size out, or make them agree"
+        )
+    return threads
+
+
+def _intraop(intraop_threads: object, ranks_on_node: int, on_cpu: bool) -> int:
+    if intraop_threads is None:
+        return default_intraop_threads(ranks_on_node, on_cpu)
+    if not isinstance(intraop_threads, int) or intraop_threads < 1:
+        raise ConfigError(f"intraop_threads must be a positive int, got {intraop_threads!r}")
+    return intraop_threads
+
+
+def launch_in_process(
+    env: ProcessEnv,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    world_size: int | None,
+    devices: Any,
+    dp: int | None,
+    tp: int,
+    pp: int,
+    cp: int,
+    backend: str,
+    timeout: float,
+    seed: int,
+    order: str | None,
+    intraop_threads: int | None,
+    print_layout: bool,
+    threads_per_process: int | None,
+) -> list[Any]:
+    """`launch` as process `env.rank` of `env.count` (threadpar.testing simulates processes with it)."""
     if not callable(fn):
         raise ConfigError(f"launch needs a callable to run on each rank, got {type(fn).__name__}")
-    model_size = tp * cp * pp if all(isinstance(v, int) for v in (tp, cp, pp)) else 1
-    placement = resolve_placement(world_size, devices, model_size, dp, backend)
-    layout = Layout.build(placement.world_size, dp=dp, tp=tp, pp=pp, cp=cp, order=order)
+    threads = _threads_per_process(threads_per_process, env, world_size)
+    if env.count == 1:
+        world_size = threads if threads is not None else world_size
+        model_size = tp * cp * pp if all(isinstance(v, int) for v in (tp, cp, pp)) else 1
+        placement = resolve_placement(world_size, devices, model_size, dp, backend)
+        layout = Layout.build(placement.world_size, dp=dp, tp=tp, pp=pp, cp=cp, order=order)
+        on_cpu = placement.devices[0].type == "cpu"
+        if placement.note:
+            say_once(placement.note)
+        world = World(
+            layout=layout,
+            backend=placement.backend,
+            devices=placement.devices,
+            timeout=timeout,
+            seed=seed,
+            intraop_threads=_intraop(intraop_threads, placement.world_size, on_cpu),
+        )
+    else:
+        world = _multi_process_world(
+            env, threads, devices, dp, tp, pp, cp, backend, timeout, seed, order, intraop_threads
+        )
+    if print_layout and env.rank == 0:
+        print(world.layout.overview(), flush=True)
+    return _Launch(world, fn, args, kwargs).run()
+
+
+def _multi_process_world(
+    env: ProcessEnv,
+    threads: int,
+    devices: Any,
+    dp: int | None,
+    tp: int,
+    pp: int,
+    cp: int,
+    backend: str,
+    timeout: float,
+    seed: int,
+    order: str | None,
+    intraop_threads: int | None,
+) -> World:
+    """This process's World of a job of env.count processes x `threads` rank threads."""
+    n_cuda = cuda_device_count()
+    if devices is None and n_cuda > 0:
+        devices = default_local_devices(n_cuda, threads, env.local_rank, env.local_count)
+    placement = resolve_placement(threads, devices, 1, None, backend, n_cuda=n_cuda)
+    if placement.backend == "nccl":
+        raise ConfigError(
+            "groups that span processes are not supported on the nccl backend yet (threadpar.comm."
+            "nccl_bootstrap joins NCCL communicators across processes, but the nccl backend does not use it "
+            "yet); pass backend='threads' (cross-process steps go through host memory and gloo) or "
+            "devices='cpu'"
+        )
+    world_size = env.count * threads
+    layout = Layout.build(world_size, dp=dp, tp=tp, pp=pp, cp=cp, order=order)
     on_cpu = placement.devices[0].type == "cpu"
-    if intraop_threads is None:
-        intraop_threads = default_intraop_threads(placement.world_size, on_cpu)
-    elif not isinstance(intraop_threads, int) or intraop_threads < 1:
-        raise ConfigError(f"intraop_threads must be a positive int, got {intraop_threads!r}")
-    if placement.note:
-        say_once(placement.note)
+    if env.rank == 0 and on_cpu:
+        say_once(f"{env.count} processes x {threads} rank threads on CPU = {world_size} ranks")
+    store = bootstrap_store(env, not on_cpu, timeout)
+    processes = Processes(env, threads, store, timeout)
+    processes.handshake(
+        {
+            "threads_per_process": threads,
+            "layout": layout.describe(),
+            "backend": placement.backend,
+            "seed": seed,
+        }
+    )
     world = World(
         layout=layout,
         backend=placement.backend,
-        devices=placement.devices,
+        devices=tuple(placement.devices[r % threads] for r in range(world_size)),
         timeout=timeout,
         seed=seed,
-        intraop_threads=intraop_threads,
+        intraop_threads=_intraop(intraop_threads, threads * env.local_count, on_cpu),
+        processes=processes,
     )
-    if print_layout:
-        print(layout.overview(), flush=True)
-    return _Launch(world, fn, args, kwargs).run()
+    processes.attach(world.abort, lambda rank: world.devices[rank])
+    return world

@@ -1,7 +1,8 @@
 """`World`: everything one launch shares between its rank threads, created by `launch` and dropped after.
 
 Nothing here is module-global: two launches (one after another, or nested) each have their own World,
-groups, mailboxes and stop signal.
+groups, mailboxes and stop signal. In a multi-process job each process has a World for the whole layout
+(every global rank), runs the threads of its own ranks, and reaches the others through `processes`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class World:
         seed: int,
         intraop_threads: int,
         cuda: Any = None,
+        processes: Any = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -42,11 +44,17 @@ class World:
         # The CUDA/NCCL API the backends call (threadpar.comm.cuda_api); None: torch.cuda. Tests pass a double,
         # whose devices then stand in for GPUs.
         self.cuda = cuda
-        # Within one process every rank is a thread of it; multi-process launches override these.
-        self.process_rank = 0
-        self.threads_per_process = layout.world_size
+        self.processes = processes  # threadpar.runtime.processes.Processes, or None in a one-process launch
+        self.process_rank = 0 if processes is None else processes.rank
+        self.threads_per_process = layout.world_size if processes is None else processes.threads_per_process
         self.abort = AbortSignal()
         self.groups = GroupRegistry(self.world_size, self._make_backend)
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks whose threads run in this process."""
+        start = self.process_rank * self.threads_per_process
+        return range(start, start + self.threads_per_process)
 
     def cuda_api(self) -> Any:
         if self.cuda is not None:
@@ -56,7 +64,10 @@ class World:
         return torch_cuda()
 
     def _make_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
-        if self.backend == "threads":
+        here = len(ranks) if self.processes is None else sum(r in self.local_ranks for r in ranks)
+        if 0 < here < len(ranks):
+            return self._spanning_backend(name, ranks)
+        if self.backend == "threads" or here == 0:  # (no member here: a stand-in that is never used)
             from threadpar.comm.threads import ThreadsGroup
 
             order = None
@@ -79,3 +90,10 @@ class World:
         return self.groups.get_or_create(
             self.layout.group_ranks(axis, rank), self.layout.group_name(axis, rank)
         )
+
+    def _spanning_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
+        # On the nccl backend this is where NCCL groups across processes will come from (their
+        # communicators joined through threadpar.comm.nccl_bootstrap); launch refuses that case for now.
+        from threadpar.comm.hierarchical import HierarchicalGroup
+
+        return HierarchicalGroup(name, ranks, self.processes, self.abort, self.timeout)

@@ -1,0 +1,276 @@
+"""Checks that run inside rank threads of a job that spans processes (simulated, or under torchrun).
+
+Every rank builds its inputs from (global rank, case), so each rank can rebuild its peers' inputs and
+compare what a collective gave it with the result computed directly (in float64). A failed check raises
+AssertionError on that rank, which stops the launch and names the rank. Each check returns how many
+comparisons it made, so a caller can tell that it ran.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import threadpar
+from threadpar import ReduceOp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared reference helpers
+from test_collectives import close, make_input, reference
+
+REDUCE_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.int16,
+]  # fmt: skip
+COPY_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]
+SHAPES = [(), (0,), (5,), (3, 7)]
+
+
+def groups_to_check(world_size: int) -> list:
+    """World, the layout's DP and TP groups (tp=2), and a group whose member order interleaves processes."""
+    odd = threadpar.new_group([world_size - 1, 0, 1], name="interleaved")
+    return [None, "DP", "TP", odd]
+
+
+def _group(spec):
+    return threadpar.get_group(spec) if spec is None or isinstance(spec, str) else spec
+
+
+def _input(rank: int, case: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    if dtype is torch.bool:
+        return make_input(rank, case, shape, torch.int64) > 0
+    if dtype.is_complex:
+        return torch.complex(
+            make_input(rank, case, shape, torch.float32), make_input(rank, -case, shape, torch.float32)
+        )
+    return make_input(rank, case, shape, dtype)
+
+
+def check_reductions(specs) -> int:
+    rank, checks = threadpar.get_rank(), 0
+    for spec in specs:
+        g = _group(spec)
+        if not g.is_member():
+            continue
+        peers = list(g.ranks)
+        for op in ReduceOp:
+            dtypes = REDUCE_DTYPES if op is not ReduceOp.PRODUCT else [torch.float64, torch.int64]
+            for case, (dtype, shape) in enumerate((d, s) for d in dtypes for s in SHAPES):
+                t = _input(rank, case, shape, dtype)
+                g.all_reduce(t, op=op)
+                expected = reference([_input(p, case, shape, dtype) for p in peers], op)
+                close(t, expected, n_terms=len(peers))
+                if case % 4 == 2:  # every member holds bit-identical results
+                    seen = [torch.empty_like(t) for _ in peers]
+                    g.all_gather(seen, t)
+                    assert all(torch.equal(s, t) for s in seen), f"members of {g} disagree"
+                checks += 1
+        # complex sums, coalesced, async, AVG of ints (truncates), reduce and reduce_scatter
+        z = _input(rank, 7, (4,), torch.complex64)
+        g.all_reduce(z)
+        close(
+            torch.view_as_real(z),
+            torch.view_as_real(sum(_input(p, 7, (4,), torch.complex64) for p in peers)),
+            n_terms=len(peers),
+        )
+        tensors = [torch.full((n,), float(rank + 1)) for n in (1, 0, 7, 130)]
+        g.all_reduce_coalesced(tensors, op=ReduceOp.AVG, async_op=True).wait()
+        for t in tensors:
+            torch.testing.assert_close(t, torch.full_like(t, sum(p + 1 for p in peers) / len(peers)))
+        t = torch.tensor([rank * 3 - 4], dtype=torch.int64)
+        g.all_reduce(t, op="avg")
+        assert t.item() == int(sum(p * 3 - 4 for p in peers) / len(peers))
+        for case, (dtype, shape) in enumerate((d, s) for d in REDUCE_DTYPES[:4] for s in SHAPES):
+            root = peers[case % len(peers)]
+            t = _input(rank, case, shape, dtype)
+            g.reduce(t, dst=root, op=ReduceOp.SUM)
+            mine = _input(rank, case, shape, dtype)
+            if rank == root:
+                close(
+                    t,
+                    reference([_input(p, case, shape, dtype) for p in peers], ReduceOp.SUM),
+                    n_terms=len(peers),
+                )
+            else:
+                assert torch.equal(t, mine), "reduce changed a non-destination tensor"
+            me, n = peers.index(rank), len(peers)
+            chunks = [_input(rank, 200 + case + i, shape, dtype) for i in range(n)]
+            y = torch.empty(shape, dtype=dtype)
+            g.reduce_scatter(y, chunks, op=ReduceOp.SUM)
+            close(
+                y,
+                reference([_input(p, 200 + case + me, shape, dtype) for p in peers], ReduceOp.SUM),
+                n_terms=n,
+            )
+            y2 = torch.empty(shape, dtype=dtype)
+            g.reduce_scatter_tensor(y2, torch.stack(chunks), op=ReduceOp.MAX)
+            close(y2, reference([_input(p, 200 + case + me, shape, dtype) for p in peers], ReduceOp.MAX))
+            checks += 3
+    return checks
+
+
+def check_copies(specs) -> int:
+    rank, checks = threadpar.get_rank(), 0
+    for spec in specs:
+        g = _group(spec)
+        if not g.is_member():
+            continue
+        peers, n = list(g.ranks), g.size()
+        me = peers.index(rank)
+        for case, (dtype, shape) in enumerate((d, s) for d in COPY_DTYPES for s in SHAPES):
+            root = peers[(case + 1) % n]
+            t = _input(rank, case, shape, dtype)
+            g.broadcast(t, src=root)
+            assert torch.equal(t, _input(root, case, shape, dtype))
+
+            x = _input(rank, case, shape, dtype)
+            lst = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            g.all_gather(lst, x)
+            flat = torch.empty((n, *shape), dtype=dtype)
+            g.all_gather_into_tensor(flat, x, async_op=True).wait()
+            for p, got, row in zip(peers, lst, flat):
+                assert torch.equal(got, _input(p, case, shape, dtype)) and torch.equal(row, got)
+
+            chunks = [_input(rank, 100 + case + i, shape, dtype) for i in range(n)]
+            t = torch.empty(shape, dtype=dtype)
+            g.scatter(t, chunks if rank == root else None, src=root)
+            assert torch.equal(t, _input(root, 100 + case + me, shape, dtype))
+
+            outs = [torch.empty(shape, dtype=dtype) for _ in peers] if rank == root else None
+            g.gather(_input(rank, case, shape, dtype), outs, dst=root)
+            if rank == root:
+                assert all(torch.equal(o, _input(p, case, shape, dtype)) for p, o in zip(peers, outs))
+            checks += 4
+        # all_to_all with uneven splits: member i sends (i + j + 1) rows to member j
+        sends = [torch.full((me + j + 1, 2), float(10 * rank + j)) for j in range(n)]
+        recvs = [torch.empty((s + me + 1, 2)) for s in range(n)]
+        g.all_to_all(recvs, sends)
+        for s, got in enumerate(recvs):
+            assert torch.equal(got, torch.full((s + me + 1, 2), float(10 * peers[s] + me)))
+        out = torch.empty((sum(s + me + 1 for s in range(n)), 2))
+        g.all_to_all_single(
+            out, torch.cat(sends), [s + me + 1 for s in range(n)], [me + j + 1 for j in range(n)]
+        )
+        assert torch.equal(out, torch.cat(recvs))
+        g.barrier()
+        checks += 2
+    return checks
+
+
+def check_large(spec=None) -> int:
+    """Big enough for several lanes: an all-reduce and a broadcast of 2.5 MiB per rank."""
+    g, rank = _group(spec), threadpar.get_rank()
+    t = torch.arange(655_360, dtype=torch.float32) * (rank + 1)
+    g.all_reduce(t)
+    total = sum(p + 1 for p in g.ranks)
+    torch.testing.assert_close(t, torch.arange(655_360, dtype=torch.float32) * total)
+    b = torch.full((655_360,), float(rank))
+    g.broadcast(b, src=g.ranks[-1])
+    assert torch.equal(b, torch.full((655_360,), float(g.ranks[-1])))
+    return 2
+
+
+def check_p2p() -> int:
+    """Messages between every pair of ranks (across processes and within), on the world and a sub-group."""
+    rank, world, checks = threadpar.get_rank(), threadpar.get_world_size(), 0
+    for dst in range(world):
+        if dst != rank:
+            for i, dtype in enumerate(COPY_DTYPES):
+                threadpar.send(_input(rank, 1000 * dst + i, (2, 3), dtype), dst=dst, tag=i)
+            threadpar.send(torch.tensor(float(rank)), dst=dst, tag=99)  # 0-d
+            threadpar.send(torch.empty(0, 4), dst=dst, tag=98)  # empty
+            for k in range(3):  # one source, one tag: arrive in order
+                threadpar.send(torch.tensor([k, rank]), dst=dst, tag=7)
+    for src in range(world):
+        if src != rank:
+            for i, dtype in enumerate(COPY_DTYPES):
+                got = threadpar.get_group().recv_tensor(src, tag=i)
+                assert got.dtype == dtype and torch.equal(got, _input(src, 1000 * rank + i, (2, 3), dtype))
+            t = torch.empty(())
+            assert threadpar.recv(t, src=src, tag=99) == src and t.item() == float(src)
+            work = threadpar.irecv(torch.empty(0, 4), src=src, tag=98)
+            work.wait()
+            for k in range(3):
+                t = torch.empty(2, dtype=torch.int64)
+                threadpar.recv(t, src=src, tag=7)
+                assert t.tolist() == [k, src]
+            checks += len(COPY_DTYPES) + 5
+    # any-source receives, and a sub-group whose tags do not mix with the world's
+    dp = threadpar.get_group("DP")
+    peers = [r for r in dp.ranks if r != rank]
+    for peer in peers:
+        dp.send(torch.tensor([rank, 1]), dst=peer, tag=5)
+        threadpar.send(torch.tensor([rank, 2]), dst=peer, tag=5)
+    t = torch.empty(2, dtype=torch.int64)
+    for group, which in ((dp, 1), (threadpar.get_group(), 2)):
+        seen = set()
+        for _ in peers:
+            src = group.recv(t, src=None, tag=5)
+            assert t.tolist() == [src, which]
+            seen.add(src)
+        assert seen == set(peers)
+    threadpar.barrier()
+    return checks + 2
+
+
+def check_identity(processes: int, threads: int) -> int:
+    rank = threadpar.get_rank()
+    assert threadpar.get_world_size() == processes * threads
+    assert threadpar.get_process_rank() == rank // threads
+    assert threadpar.get_thread_rank() == rank % threads
+    assert threadpar.is_main_rank() == (rank == 0)
+    layout = threadpar.get_layout()
+    assert threadpar.get_coords() == layout.coords_of(rank)
+    assert threadpar.get_group("TP").ranks == tuple(layout.group_ranks("TP", rank))
+    return 5
+
+
+def run_all(processes: int, threads: int) -> int:
+    """Everything above, inside a rank of a launch with tp=2."""
+    specs = groups_to_check(threadpar.get_world_size())
+    return (
+        check_identity(processes, threads)
+        + check_reductions(specs)
+        + check_copies(specs)
+        + check_large()
+        + check_large("DP")
+        + check_p2p()
+    )
+
+
+def check_pipeline(steps: int = 2) -> int:
+    """A pp=2 pipeline whose stages sit in different processes (layout pp=2, dp=2 with 2 ranks per
+    process: process 0 holds stage 0 of both pipelines, process 1 stage 1). 1F1B and interleaved
+    schedules; after each SGD step, loss, and every parameter this stage holds, equal the whole model
+    trained in this thread on the same batch."""
+    from test_pipeline_executor import lm_loss, make_batch, make_model, my_chunks, reference
+
+    from threadpar.pipeline import PipelineParallel
+
+    checks, dp = 0, threadpar.get_coords().dp
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        inputs, targets = make_batch(8, seed=10 + dp)  # each pipeline its own batch
+        model = make_model(6)
+        chunks = my_chunks(model, v)
+        params = [p for c in chunks for p in c.parameters()]
+        pipe = PipelineParallel(
+            chunks,
+            loss_fn=lm_loss,
+            schedule=schedule,
+            num_microbatches=4,
+            optimizer=torch.optim.SGD(params, lr=0.1),
+        )
+        losses = [pipe.train_step(inputs, targets) for _ in range(steps)]
+        ref_loss, ref_model = reference(6, inputs, targets, steps=steps, lr=0.1)
+        torch.testing.assert_close(losses[-1], ref_loss)
+        mine = {id(p) for p in params}
+        expected = dict(ref_model.named_parameters())
+        for name, p in model.named_parameters():
+            if id(p) in mine:
+                torch.testing.assert_close(
+                    p.detach(), expected[name].detach(), msg=lambda m, n=name: f"{n}: {m}"
+                )
+                checks += 1
+    threads = threadpar.runtime.current().world.threads_per_process
+    assert len({r // threads for r in threadpar.get_group("PP").ranks}) == 2  # the stages span processes
+    return checks

@@ -1,0 +1,46 @@
+"""NCCL communicators for a group whose member threads live in several processes.
+
+In one process, `torch.cuda.nccl` joins all members at once (ncclCommInitAll). Across processes every
+member joins with ncclCommInitRank and the group's unique id, which must reach every process: member 0
+creates it and writes it to torch.distributed's store (InfiniTrain writes it to a file; the store is
+already shared by every process of the job), the others wait for it there.
+
+ncclCommInitRank blocks until all members have joined, so each member thread calls `join_nccl_group` for
+itself, on its own device (after torch.cuda.set_device), at the same time as the others: the rank threads
+of a launch do exactly that when they first use the group. The nccl backend keeps one communicator per
+member and launches grouped calls for the local members as it does within one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from threadpar.errors import CollectiveTimeoutError
+
+
+def unique_id_key(group_key: str) -> str:
+    return f"nccl/{group_key}/unique_id"
+
+
+def join_nccl_group(
+    store: Any, group_key: str, member: int, size: int, timeout: float, nccl: Any = None
+) -> Any:
+    """This member's communicator of the group `group_key` (the same string in every process, e.g. the
+    hex of threadpar.comm.hierarchical.group_key(ranks)) with `size` members; `store` is a client of the
+    launch's store (Processes.store_client()). `nccl` defaults to torch.cuda.nccl (tests pass a stand-in)."""
+    if nccl is None:
+        import torch.cuda.nccl as nccl
+    key = unique_id_key(group_key)
+    if member == 0:
+        store.set(key, nccl.unique_id())
+    else:
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout))
+        except RuntimeError:
+            raise CollectiveTimeoutError(
+                f"member {member} of NCCL group {group_key} waited {timeout:g} s for member 0 to publish the "
+                "group's unique id; member 0's process did not create the group (does it call the same "
+                "collectives?)"
+            ) from None
+    return nccl.init_rank(size, store.get(key), member)
