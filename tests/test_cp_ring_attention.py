@@ -27,7 +27,7 @@ from threadpar.parallel import (
     ring_attention,
     split_sequence,
 )
-from threadpar.testing import run_ranks
+from threadpar.testing import run_processes, run_ranks
 
 B, H, T, D = 2, 4, 16, 8  # T = 16: two chunks of 2 positions per rank at cp = 4
 
@@ -40,9 +40,10 @@ def full_attention(q, k, v, w, causal):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def ring_on_ranks(q, k, v, w, cp, **kwargs):
+def ring_on_ranks(q, k, v, w, cp, processes=1, **kwargs):
     """Each CP rank takes its load-balanced part of the sequence (dim 2), runs ring attention and the same
-    loss; the parts of the output and gradients are put back in sequence order."""
+    loss; the parts of the output and gradients are put back in sequence order. With processes > 1 the
+    ranks are threads of that many (simulated) processes, so the ring crosses processes."""
 
     def body():
         ql, kl, vl = (split_sequence(t, dim=2).requires_grad_() for t in (q, k, v))
@@ -50,7 +51,10 @@ def ring_on_ranks(q, k, v, w, cp, **kwargs):
         (out * split_sequence(w, dim=2)).sum().backward()
         return out.detach(), ql.grad, kl.grad, vl.grad
 
-    per_rank = run_ranks(body, cp, cp=cp)
+    if processes == 1:
+        per_rank = run_ranks(body, cp, cp=cp)
+    else:
+        per_rank = [r for process in run_processes(body, processes, cp // processes, cp=cp) for r in process]
     return [restore_sequence_order(torch.cat(parts, dim=2), cp, dim=2) for parts in zip(*per_rank)]
 
 
@@ -63,6 +67,14 @@ def test_ring_attention_matches_full_attention(cp, causal, kernel):
     got = ring_on_ranks(q, k, v, w, cp, causal=causal, kernel=kernel)
     for name, g, e in zip(("output", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g, e, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_ring_attention_across_processes():
+    q, k, v, w = (randn(B, H, T, D, seed=s) for s in range(4))
+    want = full_attention(q, k, v, w, causal=True)
+    got = ring_on_ranks(q, k, v, w, 4, processes=2)  # 2 processes x 2 threads: two ring hops cross over
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from threadpar.parallel import (
     gather_dense_grads,
     gather_dense_state_dict,
 )
-from threadpar.testing import run_ranks
+from threadpar.testing import run_processes, run_ranks
 
 B, T, HIDDEN, FFN = 2, 6, 8, 16
 
@@ -100,9 +100,10 @@ def check_ranks_against_reference(results, reference, want_outs, want_grads, bat
             )
 
 
+@pytest.mark.parametrize("processes", [1, 2], ids=["threads", "2-processes"])
 @pytest.mark.parametrize("case", ["dropless-top2", "capacity-probs", "capacity-position"])
 @pytest.mark.parametrize("ep", [2, 4])
-def test_expert_parallel_moe_matches_the_single_thread_moe(ep, case):
+def test_expert_parallel_moe_matches_the_single_thread_moe(ep, case, processes):
     cfg = config(num_experts=8, **CASES[case])
     dense = dense_moe(cfg, seed=3)
     xs = [randn(B, T, HIDDEN, seed=10 + r) for r in range(ep)]  # each rank's own batch
@@ -124,7 +125,10 @@ def test_expert_parallel_moe_matches_the_single_thread_moe(ep, case):
         )
         return out, grads, gather_dense_state_dict(model)
 
-    results = run_ranks(body, ep)
+    if processes == 1:
+        results = run_ranks(body, ep)
+    else:  # the all-to-alls cross (simulated) processes
+        results = [r for process in run_processes(body, processes, ep // processes) for r in process]
     check_ranks_against_reference(results, reference, want_outs, want_grads, batch_of=lambda rank: rank)
 
 
