@@ -13,8 +13,12 @@ with a group of one, all experts are local and nothing is communicated: the sing
 Each rank routes its own tokens, so capacity and dropping are decided per rank over the tokens of its
 forward, exactly as a single-thread MoE decides them for that batch: an EP group of ep ranks computes
 what ep single-thread forwards (one per rank's batch) compute. The load-balancing loss is per forward
-too. It needs no code in the training loop: the backward of the layer's output also backpropagates it,
-as if `aux_loss` had been added to the loss (Megatron's MoEAuxLossAutoScaler), so the layer is a drop-in
+too, unless `aux_loss_group` names the ranks that hold the rest of each sequence (the CP group): then
+routing is counted over the whole sequence, as Megatron counts it over its TP x CP group, and each
+rank's aux loss is its tokens' share of the whole sequence's (the shares sum to it).
+
+The aux loss needs no code in the training loop: the backward of the layer's output also backpropagates
+it, as if it had been added to the loss (Megatron's MoEAuxLossAutoScaler), so the layer is a drop-in
 replacement for an MLP; `last_stats.aux_loss` has its value for logging.
 
 Gradients: expert parameters get the gradient of every token routed to them, from the whole EP group;
@@ -102,13 +106,15 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         generator: torch.Generator | None = None,
+        aux_loss_group: ProcessGroup | str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoE needs a MoEConfig, got {type(config).__name__}")
         self.config = config
         group = resolve_ep_group(group)
-        self.router = TopKRouter(config, device=device, dtype=dtype)
+        aux_group = None if aux_loss_group is None else resolve_group(aux_loss_group, "CP")
+        self.router = TopKRouter(config, device=device, dtype=dtype, aux_loss_group=aux_group)
         self.experts = GroupedExperts(config, group, device=device, dtype=dtype)
         self.ep_size = self.experts.ep_size
         self.dispatcher = AllToAllDispatcher(group, config.num_experts) if self.ep_size > 1 else None

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threadpar.comm.group import ProcessGroup
 from threadpar.parallel.expert_parallel.config import MoEConfig
 
 
@@ -30,19 +31,35 @@ class Routing:
     routed: torch.Tensor
 
 
-def load_balancing_loss(probs: torch.Tensor, routed: torch.Tensor, top_k: int, coeff: float) -> torch.Tensor:
+def load_balancing_loss(
+    probs: torch.Tensor, routed: torch.Tensor, top_k: int, coeff: float, num_tokens: int | None = None
+) -> torch.Tensor:
     """coeff * E * sum_e f_e * P_e, f_e = routed_e / (N * k), P_e = mean over tokens of probs[:, e]
-    (Megatron's switch_load_balancing_loss_func); equals coeff when routing is uniform."""
-    n, e = probs.shape
+    (Megatron's switch_load_balancing_loss_func); equals coeff when routing is uniform.
+
+    When a sequence's tokens are split over ranks, pass the whole routed counts and token count N: each
+    rank's value is then its tokens' share, and the shares sum to the loss of the whole sequence."""
+    n = probs.shape[0] if num_tokens is None else num_tokens
+    e = probs.shape[1]
     return probs.sum(0).mul(routed.to(probs.dtype)).sum() * (coeff * e / (top_k * n * n))
 
 
 class TopKRouter(nn.Module):
-    """Linear gate [E, hidden] (no bias), softmax in float32, top-k; replicated on every rank."""
+    """Linear gate [E, hidden] (no bias), softmax in float32, top-k; replicated on every rank.
 
-    def __init__(self, config: MoEConfig, device=None, dtype=None) -> None:
+    aux_loss_group: the ranks that hold other tokens of the same sequences (the CP group, or the TP group
+    under sequence parallelism): the load-balancing loss then counts routing over all of them (one
+    all-reduce of E + 1 integers), as the loss of the unsplit sequence would. None: this rank's tokens.
+    """
+
+    def __init__(
+        self, config: MoEConfig, device=None, dtype=None, aux_loss_group: ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.aux_loss_group = (
+            aux_loss_group if aux_loss_group is not None and aux_loss_group.size() > 1 else None
+        )
         self.weight = nn.Parameter(
             torch.empty(config.num_experts, config.hidden_size, device=device, dtype=dtype)
         )
@@ -59,7 +76,12 @@ class TopKRouter(nn.Module):
         if cfg.normalize_top_k and cfg.top_k > 1:
             gates = gates / gates.sum(-1, keepdim=True)
         routed = torch.bincount(experts.flatten(), minlength=cfg.num_experts)
-        aux = load_balancing_loss(probs, routed, cfg.top_k, cfg.aux_loss_coeff)
+        counts, num_tokens = routed, probs.shape[0]
+        if self.aux_loss_group is not None and cfg.aux_loss_coeff > 0:
+            counts = torch.cat([routed, routed.new_tensor([num_tokens])])
+            self.aux_loss_group.all_reduce(counts)
+            counts, num_tokens = counts[:-1], int(counts[-1])
+        aux = load_balancing_loss(probs, counts, cfg.top_k, cfg.aux_loss_coeff, num_tokens)
         return Routing(probs, gates, experts, aux, routed)
 
 
