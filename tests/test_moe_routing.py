@@ -118,3 +118,25 @@ def test_stats_count_dropped_tokens_and_no_aux_graph_without_grad():
     assert not y.requires_grad
     assert "experts=4, top_k=1, ep=1, capacity_factor=0.25" in repr(moe)
     assert threadpar.parallel.MoEStats is type(stats)
+
+
+def test_ranks_with_no_tokens_and_experts_with_none_still_match_one_thread():
+    cfg = MoEConfig(hidden_size=4, ffn_hidden_size=4, num_experts=8, top_k=1)
+    dense = MoE(cfg, generator=torch.Generator().manual_seed(2))
+    sizes = [0, 1, 3, 2]  # rank 0 has no tokens; most experts get none
+    batches = [torch.randn(n, 4, generator=torch.Generator().manual_seed(n)) for n in sizes]
+
+    def body():
+        model = MoE(cfg)
+        model.load_state_dict(dense.state_dict())
+        x = batches[threadpar.get_rank()].clone().requires_grad_()
+        y = model(x)
+        y.sum().backward()
+        return y.detach(), x.grad
+
+    for (y, dx), x in zip(run_ranks(body, 4), batches):
+        xr = x.clone().requires_grad_()
+        want = dense(xr)
+        want.sum().backward()
+        torch.testing.assert_close(y, want.detach())
+        torch.testing.assert_close(dx, xr.grad)

@@ -39,7 +39,7 @@ def load_balancing_loss(
 
     When a sequence's tokens are split over ranks, pass the whole routed counts and token count N: each
     rank's value is then its tokens' share, and the shares sum to the loss of the whole sequence."""
-    n = probs.shape[0] if num_tokens is None else num_tokens
+    n = max(1, probs.shape[0] if num_tokens is None else num_tokens)  # no tokens: the sum is 0
     e = probs.shape[1]
     return probs.sum(0).mul(routed.to(probs.dtype)).sum() * (coeff * e / (top_k * n * n))
 
