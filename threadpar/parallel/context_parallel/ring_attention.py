@@ -46,18 +46,35 @@ def _merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block
     lse.add_(F.softplus(diff))
 
 
-class _Ring:
-    """The ring neighbours and step bookkeeping of one CP group member."""
+ALL = slice(None)
 
-    def __init__(self, group: ProcessGroup) -> None:
+
+class _Ring:
+    """One CP member's ring: its neighbours, and which part of each step's block it computes."""
+
+    def __init__(self, group: ProcessGroup, causal: bool, local_len: int) -> None:
         self.group = group
         self.size, self.rank = group.size(), group.rank()
         self.next = group.ranks[(self.rank + 1) % self.size]
         self.prev = group.ranks[(self.rank - 1) % self.size]
+        self.causal = causal
+        self.half = local_len // 2
 
-    def source(self, step: int) -> int:
-        """Whose k/v block this rank holds at `step`."""
-        return (self.rank - step) % self.size
+    def block(self, step: int) -> tuple[slice, slice, bool]:
+        """(query rows, key rows of the block held at `step`, causal mask?) along the sequence dim."""
+        src = (self.rank - step) % self.size  # whose k/v block this rank holds at `step`
+        if step == 0:
+            return ALL, ALL, self.causal
+        if not self.causal:
+            return ALL, ALL, False
+        if src < self.rank:  # every query of this rank comes after the block's early chunk only
+            return ALL, slice(None, self.half), False
+        return slice(self.half, None), ALL, False  # only this rank's late chunk sees the block
+
+
+def _seq(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows of a [..., seq, dim] tensor (a view)."""
+    return t[..., rows, :]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -65,75 +82,53 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, kernel):
-        ring = _Ring(group)
+        ring = _Ring(group, causal, q.shape[-2])
         attend = FORWARD[kernel]
-        half = q.shape[-2] // 2
         kv = torch.stack([k, v])  # [2, B, H, S, D]: one message per hop
         out = lse = None
         for step in range(ring.size):
             sent = group.isend(kv, ring.next, KV_TAG) if step + 1 < ring.size else None
-            src = ring.source(step)
+            rows, cols, masked = ring.block(step)
+            block_out, block_lse = attend(_seq(q, rows), _seq(kv[0], cols), _seq(kv[1], cols), masked, scale)
             if step == 0:
-                out, lse = attend(q, k, v, causal, scale)
-                out = out.to(torch.promote_types(q.dtype, torch.float32))
-            elif not causal:
-                _merge_(out, lse, *attend(q, kv[0], kv[1], False, scale))
-            elif src < ring.rank:  # all queries on the block's early chunk
-                _merge_(out, lse, *attend(q, kv[0, ..., :half, :], kv[1, ..., :half, :], False, scale))
-            else:  # the late chunk's queries on the whole block
-                rows = (..., slice(half, None), slice(None))
-                _merge_(out[rows], lse[..., half:], *attend(q[rows], kv[0], kv[1], False, scale))
+                out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
+            else:
+                _merge_(_seq(out, rows), lse[..., rows], block_out, block_lse)
             if sent is not None:
                 kv = group.recv_tensor(ring.prev, KV_TAG)
                 sent.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.causal, ctx.scale, ctx.kernel = ring, causal, scale, kernel
+        ctx.ring, ctx.scale, ctx.kernel = ring, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
-        group, grads = ring.group, BACKWARD[ctx.kernel]
+        ring, scale, grads = ctx.ring, ctx.scale, BACKWARD[ctx.kernel]
+        group = ring.group
         acc = torch.promote_types(q.dtype, torch.float32)
-        half = q.shape[-2] // 2
-        rows = (..., slice(half, None), slice(None))
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
-        own = None  # this rank's own contribution to its dk/dv, [2, B, H, S, D]
+        own = None  # this rank's own part of its dk/dv, [2, B, H, S, D]
         for step in range(ring.size):
             sent = group.isend(kv, ring.next, KV_BACKWARD_TAG) if step + 1 < ring.size else None
-            src = ring.source(step)
+            rows, cols, masked = ring.block(step)
+            dq_i, dk_i, dv_i = grads(
+                _seq(dout, rows), _seq(q, rows), _seq(kv[0], cols), _seq(kv[1], cols),
+                _seq(out, rows), lse[..., rows], masked, scale,
+            )  # fmt: skip
+            _seq(dq, rows).add_(dq_i)
             if step == 0:
-                dq_i, dk_i, dv_i = grads(dout, q, k, v, out, lse, causal, scale)
-                dq.add_(dq_i)
                 own = torch.stack([dk_i, dv_i]).to(acc)
             else:
-                # The partial dk/dv of block `src` from the ranks before this one (none yet at step 1).
-                partial = (
-                    group.recv_tensor(ring.prev, DKV_TAG)
-                    if step > 1
-                    else torch.zeros(kv.shape, dtype=acc, device=kv.device)
-                )
-                if not causal:
-                    dq_i, dk_i, dv_i = grads(dout, q, kv[0], kv[1], out, lse, False, scale)
-                    dq.add_(dq_i)
-                    partial[0].add_(dk_i)
-                    partial[1].add_(dv_i)
-                elif src < ring.rank:
-                    k_a, v_a = kv[0, ..., :half, :], kv[1, ..., :half, :]
-                    dq_i, dk_i, dv_i = grads(dout, q, k_a, v_a, out, lse, False, scale)
-                    dq.add_(dq_i)
-                    partial[0, ..., :half, :].add_(dk_i)
-                    partial[1, ..., :half, :].add_(dv_i)
+                # The partial dk/dv of this step's block from the ranks before this one (none at step 1).
+                if step > 1:
+                    partial = group.recv_tensor(ring.prev, DKV_TAG)
                 else:
-                    dq_i, dk_i, dv_i = grads(
-                        dout[rows], q[rows], kv[0], kv[1], out[rows], lse[..., half:], False, scale
-                    )
-                    dq[rows].add_(dq_i)
-                    partial[0].add_(dk_i)
-                    partial[1].add_(dv_i)
+                    partial = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+                _seq(partial[0], cols).add_(dk_i)
+                _seq(partial[1], cols).add_(dv_i)
                 group.isend(partial, ring.next, DKV_TAG).wait()
             if sent is not None:
                 kv = group.recv_tensor(ring.prev, KV_BACKWARD_TAG)
