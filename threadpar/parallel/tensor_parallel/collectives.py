@@ -13,6 +13,7 @@ import torch
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.groups import resolve_group
 
 
 def normalize_dim(dim: int, ndim: int) -> int:
@@ -79,19 +80,4 @@ def resolve_tp_group(group: ProcessGroup | str | None) -> ProcessGroup:
 
     Call it when a layer or Function is built, on the rank thread, never inside backward.
     """
-    if isinstance(group, ProcessGroup):
-        handle = group
-    elif group is None or isinstance(group, str):
-        from threadpar.runtime.context import get_group
-
-        handle = get_group("TP" if group is None else group)
-    else:
-        raise TypeError(
-            f"group must be None (this rank's TP group), an axis or group name, or a ProcessGroup; got {group!r}"
-        )
-    if not handle.is_member():
-        raise ConfigError(
-            f"rank {handle.global_rank} is not a member of group '{handle.name}' {list(handle.ranks)}; "
-            "pass a group this rank belongs to (None means its own TP group)"
-        )
-    return handle
+    return resolve_group(group, "TP")

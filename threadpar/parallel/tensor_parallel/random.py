@@ -13,7 +13,8 @@ mask from one of them explicitly:
 - INIT: shared by the TP group; TP layers draw their dense initial weights from it and keep their shard,
   so a TP model starts as the dense model split, whatever the TP size.
 
-Every stream is also keyed by the pipeline stage and context-parallel rank. Seeds derive from
+Every stream is also keyed by the pipeline stage, and all but INIT by the context-parallel rank
+(CP ranks hold replicas of one model, so they initialise it alike, but different tokens). Seeds derive from
 `launch(seed=...)`, so runs repeat. Generators live on the rank's device.
 """
 
@@ -43,7 +44,9 @@ class RNGTracker:
         self._generators: dict[str, torch.Generator] = {}
 
     def seed(self, name: str) -> int:
-        keys = ("tp-rng", name, self._coords.pp, self._coords.cp)
+        keys = ("tp-rng", name, self._coords.pp)
+        if name != INIT:  # CP ranks hold replicas of one model (same init) but different tokens (masks)
+            keys += (self._coords.cp,)
         if name in _PER_TP_RANK:
             keys += (self._coords.tp,)
         return derive_seed(self._base_seed, *keys)

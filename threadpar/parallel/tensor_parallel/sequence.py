@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.groups import allreduce_grads
 from threadpar.parallel.tensor_parallel.collectives import resolve_tp_group
 
 # On a module: the frozenset of names of its own parameters that are sequence-parallel replicas.
@@ -60,12 +60,4 @@ def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
 def allreduce_sequence_parallel_grads(module: nn.Module, group: ProcessGroup | str | None = None) -> None:
     """Sum the gradients of the marked parameters over the TP group (call after backward, before the
     optimizer step, on every TP rank). One coalesced all-reduce per dtype."""
-    group = resolve_tp_group(group)
-    if group.size() == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in sequence_parallel_parameters(module):
-        if param.grad is not None:
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        group.all_reduce_coalesced(by_dtype[dtype])
+    allreduce_grads(sequence_parallel_parameters(module), resolve_tp_group(group))

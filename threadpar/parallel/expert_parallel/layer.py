@@ -1,0 +1,158 @@
+"""`MoE`: a mixture-of-experts layer whose experts are sharded over an expert-parallel (EP) group.
+
+    x [..., hidden] -> router (top-k, aux loss) -> assignments sorted by expert, capacity applied
+      -> all-to-all to the experts' ranks -> local experts (one batched matmul) -> all-to-all back
+      -> sum over each token's kept assignments of gate * expert output -> y [..., hidden]
+
+Where the EP group comes from: as in Megatron, expert parallelism is carved out of data parallelism. The
+default `group=None` is this rank's DP group (ep = dp): every DP replica holds E / dp experts and sends
+its tokens to the replica that holds their experts. Pass a smaller group from `expert_parallel_groups(ep)`
+(ep consecutive DP ranks) or any `new_group` of ranks that see different tokens. Outside a launch, or
+with a group of one, all experts are local and nothing is communicated: the single-thread MoE.
+
+Each rank routes its own tokens, so capacity and dropping are decided per rank over the tokens of its
+forward, exactly as a single-thread MoE decides them for that batch: an EP group of ep ranks computes
+what ep single-thread forwards (one per rank's batch) compute. The load-balancing loss is per forward
+too, unless `aux_loss_group` names the ranks that hold the rest of each sequence (the CP group): then
+routing is counted over the whole sequence, as Megatron counts it over its TP x CP group, and each
+rank's aux loss is its tokens' share of the whole sequence's (the shares sum to it).
+
+The aux loss needs no code in the training loop: the backward of the layer's output also backpropagates
+it, as if it had been added to the loss (Megatron's MoEAuxLossAutoScaler), so the layer is a drop-in
+replacement for an MLP; `last_stats.aux_loss` has its value for logging.
+
+Gradients: expert parameters get the gradient of every token routed to them, from the whole EP group;
+replicated parameters (the router) only from this rank's tokens. Sum the router's over the DP group and
+the experts' over the ranks that hold the same experts (`allreduce_moe_grads`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from threadpar.comm.group import ProcessGroup
+from threadpar.parallel.expert_parallel.config import MoEConfig
+from threadpar.parallel.expert_parallel.dispatch import AllToAllDispatcher
+from threadpar.parallel.expert_parallel.experts import GroupedExperts
+from threadpar.parallel.expert_parallel.routing import TopKRouter, assign, expert_capacity
+from threadpar.parallel.groups import resolve_group
+
+
+@dataclass
+class MoEStats:
+    """One forward's routing on this rank: routed and kept assignments per expert [E] (int64), the
+    capacity (None: dropless), dropped assignments, tokens that lost all their experts, the aux loss."""
+
+    routed: torch.Tensor
+    kept: torch.Tensor
+    capacity: int | None
+    dropped: int
+    dropped_tokens: int
+    aux_loss: float
+
+    @property
+    def dropped_fraction(self) -> float:
+        total = int(self.routed.sum())
+        return self.dropped / total if total else 0.0
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the output forward; backward also backpropagates the aux loss (gradient 1)."""
+
+    @staticmethod
+    def forward(ctx, out, aux_loss):
+        ctx.save_for_backward(aux_loss)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux_loss)
+
+
+def resolve_ep_group(group: ProcessGroup | str | None) -> ProcessGroup | None:
+    """None: this rank's DP group inside a launch, no group outside one; else the given group."""
+    from threadpar.runtime.context import in_rank
+
+    if group is None and not in_rank():
+        return None
+    return resolve_group(group, "DP")
+
+
+def init_generator() -> torch.Generator | None:
+    """The stream the layer's initial weights come from: inside a launch the TP RNG tracker's INIT
+    stream (equal on all ranks of the EP and TP groups), so any ep gives the same dense experts; outside
+    one the process-wide RNG, like nn.Linear."""
+    from threadpar.runtime.context import in_rank
+
+    if not in_rank():
+        return None
+    from threadpar.parallel.tensor_parallel.random import INIT, get_rng_tracker
+
+    return get_rng_tracker().generator(INIT)
+
+
+class MoE(nn.Module):
+    """A MoE layer: `forward(x [..., hidden]) -> [..., hidden]` (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        group: ProcessGroup | str | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        generator: torch.Generator | None = None,
+        aux_loss_group: ProcessGroup | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"MoE needs a MoEConfig, got {type(config).__name__}")
+        self.config = config
+        group = resolve_ep_group(group)
+        aux_group = None if aux_loss_group is None else resolve_group(aux_loss_group, "CP")
+        self.router = TopKRouter(config, device=device, dtype=dtype, aux_loss_group=aux_group)
+        self.experts = GroupedExperts(config, group, device=device, dtype=dtype)
+        self.ep_size = self.experts.ep_size
+        self.dispatcher = AllToAllDispatcher(group, config.num_experts) if self.ep_size > 1 else None
+        self.last_stats: MoEStats | None = None
+        self.reset_parameters(generator if generator is not None else init_generator())
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        self.router.reset_parameters(generator)
+        self.experts.reset_parameters(generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        tokens = x.reshape(-1, cfg.hidden_size)  # [N, hidden]
+        n = tokens.shape[0]
+        routing = self.router(tokens)
+        capacity = expert_capacity(n, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+        order, kept = assign(routing.experts, routing.gates, cfg.num_experts, capacity, cfg.drop_policy)
+        token_of = order // cfg.top_k  # [M] the token of each kept assignment, sorted by expert
+        rows = tokens.index_select(0, token_of)
+        if self.dispatcher is None:
+            out = self.experts(rows, kept.tolist())
+        else:
+            out = self.dispatcher(rows, kept, self.experts)  # [M, hidden], same order as `rows`
+        gates = routing.gates.flatten().index_select(0, order).to(out.dtype)
+        y = tokens.new_zeros(tokens.shape).index_add(0, token_of, out * gates.unsqueeze(-1))
+        self.last_stats = MoEStats(
+            routed=routing.routed,
+            kept=kept,
+            capacity=capacity,
+            dropped=n * cfg.top_k - order.numel(),
+            dropped_tokens=n - int(torch.unique(token_of).numel()),
+            aux_loss=float(routing.aux_loss.detach()),
+        )
+        if cfg.aux_loss_coeff > 0 and y.requires_grad and routing.aux_loss.requires_grad:
+            y = _AttachAuxLoss.apply(y, routing.aux_loss)
+        return y.view(x.shape)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        cap = "dropless" if cfg.capacity_factor is None else f"capacity_factor={cfg.capacity_factor}"
+        return f"experts={cfg.num_experts}, top_k={cfg.top_k}, ep={self.ep_size}, {cap}"
