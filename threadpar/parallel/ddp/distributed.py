@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from threadpar.comm.functional import new_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.context_parallel import data_context_parallel_group
 from threadpar.parallel.ddp.comm_hooks import CommHook
 from threadpar.parallel.ddp.reducer import Reducer, ReducerOptions
+from threadpar.parallel.groups import resolve_group
 from threadpar.runtime import context
 from threadpar.topology import Axis
 
@@ -41,29 +42,11 @@ class DDPOptions(ReducerOptions):
 
 
 def default_group() -> ProcessGroup:
-    """This rank's DP group; with context parallelism, the ranks it shares TP and PP coordinates with."""
-    ctx = context.current()
-    layout = ctx.world.layout
-    if layout.cp == 1:
-        return ctx.group(Axis.DP)
-    me = ctx.coords
-    ranks = sorted(
-        layout.rank_of(dp=d, cp=c, tp=me.tp, pp=me.pp) for d in range(layout.dp) for c in range(layout.cp)
-    )
-    return new_group(ranks, name=f"DPCP{me.pp * layout.tp + me.tp}")
-
-
-def resolve_group(process_group: object) -> ProcessGroup:
-    if process_group is None:
-        return default_group()
-    if isinstance(process_group, ProcessGroup):
-        return process_group
-    if isinstance(process_group, (str, Axis)):
-        return context.current().group(process_group)
-    raise TypeError(
-        "process_group must be None (this rank's DP group), a ProcessGroup, or an axis or group name "
-        f"such as 'DP' or 'DP0'; got {type(process_group).__name__}"
-    )
+    """This rank's DP group; with context parallelism its DP x CP group (the ranks it shares TP and PP
+    coordinates with), over which Megatron averages gradients too."""
+    if context.current().world.layout.cp > 1:
+        return data_context_parallel_group()
+    return resolve_group(None, "DP")
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, src: int) -> None:
@@ -149,7 +132,7 @@ class DistributedDataParallel(nn.Module):
                 "a module without any has no gradients to average"
             )
         self.module = module
-        self.process_group = resolve_group(process_group)
+        self.process_group = default_group() if process_group is None else resolve_group(process_group, "DP")
         group = self.process_group
         self._src = group.ranks[0]
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers and group.size() > 1 else []
