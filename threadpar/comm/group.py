@@ -86,6 +86,12 @@ class ProcessGroup:
     def is_member(self) -> bool:
         return self._member >= 0
 
+    @property
+    def stream_ordered(self) -> bool:
+        """True when async ops are ordered on device streams (nccl): their Work finishes on the device, so
+        `wait()` orders the caller's stream instead of blocking, and `get_future()` does not complete."""
+        return self._stream_ordered
+
     def group_rank(self, global_rank: int) -> int:
         return self._to_member(global_rank, "rank")
 
@@ -201,7 +207,9 @@ class ProcessGroup:
             staged = [_contiguous(t) for t in tensors]
             result = backend.all_reduce(member, seq, call, [c for c, _ in staged], op)
             _write_back(result, [writeback for _, writeback in staged])
-            return result
+            # A stream-ordered backend returns its Work; otherwise the Work's result is the tensors, as in
+            # torch (work.get_future().value()[0] is tensors[0]).
+            return list(tensors) if result is None else result
 
         return self._run(_name, seq, run, async_op)
 

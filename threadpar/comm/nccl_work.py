@@ -75,6 +75,7 @@ class NcclWork(Work):
         self._description, self._abort, self._done = description, abort, _Flag()
         self._error: BaseException | None = None
         self._result: Any = None
+        self._future = None
         self._cuda = cuda
         self._device = device
         self._timeout = timeout  # for synchronize(), which has no timeout argument

@@ -52,6 +52,9 @@ def accumulate_(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp,
     """
     if others and acc.device.type == "cuda":
         others = [p if p.device == acc.device else p.to(acc.device, non_blocking=True) for p in others]
+    if op is ReduceOp.AVG and count == 2 and len(others) == 1 and acc.dtype.is_floating_point:
+        # (a + b) / 2 in one pass over memory instead of two (add_, div_); it cannot overflow either.
+        return acc.lerp_(others[0], 0.5)
     if op in (ReduceOp.SUM, ReduceOp.AVG):
         for p in others:
             acc.add_(p)

@@ -7,14 +7,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
 from threadpar.errors import CollectiveTimeoutError
+
+# Guards the hand-over between `get_future()` and `_finish()`, which may run on different threads.
+_FUTURE_LOCK = threading.Lock()
 
 
 class Work:
     """Completes when its operation has finished on this rank; `wait()` re-raises the operation's error."""
 
-    __slots__ = ("_abort", "_description", "_done", "_error", "_result")
+    __slots__ = ("_abort", "_description", "_done", "_error", "_future", "_result")
 
     def __init__(self, description: str, abort: AbortSignal | None = None) -> None:
         self._description = description
@@ -22,10 +27,35 @@ class Work:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._result: Any = None
+        self._future: torch.futures.Future | None = None
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self._done.set()
+        with _FUTURE_LOCK:
+            self._done.set()
+            future = self._future
+        if future is not None:
+            self._complete(future)
+
+    def _complete(self, future: torch.futures.Future) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._result)
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch.futures.Future that completes with the operation (as torch's Work.get_future()): its
+        value is the result (for an all-reduce, the list of its tensors), or it holds the error. Callbacks
+        added with `then`/`add_done_callback` run on the thread that completes the operation (the rank's
+        communication worker for async ops), so they overlap the rank's computation."""
+        with _FUTURE_LOCK:
+            if self._future is not None:
+                return self._future
+            future = self._future = torch.futures.Future()
+            done = self._done.is_set()
+        if done:
+            self._complete(future)
+        return future
 
     def is_completed(self) -> bool:
         return self._done.is_set()

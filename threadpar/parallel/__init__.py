@@ -2,7 +2,15 @@
 
 from threadpar.parallel import context_parallel, expert_parallel, tensor_parallel
 from threadpar.parallel.context_parallel import *  # noqa: F403  (context parallelism: ring attention)
+from threadpar.parallel.data_parallel import DataParallel
+from threadpar.parallel.ddp import DistributedDataParallel
 from threadpar.parallel.expert_parallel import *  # noqa: F403  (expert parallelism: MoE with all-to-all)
 from threadpar.parallel.tensor_parallel import *  # noqa: F403  (tensor and sequence parallelism)
 
-__all__ = [*tensor_parallel.__all__, *context_parallel.__all__, *expert_parallel.__all__]
+__all__ = [
+    "DataParallel",
+    "DistributedDataParallel",
+    *tensor_parallel.__all__,
+    *context_parallel.__all__,
+    *expert_parallel.__all__,
+]

@@ -1,0 +1,41 @@
+"""DistributedDataParallel on the nccl backend, over the CUDA/NCCL test double (CPU tensors): its Works are
+stream-ordered, so the reducer must wait on them rather than on futures that only the host completes."""
+
+import copy
+
+import pytest
+from ddp_reference import adam, assert_same, batches, ddp_run, mlp, reference_run
+from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+
+from threadpar import ConfigError
+from threadpar.parallel import DistributedDataParallel
+from threadpar.parallel.ddp import comm_hooks
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "view"])
+def test_matches_single_thread_on_the_nccl_backend(view):
+    template = mlp()
+    data = batches(steps=3, rows=8, n_in=6, n_out=3)
+    expected_grads, expected_params = reference_run(template, data, adam)
+    results = ddp_run(
+        template,
+        data,
+        adam,
+        2,
+        runner=lambda body, world: run_fake_gpus(body, world, FakeCuda()),
+        bucket_cap_mb=0,
+        first_bucket_cap_mb=0,
+        gradient_as_bucket_view=view,
+    )
+    for grads, params in results:
+        assert_same(grads, expected_grads, "gradient")
+        assert_same(params, expected_params, "parameter")
+
+
+def test_comm_hooks_are_refused_on_stream_ordered_groups():
+    def body():
+        ddp = DistributedDataParallel(copy.deepcopy(mlp()))
+        with pytest.raises(ConfigError, match="not supported on group"):
+            ddp.register_comm_hook(None, comm_hooks.bf16_compress_hook)
+
+    run_fake_gpus(body, 2, FakeCuda())

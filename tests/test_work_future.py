@@ -1,0 +1,63 @@
+"""Work.get_future(): torch's API for chaining work onto an asynchronous collective (used by DDP's hooks)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import threadpar
+from threadpar.comm.work import CompletedWork, Work
+from threadpar.parallel.ddp.comm_hooks import then
+from threadpar.testing import run_ranks
+
+
+def test_future_of_an_async_all_reduce_holds_its_tensor_and_callbacks_run_on_the_comm_worker():
+    def body():
+        rank = threadpar.get_rank()
+        t = torch.full((1000,), float(rank + 1))
+        rank_thread = threading.current_thread().name
+        ran_on = []
+        if rank == 1:
+            time.sleep(0.2)  # so rank 0's all-reduce is still pending when it chains its callback
+        future = threadpar.all_reduce(t, async_op=True).get_future()
+        chained = future.then(lambda f: ran_on.append(threading.current_thread().name) or f.value()[0] * 2)
+        assert chained.wait()[0].item() == 6.0
+        assert future.value()[0] is t
+        return rank_thread, ran_on
+
+    rank_thread, ran_on = run_ranks(body, 2)[0]
+    assert ran_on == ["threadpar-comm-0"] and rank_thread == "threadpar-rank-0"
+
+
+def test_get_future_after_completion_and_twice():
+    work = CompletedWork("done", result=7)
+    assert work.get_future() is work.get_future()
+    assert work.get_future().wait() == 7
+    pending = Work("pending")
+    future = pending.get_future()
+    assert not future.done()
+    pending._finish(result=[1])
+    assert future.wait() == [1]
+
+
+def test_errors_keep_their_type_through_get_future_and_then():
+    def body():
+        shape = (3,) if threadpar.get_rank() == 0 else (4,)
+        future = threadpar.all_reduce(torch.zeros(shape), async_op=True).get_future()
+        with pytest.raises(threadpar.ThreadparError, match="mismatch"):
+            future.wait()
+        with pytest.raises(threadpar.ThreadparError, match="mismatch"):
+            then(future, lambda value: value).wait()
+
+    run_ranks(body, 2)
+
+
+def test_then_passes_the_value_and_captures_the_callback_error():
+    future = torch.futures.Future()
+    doubled = then(future, lambda value: value * 2)
+    failing = then(future, lambda value: {}[value])
+    future.set_result(21)
+    assert doubled.wait() == 42
+    with pytest.raises(KeyError):
+        failing.wait()

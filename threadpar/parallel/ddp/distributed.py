@@ -1,0 +1,188 @@
+"""DistributedDataParallel: one model replica per rank thread, gradients averaged over a group in backward.
+
+    model = DistributedDataParallel(MyModel())      # in every rank; averages over this rank's DP group
+    loss_fn(model(x_of_this_rank), y).backward()    # param.grad: the average over the group's ranks
+    optimizer.step()
+
+The default group is this rank's DP group (its DP x CP group when the layout has context parallelism):
+the ranks holding the same tensor-parallel shards and pipeline stage. So a module whose parameters are TP
+shards is wrapped as is; DDP only ever reduces over its group. With a group of one rank DDP does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from threadpar.comm.group import ProcessGroup
+from threadpar.errors import ConfigError
+from threadpar.parallel.context_parallel import data_context_parallel_group
+from threadpar.parallel.ddp.comm_hooks import CommHook
+from threadpar.parallel.ddp.reducer import Reducer, ReducerOptions
+from threadpar.parallel.groups import resolve_group
+from threadpar.runtime import context
+from threadpar.topology import Axis
+
+
+@dataclass(kw_only=True)
+class DDPOptions(ReducerOptions):
+    broadcast_buffers: bool = True  # at every forward, copy the group's first rank's buffers to the others
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.broadcast_buffers, bool):
+            raise ConfigError(f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}")
+
+
+def default_group() -> ProcessGroup:
+    """This rank's DP group; with context parallelism its DP x CP group (the ranks it shares TP and PP
+    coordinates with), over which Megatron averages gradients too."""
+    if context.current().world.layout.cp > 1:
+        return data_context_parallel_group()
+    return resolve_group(None, "DP")
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, src: int) -> None:
+    """Overwrite `tensors` with rank `src`'s values: one broadcast per (device, dtype), not per tensor.
+
+    Writes go through `.data`, which leaves autograd's version counters alone: BatchNorm saves its running
+    stats for backward, and a pipeline runs the next forward (and this broadcast) before that backward.
+    """
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_kind[(t.device, t.dtype)].append(t)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
+            group.broadcast(flat, src=src)
+            if group.global_rank != src:
+                for t, piece in zip(same_kind, flat.split([t.numel() for t in same_kind])):
+                    t.data.copy_(piece.view_as(t))
+
+
+def _check_same_structure(module: nn.Module, group: ProcessGroup) -> None:
+    """Fail clearly, at wrap time, if the ranks of the group wrapped modules of different shapes."""
+    described = [f"{name}:{list(t.shape)}:{t.dtype}" for name, t in module.state_dict(keep_vars=True).items()]
+    fingerprint = zlib.crc32("\n".join(described).encode())
+    device = next(module.parameters()).device
+    mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
+    everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
+    group.all_gather_into_tensor(everyone, mine)
+    differ = [group.ranks[m] for m, f in enumerate(everyone.tolist()) if f != fingerprint]
+    if differ:
+        raise ConfigError(
+            f"DistributedDataParallel: rank {group.global_rank} and ranks {differ} of group '{group.name}' "
+            "wrapped modules with different parameters or buffers (names, shapes or dtypes); every rank of "
+            f"the group must wrap the same architecture. This rank has: {', '.join(described[:8])}"
+            + (" ..." if len(described) > 8 else "")
+        )
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism between rank threads; see the module docstring.
+
+    bucket_cap_mb / first_bucket_cap_mb: bucket sizes in MiB (the first bucket is small so communication
+    starts early in backward). gradient_as_bucket_view: param.grad is a view into its bucket's flat buffer,
+    which comm hooks using bucket.buffer() (compression) then read without a copy; zero grads with
+    set_to_none=False to keep the views (else each backward copies the new grads in). Without it the
+    gradients stay where autograd put them and the default hook averages them in place, copying nothing.
+    broadcast_buffers: copy the first rank's buffers (e.g. BatchNorm running stats) to the others at every
+    forward. find_unused_parameters: allow parameters that get no gradient on some ranks or iterations.
+    gradient_bucketing=False: one all-reduce per parameter (for comparison and debugging).
+
+    Overlap needs a spare core (or a GPU): on CPU ranks that already use every core, all-reducing during
+    backward only time-shares the cores, and one bucket (a large bucket_cap_mb and first_bucket_cap_mb)
+    was about 5% faster in benchmarks/ddp.py on 2 cores.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: ProcessGroup | Axis | str | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        gradient_as_bucket_view: bool = False,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        gradient_bucketing: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        self.options = DDPOptions(
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+            gradient_bucketing=gradient_bucketing,
+        )
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError(
+                "DistributedDataParallel needs a module with at least one parameter that requires grad; "
+                "a module without any has no gradients to average"
+            )
+        self.module = module
+        self.process_group = default_group() if process_group is None else resolve_group(process_group, "DP")
+        group = self.process_group
+        self._src = group.ranks[0]
+        self._buffers_to_sync = list(module.buffers()) if broadcast_buffers and group.size() > 1 else []
+        self._require_sync = True  # used when there is no reducer (a group of one rank)
+        self.reducer: Reducer | None = None
+        if group.size() > 1:
+            _check_same_structure(module, group)
+            broadcast_coalesced([*module.parameters(), *module.buffers()], group, self._src)
+            abort = context.current().world.abort if context.in_rank() else None
+            self.reducer = Reducer(
+                [p for _, p in named], [name for name, _ in named], group, self.options, abort
+            )
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.reducer is not None:
+            self.reducer.settle_interrupted_backward()
+        if self._buffers_to_sync:
+            broadcast_coalesced(self._buffers_to_sync, self.process_group, self._src)
+        return self.module(*inputs, **kwargs)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the next backward averages gradients (read when that backward starts)."""
+        return self.reducer.require_backward_grad_sync if self.reducer is not None else self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if self.reducer is not None:
+            self.reducer.require_backward_grad_sync = bool(value)
+        else:
+            self._require_sync = bool(value)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards run inside accumulate gradients locally; the first backward outside averages the sum.
+
+        What counts is where the backward runs, not the forward: forwards of several micro-batches may come
+        first and their backwards later, all but the last inside no_sync().
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> Future[Tensor]` (see comm_hooks); once, before
+        the first backward. state=None passes this module's process group (what built-in hooks expect)."""
+        if self.reducer is not None:
+            self.reducer.register_comm_hook(state, hook)
+        elif not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
