@@ -1,0 +1,43 @@
+"""Recipe: DP x TP x PP on 8 rank threads (2 x 2 x 2): the pipeline schedule over the PP group, TP inside
+each stage, DDP over the DP group with gradients averaged once per step. The same thing the demo
+(`python -m threadpar.demo --gpus 8`) runs, in a page.
+
+    python demos/hybrid_3d.py
+"""
+
+import torch
+
+import threadpar
+from threadpar.demo.data import Batches, data_parallel_slice, load_tokens
+from threadpar.models.gpt import GPT, model_config
+from threadpar.models.parallelize_gpt import parallelize_gpt
+
+CONFIG = model_config("small", block_size=32)
+
+
+def train(dense: dict, batches: Batches, steps: int) -> list[float]:
+    layout, coords = threadpar.get_layout(), threadpar.get_coords()
+    model = parallelize_gpt(CONFIG, dense, schedule="interleaved", num_microbatches=4, sequence_parallel=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        inputs, targets = batches.batch(step)  # the global batch; this replica takes its share
+        inputs = data_parallel_slice(inputs, coords.dp, layout.dp)
+        targets = data_parallel_slice(targets, coords.dp, layout.dp)
+        loss = model.train_step(inputs, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+        threadpar.all_reduce(loss, op="avg", group="DP")  # the global batch's mean loss
+        losses.append(loss.item())
+    threadpar.print0(f"3D on {layout.describe()}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return losses
+
+
+def main(steps: int = 30) -> list[float]:
+    dense = GPT(CONFIG).init_weights(torch.Generator().manual_seed(0)).state_dict()
+    batches = Batches(load_tokens(None), batch_size=16, seq_len=32, seed=0)
+    return threadpar.launch(train, dense, batches, steps, world_size=8, dp=2, tp=2, pp=2, devices="cpu", print_layout=True)[0]
+
+
+if __name__ == "__main__":
+    main()

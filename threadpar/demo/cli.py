@@ -1,0 +1,128 @@
+"""`python -m threadpar.demo` command line: flags, defaults, and the checks that make bad combinations
+fail before any thread starts, with a message that says what to pass instead."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from threadpar.errors import ConfigError
+from threadpar.models.gpt import MODEL_SIZES
+
+SCHEDULES = ("afab", "1f1b", "interleaved")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def default_layout(n: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) for n ranks: use all three axes when n allows (8 -> 2 x 2 x 2), TP first, then PP."""
+    tp = 2 if n % 2 == 0 else 1
+    pp = 2 if (n // tp) % 2 == 0 else 1
+    return n // (tp * pp), tp, pp
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    gpus: int = 8
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    steps: int = 100
+    model: str = "tiny"
+    seq_len: int = 64
+    batch_size: int = 32
+    lr: float = 2e-2
+    dtype: str = "fp32"
+    seed: int = 0
+    data: Path | None = None
+    out: Path | None = Path("out/demo")
+    checkpoint: Path | None = None
+    resume: bool = False
+    check: bool = False
+    recompute: bool = False
+    sequence_parallel: bool = False
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ConfigError(f"--gpus {self.gpus}: need at least 1")
+        sizes = [self.dp, self.tp, self.pp]
+        if all(s is None for s in sizes):
+            self.dp, self.tp, self.pp = default_layout(self.gpus)
+        else:
+            self.tp = self.tp or 1
+            self.pp = self.pp or 1
+            if self.dp is None:
+                if self.gpus % (self.tp * self.pp):
+                    raise ConfigError(
+                        f"--gpus {self.gpus} is not divisible by tp*pp = {self.tp * self.pp}; "
+                        "choose --tp/--pp whose product divides --gpus"
+                    )
+                self.dp = self.gpus // (self.tp * self.pp)
+        if self.dp * self.tp * self.pp != self.gpus:
+            raise ConfigError(
+                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} but --gpus {self.gpus}; "
+                "make the product equal --gpus (or leave --dp out to derive it)"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.model not in MODEL_SIZES:
+            raise ConfigError(f"--model {self.model!r}: choose one of {', '.join(MODEL_SIZES)}")
+        if self.microbatches is None:
+            self.microbatches = 2 * self.pp if self.pp > 1 else 1
+        per_replica = self.batch_size // self.dp if self.batch_size % self.dp == 0 else None
+        if per_replica is None:
+            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by dp={self.dp}")
+        if per_replica % self.microbatches:
+            raise ConfigError(
+                f"each data-parallel replica gets {per_replica} sequences, which do not split into "
+                f"--microbatches {self.microbatches}; choose a batch size divisible by dp*microbatches = "
+                f"{self.dp * self.microbatches}"
+            )
+        for name in ("steps", "seq_len", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.resume and self.checkpoint is None:
+            raise ConfigError("--resume needs --checkpoint DIR (where the checkpoint to resume from is)")
+
+    @property
+    def chunks_per_stage(self) -> int:
+        return 2 if self.schedule == "interleaved" else 1
+
+
+def parse_args(argv: list[str] | None = None) -> DemoConfig:
+    defaults = DemoConfig(gpus=8)
+    p = argparse.ArgumentParser(
+        prog="python -m threadpar.demo",
+        description="Train a small GPT with DP x TP x PP on rank threads (GPUs, or CPU threads without them).",
+    )
+    p.add_argument("--gpus", type=int, default=8, help="number of ranks (GPUs, or CPU threads)")
+    p.add_argument("--dp", type=int, help="data-parallel size (default: derived)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 when it divides --gpus)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size (default: 2 when it divides what is left)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=defaults.schedule)
+    p.add_argument("--microbatches", type=int, help="microbatches per step (default: 2 x pp)")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--model", choices=sorted(MODEL_SIZES), default=defaults.model)
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch, in sequences")
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument(
+        "--data", type=Path, help="a text file; its bytes are the tokens (default: synthetic corpus)"
+    )
+    p.add_argument("--out", type=Path, default=defaults.out, help="where plots, trace and metrics go")
+    p.add_argument("--checkpoint", type=Path, help="directory to save the checkpoint in (and resume from)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint")
+    p.add_argument("--check", action="store_true", help="also run the single-thread model and compare losses")
+    p.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout along the sequence")
+    p.add_argument("--log-every", type=int, default=defaults.log_every)
+    args = p.parse_args(argv)
+    names = {f.name for f in fields(DemoConfig)}
+    return DemoConfig(**{k: v for k, v in vars(args).items() if k in names})

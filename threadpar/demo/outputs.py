@@ -1,0 +1,183 @@
+"""After the ranks finish: the summary, the files in --out, the checkpoint, and the --check reference."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from threadpar.checkpoint import load_optimizer_state
+from threadpar.demo.report import format_bytes, write_loss_png, write_metrics, write_timeline_png
+from threadpar.demo.train import AUTOCAST, RunState, make_optimizer
+from threadpar.errors import ConfigError
+from threadpar.models.gpt import GPT, GPTConfig
+from threadpar.pipeline import measured_bubble, write_chrome_trace
+from threadpar.topology import Layout
+
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECK_STEPS = 3
+
+
+@dataclass
+class Summary:
+    text: str
+    metrics: dict[str, Any]
+
+
+def _layout(run: RunState) -> Layout:
+    cfg = run.config
+    return Layout.build(cfg.gpus, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+
+
+def _pipeline_zero(run: RunState) -> list:
+    """The timelines of the pipeline that rank 0 belongs to (one per stage)."""
+    return [run.timelines[r] for r in _layout(run).group_ranks("PP", 0) if r in run.timelines]
+
+
+def reference_losses(run: RunState) -> dict[str, Any]:
+    """Re-run the first steps on one thread with the plain GPT and compare the losses."""
+    cfg = run.config
+    steps = range(run.start_step, min(cfg.steps, run.start_step + CHECK_STEPS))
+    model = GPT(run.gpt, autocast_dtype=AUTOCAST[cfg.dtype])
+    model.load_state_dict(run.dense_state)
+    optimizer = make_optimizer(model.parameters(), cfg.lr)
+    if run.optimizer_state is not None:
+        load_optimizer_state(optimizer, [model], run.optimizer_state)
+    reference = []
+    for step in steps:
+        inputs, targets = run.batches.batch(step)
+        loss = model.loss(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reference.append(loss.item())
+    parallel = run.losses[: len(reference)]
+    diff = max(abs(a - b) for a, b in zip(parallel, reference))
+    tolerance = 1e-4 if cfg.dtype == "fp32" else 5e-2
+    return {
+        "steps": len(reference),
+        "parallel": parallel,
+        "reference": reference,
+        "max_abs_diff": diff,
+        "ok": diff <= tolerance,
+    }
+
+
+def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) -> Summary:
+    cfg, layout = run.config, _layout(run)
+    timed = run.step_seconds[1:] or run.step_seconds  # the first step includes one-time setup
+    tokens_per_s = run.tokens_per_step / statistics.median(timed)
+    pipeline = _pipeline_zero(run)
+    bubble = measured_bubble(pipeline) if cfg.pp > 1 and pipeline else 0.0
+    peaks = {
+        r: {
+            "saved_activations_bytes": run.activation_peaks.get(r, 0),
+            "device_allocated_bytes": run.device_peaks.get(r),
+        }
+        for r in range(layout.world_size)
+    }
+    lines = [
+        f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f} over steps {run.start_step + 1}..{cfg.steps}",
+        f"throughput {tokens_per_s:,.0f} tokens/s (median step {statistics.median(timed) * 1e3:.1f} ms), wall {wall_seconds:.1f} s",
+        f"pipeline bubble (measured, last step): {bubble:.1%}"
+        if cfg.pp > 1
+        else "pipeline bubble: none (pp=1)",
+    ]
+    if run.skipped_steps:
+        lines.append(f"fp16: {run.skipped_steps} step(s) skipped on overflow (agreed across all ranks)")
+    per_rank = ", ".join(f"r{r} {format_bytes(p['saved_activations_bytes'])}" for r, p in peaks.items())
+    lines.append(f"peak saved activations per rank: {per_rank}")
+    if any(p["device_allocated_bytes"] for p in peaks.values()):
+        device = ", ".join(f"r{r} {format_bytes(p['device_allocated_bytes'])}" for r, p in peaks.items())
+        lines.append(f"peak device memory per rank: {device}")
+    if check is not None:
+        verdict = "match" if check["ok"] else "DIFFER"
+        lines.append(
+            f"check vs single-thread model, first {check['steps']} steps: {verdict} "
+            f"(max |loss diff| {check['max_abs_diff']:.2e})"
+        )
+    metrics = {
+        "model": cfg.model,
+        "layout": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+        "schedule": cfg.schedule,
+        "microbatches": cfg.microbatches,
+        "dtype": cfg.dtype,
+        "first_step": run.start_step,
+        "losses": run.losses,
+        "step_seconds": run.step_seconds,
+        "tokens_per_s": tokens_per_s,
+        "bubble": bubble,
+        "peak_memory": peaks,
+        "skipped_steps": run.skipped_steps,
+        "check": check,
+    }
+    return Summary("\n".join(lines), metrics)
+
+
+def write_outputs(out: Path, run: RunState, summary: Summary) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = run.config
+    written = [out / "metrics.json"]
+    write_metrics(out / "metrics.json", summary.metrics)
+    title = f"GPT {cfg.model}, dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, {cfg.schedule}"
+    if write_loss_png(run.losses, out / "loss.png", title=title):
+        written.append(out / "loss.png")
+    pipeline = _pipeline_zero(run)
+    if pipeline and any(t.events for t in pipeline):
+        write_chrome_trace(out / "trace.json", pipeline)
+        written.append(out / "trace.json")
+        if write_timeline_png(pipeline, out / "timeline.png", title=f"last step, {cfg.schedule}"):
+            written.append(out / "timeline.png")
+    notes = [f"wrote {', '.join(str(p) for p in written)}"]
+    if not (out / "loss.png").exists():
+        notes.append("(plots need matplotlib: pip install 'threadpar[demo]')")
+    return notes
+
+
+def save_checkpoint(directory: Path, run: RunState) -> Path:
+    """Merge every stage's dense parts into one unsplit checkpoint (written atomically)."""
+    cfg = run.config
+    model, optimizer = {}, {}
+    for stage in sorted(run.model_parts):
+        model.update(run.model_parts[stage])
+        optimizer.update(run.optimizer_parts[stage])
+    state = {
+        "format": "threadpar-gpt/1",
+        "config": run.gpt.to_dict(),
+        "model": model,
+        "optimizer": optimizer,
+        "loss_scaler": run.final_scaler_state,
+        "step": cfg.steps,  # also the data position: batch(step) is a function of (seed, step)
+        "rng": {"seed": cfg.seed},  # every random stream of the demo derives from (seed, step)
+        "data": {
+            "seed": cfg.seed,
+            "batch_size": cfg.batch_size,
+            "seq_len": cfg.seq_len,
+            "source": str(cfg.data or "synthetic"),
+        },
+        "layout": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+        "losses": run.losses,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CHECKPOINT_FILE
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(directory: Path, gpt: GPTConfig) -> dict[str, Any]:
+    path = Path(directory) / CHECKPOINT_FILE
+    if not path.is_file():
+        raise ConfigError(f"--resume: no checkpoint at {path}; run once with --checkpoint {directory} first")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if ckpt.get("config") != gpt.to_dict():
+        raise ConfigError(
+            f"--resume: the checkpoint in {directory} is for the model {ckpt.get('config')}, not {gpt.to_dict()}; "
+            "pass the --model and --seq-len it was written with"
+        )
+    return ckpt

@@ -1,0 +1,117 @@
+"""The demo's training loop, run by every rank thread, and the state it shares with the caller.
+
+`RunState` is created by the caller and handed to every rank: the dense weights and data go in, the
+losses, timings, timelines, memory peaks and checkpoint parts come back, all in host memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from threadpar.checkpoint import load_optimizer_state
+from threadpar.comm.reduce_op import ReduceOp
+from threadpar.demo.cli import DemoConfig
+from threadpar.demo.data import Batches, data_parallel_slice
+from threadpar.demo.report import ProgressBar
+from threadpar.models.gpt import GPTConfig
+from threadpar.models.parallelize_gpt import parallelize_gpt
+from threadpar.parallel.loss_scaler import LossScaler
+from threadpar.pipeline import Timeline
+from threadpar.runtime.context import get_coords, get_device, get_group, get_layout, get_rank
+from threadpar.runtime.memory import SavedActivationTracker, device_peak_bytes
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+@dataclass(eq=False)
+class RunState:
+    config: DemoConfig
+    gpt: GPTConfig
+    batches: Batches
+    dense_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, dict] | None = None
+    scaler_state: dict | None = None
+    start_step: int = 0
+    # written by the ranks (each writes its own keys; rank 0 appends to the lists)
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    timelines: dict[int, Timeline] = field(default_factory=dict)
+    activation_peaks: dict[int, int] = field(default_factory=dict)
+    device_peaks: dict[int, int | None] = field(default_factory=dict)
+    model_parts: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    optimizer_parts: dict[int, dict[str, dict]] = field(default_factory=dict)
+    final_scaler_state: dict | None = None
+    skipped_steps: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.config.seq_len
+
+
+def train_rank(run: RunState) -> None:
+    cfg, rank = run.config, get_rank()
+    layout, coords = get_layout(), get_coords()
+    scaler = LossScaler(get_group()) if cfg.dtype == "fp16" else None
+    if scaler is not None and run.scaler_state:
+        scaler.load_state_dict(run.scaler_state)
+    model = parallelize_gpt(
+        run.gpt,
+        run.dense_state,
+        schedule=cfg.schedule,
+        num_microbatches=cfg.microbatches,
+        sequence_parallel=cfg.sequence_parallel,
+        recompute=cfg.recompute,
+        autocast_dtype=AUTOCAST[cfg.dtype],
+        loss_scaler=scaler,
+    )
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, cfg.lr)
+    if run.optimizer_state is not None:
+        load_optimizer_state(optimizer, model.chunks, run.optimizer_state)
+    tracker = SavedActivationTracker()
+    dp_group = get_group("DP")
+    bar = ProgressBar(cfg.steps) if rank == 0 else None
+
+    for step in range(run.start_step, cfg.steps):
+        inputs, targets = run.batches.batch(step)  # the global batch, the same on every rank
+        inputs = data_parallel_slice(inputs, coords.dp, layout.dp).to(get_device())
+        targets = data_parallel_slice(targets, coords.dp, layout.dp).to(get_device())
+        start = time.perf_counter()
+        with tracker.track():
+            loss = model.train_step(inputs, targets)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer, params)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach().clone()
+        dp_group.all_reduce(loss, op=ReduceOp.AVG)  # the mean over the global batch
+        if rank == 0:
+            seconds = time.perf_counter() - start
+            run.losses.append(loss.item())
+            run.step_seconds.append(seconds)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                bar.update(step + 1, run.losses[-1], run.tokens_per_step / seconds)
+    if bar is not None:
+        bar.close()
+
+    run.timelines[rank] = model.pipeline.timeline.snapshot()
+    run.activation_peaks[rank] = tracker.peak
+    run.device_peaks[rank] = device_peak_bytes(get_device())
+    if scaler is not None and rank == 0:
+        run.final_scaler_state = scaler.state_dict()
+        run.skipped_steps = scaler.skipped_steps
+    if cfg.checkpoint is not None:
+        # Collectives over each TP group; one rank per pipeline stage hands the dense parts over.
+        model_state = model.dense_state()
+        optimizer_state = model.dense_optimizer_state(optimizer)
+        if coords.dp == 0 and coords.tp == 0:
+            run.model_parts[coords.pp] = model_state
+            run.optimizer_parts[coords.pp] = optimizer_state
