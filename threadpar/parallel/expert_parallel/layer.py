@@ -19,7 +19,9 @@ rank's aux loss is its tokens' share of the whole sequence's (the shares sum to 
 
 The aux loss needs no code in the training loop: the backward of the layer's output also backpropagates
 it, as if it had been added to the loss (Megatron's MoEAuxLossAutoScaler), so the layer is a drop-in
-replacement for an MLP; `last_stats.aux_loss` has its value for logging.
+replacement for an MLP; `last_stats.aux_loss` has its value for logging. Because it is added in backward,
+it cannot see what the loss was multiplied by before `backward()`: set `aux_loss_scale` to that factor
+(1 / microbatches under gradient accumulation, an fp16 loss scale), as Megatron's set_loss_scale does.
 
 Gradients: expert parameters get the gradient of every token routed to them, from the whole EP group;
 replicated parameters (the router) only from this rank's tokens. Sum the router's over the DP group and
@@ -119,6 +121,8 @@ class MoE(nn.Module):
         self.ep_size = self.experts.ep_size
         self.dispatcher = AllToAllDispatcher(group, config.num_experts) if self.ep_size > 1 else None
         self.last_stats: MoEStats | None = None
+        # What the training loss is multiplied by before backward; the aux loss's gradient is scaled alike.
+        self.aux_loss_scale = 1.0
         self.reset_parameters(generator if generator is not None else init_generator())
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -149,7 +153,8 @@ class MoE(nn.Module):
             aux_loss=float(routing.aux_loss.detach()),
         )
         if cfg.aux_loss_coeff > 0 and y.requires_grad and routing.aux_loss.requires_grad:
-            y = _AttachAuxLoss.apply(y, routing.aux_loss)
+            aux = routing.aux_loss if self.aux_loss_scale == 1 else routing.aux_loss * self.aux_loss_scale
+            y = _AttachAuxLoss.apply(y, aux)
         return y.view(x.shape)
 
     def extra_repr(self) -> str:
