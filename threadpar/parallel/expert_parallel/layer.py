@@ -25,7 +25,8 @@ it cannot see what the loss was multiplied by before `backward()`: set `aux_loss
 
 Gradients: expert parameters get the gradient of every token routed to them, from the whole EP group;
 replicated parameters (the router) only from this rank's tokens. Sum the router's over the DP group and
-the experts' over the ranks that hold the same experts (`allreduce_moe_grads`).
+the experts' over the ranks that hold the same experts (`allreduce_moe_grads`), or wrap the model in
+DistributedDataParallel, which averages both that way.
 """
 
 from __future__ import annotations
@@ -142,8 +143,11 @@ class MoE(nn.Module):
             out = self.experts(rows, kept.tolist())
         else:
             out = self.dispatcher(rows, kept, self.experts)  # [M, hidden], same order as `rows`
-        gates = routing.gates.flatten().index_select(0, order).to(out.dtype)
-        y = tokens.new_zeros(tokens.shape).index_add(0, token_of, out * gates.unsqueeze(-1))
+        # Combined in the input's dtype: under autocast the experts' matmuls give low-precision rows, and
+        # a token's top-k contributions are summed in the (fp32) precision of the residual stream.
+        gates = routing.gates.flatten().index_select(0, order).to(tokens.dtype)
+        weighted = out.to(tokens.dtype) * gates.unsqueeze(-1)
+        y = tokens.new_zeros(tokens.shape).index_add(0, token_of, weighted)
         self.last_stats = MoEStats(
             routed=routing.routed,
             kept=kept,
