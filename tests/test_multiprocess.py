@@ -43,11 +43,13 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 120) -> 
     return output
 
 
-def test_torchrun_processes_run_every_collective_and_a_pipeline_across_processes():
+def test_torchrun_processes_run_every_collective_a_pipeline_and_ddp_across_processes():
     output = torchrun(PROCS / "torchrun_checks.py")
     for process in (0, 1):
         assert f"process {process}: collectives OK" in output, output[-6000:]
         assert f"process {process}: pipeline OK" in output, output[-6000:]
+        # 2 optimizers x 2 ranks here x (6 gradients + 6 parameters)
+        assert f"process {process}: DDP OK (48 gradients and parameters match" in output, output[-6000:]
 
 
 def test_a_failing_rank_or_a_dead_process_stops_every_process():
