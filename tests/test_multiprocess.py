@@ -30,9 +30,11 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 120, options=()) -> str:
-    """Run `script` under torchrun --standalone; return its output, failing the test if it failed.
-    `options` go to torchrun before the script (e.g. "-m" to run a module)."""
+def torchrun(
+    script: Path | str, *args: str, nproc: int = 2, timeout: float = 120, options=(), expect_failure=False
+) -> str:
+    """Run `script` under torchrun --standalone; return its output, failing the test if it failed (or, with
+    `expect_failure`, if it did not). `options` go to torchrun before the script (e.g. "-m" for a module)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     done = subprocess.run(
         [*command, *options, str(script), *args],
@@ -43,7 +45,7 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 12
         timeout=timeout,
     )
     output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
+    assert (done.returncode != 0) == expect_failure, output[-6000:]
     return output
 
 
@@ -131,3 +133,14 @@ def test_the_demo_under_torchrun_spans_both_processes_learns_and_only_process_0_
     assert "layout dp=2 x tp=2 x pp=1" in resumed and "resuming at step 8" in resumed, resumed[-6000:]
     assert "check vs single-thread model, first 3 steps: match" in resumed, resumed[-6000:]
     assert json.loads((tmp_path / "b" / "metrics.json").read_text())["first_step"] == 8
+
+    # Process 0 reads the checkpoint to resume from; when it cannot, every process says so and exits.
+    missing = tmp_path / "nowhere"
+    failed = torchrun(
+        "threadpar.demo", *small, "--resume", "--checkpoint", str(missing), "--steps", "11",
+        options=["-m"], expect_failure=True,
+    )  # fmt: skip
+    for process in (0, 1):
+        assert f"threadpar demo (process {process} of 2): --resume: no checkpoint at {missing}" in failed, (
+            failed
+        )

@@ -48,20 +48,27 @@ def disconnect() -> None:
 
 
 def from_process_zero(load: Callable[[], T]) -> T:
-    """`load()` run on process 0, its result in every process; a ConfigError it raises is raised everywhere
-    (so no process waits for a message that will not come)."""
+    """`load()` run on process 0, its result in every process. If it raises, process 0 raises that and the
+    others raise too (a ConfigError as such), instead of waiting for a result that will not come."""
     import torch.distributed as dist
 
     outcome: list[Any] = [None]
+    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
             outcome = [("ok", load())]
         except ConfigError as error:
-            outcome = [("error", str(error))]
+            failure, outcome = error, [("ConfigError", str(error))]
+        except Exception as error:
+            failure, outcome = error, [("error", f"process 0 failed with {type(error).__name__}: {error}")]
     dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
     kind, value = outcome[0]
-    if kind == "error":
+    if kind == "ConfigError":
         raise ConfigError(value)
+    if kind == "error":
+        raise RuntimeError(value)
     return value
 
 
