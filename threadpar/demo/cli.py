@@ -23,7 +23,8 @@ def default_layout(n: int) -> tuple[int, int, int]:
 
 @dataclass(kw_only=True)
 class DemoConfig:
-    gpus: int = 8
+    gpus: int = 8  # ranks in each process
+    processes: int = 1  # not a flag: the number of processes torchrun started (threadpar.process_env())
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
@@ -48,23 +49,27 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ConfigError(f"--gpus {self.gpus}: need at least 1")
+        if self.processes < 1:
+            raise ConfigError(f"processes={self.processes}: need at least 1")
+        ranks, total = self.world_size, self._ranks_text()
         sizes = [self.dp, self.tp, self.pp]
         if all(s is None for s in sizes):
-            self.dp, self.tp, self.pp = default_layout(self.gpus)
+            self.dp, self.tp, self.pp = default_layout(ranks)
         else:
             self.tp = self.tp or 1
             self.pp = self.pp or 1
             if self.dp is None:
-                if self.gpus % (self.tp * self.pp):
+                if ranks % (self.tp * self.pp):
                     raise ConfigError(
-                        f"--gpus {self.gpus} is not divisible by tp*pp = {self.tp * self.pp}; "
-                        "choose --tp/--pp whose product divides --gpus"
+                        f"{total} is not divisible by tp*pp = {self.tp * self.pp}; "
+                        f"choose --tp/--pp whose product divides {ranks}"
                     )
-                self.dp = self.gpus // (self.tp * self.pp)
-        if self.dp * self.tp * self.pp != self.gpus:
+                self.dp = ranks // (self.tp * self.pp)
+        if self.dp * self.tp * self.pp != ranks:
             raise ConfigError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} but --gpus {self.gpus}; "
-                "make the product equal --gpus (or leave --dp out to derive it)"
+                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} but {total}; "
+                f"make the product equal {'--gpus' if self.processes == 1 else ranks} "
+                "(or leave --dp out to derive it)"
             )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -90,17 +95,36 @@ class DemoConfig:
             raise ConfigError("--resume needs --checkpoint DIR (where the checkpoint to resume from is)")
 
     @property
+    def world_size(self) -> int:
+        """Ranks in all: --gpus rank threads in each of the processes torchrun started."""
+        return self.gpus * self.processes
+
+    def _ranks_text(self) -> str:
+        if self.processes == 1:
+            return f"--gpus {self.gpus}"
+        return f"--gpus {self.gpus} x {self.processes} processes = {self.world_size} ranks"
+
+    @property
     def chunks_per_stage(self) -> int:
         return 2 if self.schedule == "interleaved" else 1
 
 
-def parse_args(argv: list[str] | None = None) -> DemoConfig:
+def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
+    """The flags in `argv`; `processes`: how many processes run the demo (each with --gpus ranks)."""
     defaults = DemoConfig(gpus=8)
     p = argparse.ArgumentParser(
         prog="python -m threadpar.demo",
         description="Train a small GPT with DP x TP x PP on rank threads (GPUs, or CPU threads without them).",
+        epilog="Under torchrun each process runs --gpus rank threads and the layout spans all processes: "
+        "torchrun --standalone --nproc-per-node 2 -m threadpar.demo --gpus 2 trains on 4 ranks. "
+        "Process 0 prints and writes --out and --checkpoint.",
     )
-    p.add_argument("--gpus", type=int, default=8, help="number of ranks (GPUs, or CPU threads)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=8,
+        help="ranks (GPUs, or CPU threads) in this process; under torchrun, in each process",
+    )
     p.add_argument("--dp", type=int, help="data-parallel size (default: derived)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 when it divides --gpus)")
     p.add_argument("--pp", type=int, help="pipeline-parallel size (default: 2 when it divides what is left)")
@@ -125,4 +149,4 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     args = p.parse_args(argv)
     names = {f.name for f in fields(DemoConfig)}
-    return DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return DemoConfig(processes=processes, **{k: v for k, v in vars(args).items() if k in names})

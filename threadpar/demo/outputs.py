@@ -30,7 +30,7 @@ class Summary:
 
 def _layout(run: RunState) -> Layout:
     cfg = run.config
-    return Layout.build(cfg.gpus, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+    return Layout.build(cfg.world_size, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
 
 
 def _pipeline_zero(run: RunState) -> list:
@@ -103,6 +103,7 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
     metrics = {
         "model": cfg.model,
         "layout": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+        "processes": cfg.processes,
         "schedule": cfg.schedule,
         "microbatches": cfg.microbatches,
         "dtype": cfg.dtype,
