@@ -21,7 +21,9 @@ class Reference:
     grads: dict[str, torch.Tensor]
 
 
-def reference(config: GPTConfig = SMALL, batch: int = 16, seed: int = 0, autocast: torch.dtype | None = None) -> Reference:
+def reference(
+    config: GPTConfig = SMALL, batch: int = 16, seed: int = 0, autocast: torch.dtype | None = None
+) -> Reference:
     g = torch.Generator().manual_seed(seed)
     model = GPT(config, autocast_dtype=autocast).init_weights(g)
     dense = {k: v.clone() for k, v in model.state_dict().items()}

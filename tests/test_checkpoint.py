@@ -43,7 +43,9 @@ def test_checkpoint_loads_into_a_plain_gpt_with_the_single_thread_weights(tmp_pa
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("resume_layout", [dict(dp=1, tp=2, pp=2), dict(dp=2, tp=1, pp=2), dict(dp=4, tp=1, pp=1)])
+@pytest.mark.parametrize(
+    "resume_layout", [dict(dp=1, tp=2, pp=2), dict(dp=2, tp=1, pp=2), dict(dp=4, tp=1, pp=1)]
+)
 def test_resumed_run_continues_the_uninterrupted_one(tmp_path, resume_layout):
     whole = demo(tmp_path / "whole", steps=6, dp=1, tp=2, pp=2)
     demo(tmp_path / "run", steps=3, dp=1, tp=2, pp=2)  # interrupted after step 3

@@ -27,6 +27,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from threadpar.comm.group import ProcessGroup
+from threadpar.errors import ConfigError
 from threadpar.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -35,11 +40,6 @@ from threadpar.parallel.tensor_parallel import (
     scatter_to_sp_region,
     vocab_parallel_cross_entropy,
 )
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from threadpar.comm.group import ProcessGroup
-from threadpar.errors import ConfigError
 
 
 @dataclass(kw_only=True)
