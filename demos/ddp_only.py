@@ -36,7 +36,9 @@ def train(steps: int) -> list[float]:
 
 
 def main(steps: int = 200) -> list[float]:
-    return threadpar.launch(train, steps, world_size=4, devices="cpu" if not torch.cuda.is_available() else None)[0]
+    return threadpar.launch(
+        train, steps, world_size=4, devices="cpu" if not torch.cuda.is_available() else None
+    )[0]
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ def train(dense: dict, batches: Batches, steps: int) -> list[float]:
 def main(steps: int = 30) -> list[float]:
     dense = GPT(CONFIG).init_weights(torch.Generator().manual_seed(0)).state_dict()
     batches = Batches(load_tokens(None), batch_size=16, seq_len=32, seed=0)
-    return threadpar.launch(train, dense, batches, steps, world_size=8, dp=2, tp=2, pp=2, devices="cpu", print_layout=True)[0]
+    return threadpar.launch(
+        train, dense, batches, steps, world_size=8, dp=2, tp=2, pp=2, devices="cpu", print_layout=True
+    )[0]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def megatron_padding(seq_len, cp, tp, sp):
     return (seq_len + factor - 1) // factor * factor - seq_len
 
 
-@pytest.mark.parametrize(("cp", "tp", "sp"), itertools.product([1, 2, 4], [1, 2, 4], [False, True]))
+@pytest.mark.parametrize(("cp", "tp", "sp"), list(itertools.product([1, 2, 4], [1, 2, 4], [False, True])))
 def test_padding_matches_megatron_and_makes_the_length_splittable(cp, tp, sp):
     for seq_len in range(0, 40):
         pad = get_padding(seq_len, cp, tp, sp)

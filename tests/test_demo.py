@@ -9,11 +9,14 @@ import pytest
 import torch
 
 import threadpar
-from threadpar.demo.__main__ import main, placement
+from threadpar.demo.__main__ import main, placement, prepare, run_demo
 from threadpar.demo.cli import DemoConfig, default_layout, parse_args
 from threadpar.demo.data import Batches, synthetic_corpus
+from threadpar.demo.processes import PER_RANK_FIELDS, merge_parts
 from threadpar.errors import ConfigError
 from threadpar.parallel.loss_scaler import LossScaler
+from threadpar.pipeline import Timeline
+from threadpar.runtime.process_env import ProcessEnv
 from threadpar.testing import run_ranks
 
 
@@ -53,6 +56,62 @@ def test_bad_flags_are_explained(kwargs, message):
         DemoConfig(**kwargs)
 
 
+def test_under_torchrun_the_layout_spans_every_process_and_errors_count_all_ranks():
+    cfg = DemoConfig(gpus=2, processes=2)
+    assert cfg.world_size == 4 and (cfg.dp, cfg.tp, cfg.pp) == (1, 2, 2)  # default_layout(4)
+    assert parse_args(["--gpus", "2", "--tp", "2", "--batch-size", "6"], processes=3).dp == 3
+    with pytest.raises(ConfigError, match="--gpus 2 x 2 processes = 4 ranks is not divisible by tp\\*pp = 3"):
+        DemoConfig(gpus=2, processes=2, tp=3)
+    with pytest.raises(ConfigError, match="but --gpus 2 x 2 processes = 4 ranks; make the product equal 4"):
+        DemoConfig(gpus=2, processes=2, dp=1, tp=2, pp=1)
+
+
+def test_placement_across_processes(monkeypatch):
+    cfg, env = DemoConfig(gpus=2, processes=2), ProcessEnv(rank=1, count=2, local_rank=1, local_count=2)
+    monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 0)
+    assert placement(cfg, env) == (
+        "threads",
+        "cpu",
+        "no CUDA devices: 2 processes x 2 ranks = 4 ranks, as CPU threads",
+    )
+    monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 4)
+    backend, devices, line = placement(cfg, env)  # NCCL does not span processes: threads, launch's GPUs
+    assert (backend, devices) == ("threads", None) and "NCCL does not span processes" in line
+    monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 3)
+    with pytest.raises(ConfigError, match="need 4 GPUs, but this process sees 3; pass a smaller --gpus"):
+        placement(cfg, env)
+    with pytest.raises(ConfigError, match="for 2 process\\(es\\) but this job has 1"):
+        run_demo(cfg, ProcessEnv())
+
+
+def test_process_zero_merges_the_other_processes_results_onto_its_clock():
+    def timeline(rank, start):
+        t = Timeline(rank, stage=rank // 2)
+        t.record("0F0", "forward", start, start + 1.0)
+        return t
+
+    def part(host, clock, rank):
+        return {
+            "host": host,
+            "clock": clock,
+            "timelines": {rank: timeline(rank, 100.0)},
+            "activation_peaks": {rank: rank + 1},
+            "device_peaks": {rank: None},
+            "model_parts": {rank // 2: {f"w{rank}": torch.ones(1)}},
+            "optimizer_parts": {rank // 2: {}},
+        }
+
+    run = prepare(DemoConfig(gpus=1, processes=3, batch_size=6))
+    parts = [part("a", 50.0, 0), part("a", 10.0, 1), part("b", 40.0, 2)]
+    for name in PER_RANK_FIELDS:  # process 0's own ranks are in its RunState already
+        getattr(run, name).update(parts[0][name])
+    merge_parts(run, parts)
+    assert run.activation_peaks == {0: 1, 1: 2, 2: 3}
+    assert set(run.model_parts) == {0, 1} and set(run.model_parts[1]) == {"w2"}
+    starts = {r: t.events[0].start for r, t in run.timelines.items()}
+    assert starts == {0: 100.0, 1: 100.0, 2: 110.0}  # same machine: one clock; another: shifted by 50 - 40
+
+
 def test_batches_are_a_function_of_seed_and_step():
     tokens = torch.frombuffer(bytearray(synthetic_corpus(1 << 14)), dtype=torch.uint8)
     a, b = Batches(tokens, 4, 8, seed=1), Batches(tokens, 4, 8, seed=1)
@@ -64,7 +123,7 @@ def test_batches_are_a_function_of_seed_and_step():
 
 def test_fewer_gpus_than_ranks_says_what_it_does(monkeypatch):
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 2)
-    backend, _, line = placement(DemoConfig(gpus=8))
+    backend, _devices, line = placement(DemoConfig(gpus=8))
     assert backend == "threads" and "ranks share GPUs" in line and "--gpus 2" in line
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 0)
     assert placement(DemoConfig(gpus=8))[1] == "cpu"

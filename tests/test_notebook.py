@@ -28,7 +28,9 @@ def stream_text(cell) -> str:
 @pytest.mark.timeout(240)
 def test_the_notebook_trains_plots_and_checkpoints(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(nb, timeout=200, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=200, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     text = "\n".join(stream_text(c) for c in nb.cells if c.cell_type == "code")
     assert "TP1[2,3]" in text  # the layout overview
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", text)]
@@ -67,7 +69,12 @@ def test_an_interrupt_stops_every_rank_and_the_next_cell_runs():
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
         alive = run("assert not [t for t in threading.enumerate() if t.name.startswith('threadpar-rank')]")
         assert alive["status"] == "ok", alive
-        assert run("assert threadpar.launch(threadpar.get_rank, world_size=2, devices='cpu') == [0, 1]")["status"] == "ok"
+        assert (
+            run("assert threadpar.launch(threadpar.get_rank, world_size=2, devices='cpu') == [0, 1]")[
+                "status"
+            ]
+            == "ok"
+        )
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

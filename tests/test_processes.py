@@ -35,6 +35,13 @@ def test_pipeline_stages_in_different_processes_match_the_whole_model():
     assert all(c > 0 for per_process in counts for c in per_process)
 
 
+def test_ddp_over_ranks_in_different_processes_matches_one_thread_on_the_whole_batch():
+    def runner(body, world):
+        return [r for per_process in run_processes(body, 2, world // 2) for r in per_process]
+
+    assert checks.check_ddp(runner, 4) == 2 * 4 * 12  # 2 optimizers x 4 ranks x (6 grads + 6 params)
+
+
 def test_messages_for_a_group_the_receiving_process_has_not_created_yet_wait_for_it():
     def body():
         rank = threadpar.get_rank()

@@ -274,3 +274,27 @@ def check_pipeline(steps: int = 2) -> int:
     threads = threadpar.runtime.current().world.threads_per_process
     assert len({r // threads for r in threadpar.get_group("PP").ranks}) == 2  # the stages span processes
     return checks
+
+
+def check_ddp(runner, world: int) -> int:
+    """DistributedDataParallel over every rank (the DP group spans processes) against one thread on the
+    whole batch: gradients after the first step and parameters after 3 steps, for SGD with momentum in one
+    bucket and for Adam with a bucket per parameter and gradients as bucket views.
+
+    Runs in the launching thread of each process: `runner(body, world)` runs `body` on the ranks (simulated
+    processes or torchrun's) and returns this process's per-rank results."""
+    from ddp_reference import adam, assert_same, batches, ddp_run, mlp, reference_run, sgd
+
+    template = mlp()  # built before any rank starts (it seeds the global generator)
+    data = batches(steps=3, rows=2 * world, n_in=6, n_out=3)
+    per_parameter = {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4, "gradient_as_bucket_view": True}
+    checks = 0
+    for optimizer, options in ((sgd, {}), (adam, per_parameter)):
+        expected_grads, expected_params = reference_run(template, data, optimizer)
+        results = ddp_run(template, data, optimizer, world, runner=runner, **options)
+        assert results, "no rank ran here"
+        for grads, params in results:
+            assert_same(grads, expected_grads, f"{optimizer.__name__} gradient")
+            assert_same(params, expected_params, f"{optimizer.__name__} parameter")
+            checks += len(grads) + len(params)
+    return checks

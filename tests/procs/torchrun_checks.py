@@ -4,13 +4,14 @@
 
 Each process runs 2 rank threads. First launch (tp=2): every collective and message, on the world and DP
 groups (spanning both processes) and TP groups (inside one). Second launch (pp=2): pipelines whose stages
-sit in different processes, against the whole model trained in one thread. One "OK" line per launch and
-process.
+sit in different processes, against the whole model trained in one thread. Then two launches of
+DistributedDataParallel over all 4 ranks (dp=4) against one thread on the concatenated batch. One "OK" line
+per check and process.
 """
 
 import time
 
-from checks import check_pipeline, run_all
+from checks import check_ddp, check_pipeline, run_all
 
 import threadpar
 
@@ -28,6 +29,13 @@ def main() -> None:
     counts = threadpar.launch(check_pipeline, threads_per_process=threads, pp=2, devices="cpu", timeout=60)
     took = time.perf_counter() - start
     print(f"process {env.rank}: pipeline OK ({sum(counts)} parameters match, {took:.1f} s)")
+    start = time.perf_counter()
+    count = check_ddp(
+        lambda body, world: threadpar.launch(body, threads_per_process=threads, devices="cpu", timeout=60),
+        env.count * threads,
+    )
+    took = time.perf_counter() - start
+    print(f"process {env.rank}: DDP OK ({count} gradients and parameters match, {took:.1f} s)")
 
 
 if __name__ == "__main__":

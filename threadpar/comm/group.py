@@ -1,176 +1,31 @@
 """`ProcessGroup`: one rank's handle on a group, with torch.distributed's collectives as methods.
 
-A group's shared state (its members, its backend object) exists once per launch; every member rank has
-its own handle, which knows the member's index and counts its collectives. Capture the handle when you
-build an autograd Function or hook: it works from any thread, whereas the rank's thread-local context
-does not exist on PyTorch's backward threads.
+Capture the handle when you build an autograd Function or hook: it works from any thread, whereas the
+rank's thread-local context does not exist on PyTorch's backward threads.
 
 `src`/`dst` arguments are global ranks, as in torch.distributed. Validation happens here, before the
 rendezvous, so a bad argument raises on the rank that passed it, with a message that says how to fix it.
+Point-to-point methods come from PointToPoint; identity, checks and dispatch from GroupHandle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from threadpar.comm.handle import GroupState, _contiguous, _write_back, spec
+from threadpar.comm.point_to_point import PointToPoint
 from threadpar.comm.reduce_op import ReduceOp, check_reducible
 from threadpar.comm.rendezvous import Call
-from threadpar.comm.work import CompletedWork, LazyWork, Work
-from threadpar.comm.worker import CommWorker
+from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 
-SUPPORTED_DTYPES = {
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-}  # fmt: skip
+__all__ = ["GroupState", "ProcessGroup", "spec"]
 
 
-class GroupState:
-    """What all members of a group share: its name, global ranks and backend object."""
-
-    def __init__(self, name: str, ranks: Sequence[int], backend: Any) -> None:
-        self.name = name
-        self.ranks = tuple(ranks)
-        self.member_of = {r: i for i, r in enumerate(self.ranks)}
-        self.backend = backend
-
-
-def spec(t: torch.Tensor) -> str:
-    """A short description of a tensor's dtype and shape, e.g. "float32[2, 3]"."""
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-
-
-def _contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """`tensor` itself, or a contiguous staging copy plus the function that writes it back."""
-    if tensor.is_contiguous():
-        return tensor, None
-    staging = tensor.contiguous()
-    return staging, lambda: tensor.copy_(staging)
-
-
-def _write_back(result: Any, writebacks: Sequence[Callable[[], None] | None]) -> None:
-    """Copy staging buffers back; after a stream-ordered backend's Work, once the caller's stream waits for it."""
-    writebacks = [w for w in writebacks if w is not None]
-    if writebacks:
-        if isinstance(result, Work):
-            result.wait()
-        for writeback in writebacks:
-            writeback()
-
-
-class ProcessGroup:
-    def __init__(self, state: GroupState, global_rank: int, worker: CommWorker | None, abort=None) -> None:
-        self._state = state
-        self._backend = state.backend
-        self.name = state.name
-        self.ranks: tuple[int, ...] = state.ranks
-        self.global_rank = global_rank
-        self._member = state.member_of.get(global_rank, -1)
-        self._worker = worker
-        self._abort = abort
-        self._seq = 0
-        # A stream-ordered backend (nccl) enqueues ops on its own streams and returns their Work itself.
-        self._stream_ordered = bool(getattr(state.backend, "stream_ordered", False))
-
-    # identity ---------------------------------------------------------------------------------------------------
-    def rank(self) -> int:
-        """This rank's index in the group (-1 if it is not a member), like torch.distributed.get_rank(group)."""
-        return self._member
-
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def is_member(self) -> bool:
-        return self._member >= 0
-
-    @property
-    def stream_ordered(self) -> bool:
-        """True when async ops are ordered on device streams (nccl): their Work finishes on the device, so
-        `wait()` orders the caller's stream instead of blocking, and `get_future()` does not complete."""
-        return self._stream_ordered
-
-    def group_rank(self, global_rank: int) -> int:
-        return self._to_member(global_rank, "rank")
-
-    def __repr__(self) -> str:
-        return f"ProcessGroup('{self.name}', ranks={list(self.ranks)}, rank={self._member})"
-
-    # helpers ----------------------------------------------------------------------------------------------------
-    def _to_member(self, global_rank: int, what: str) -> int:
-        member = self._state.member_of.get(global_rank)
-        if member is None:
-            raise ConfigError(
-                f"{what}={global_rank!r} is not a member of group '{self.name}' (global ranks {list(self.ranks)}); "
-                f"{what} is a global rank, as in torch.distributed"
-            )
-        return member
-
-    def _check_member(self, op: str) -> None:
-        if self._member < 0:
-            raise ConfigError(
-                f"{op}: rank {self.global_rank} is not a member of group '{self.name}' "
-                f"(global ranks {list(self.ranks)}); only members may call its collectives"
-            )
-
-    def _check_tensor(self, op: str, what: str, t: object) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ConfigError(f"{op}: {what} has unsupported dtype {t.dtype}")
-        return t
-
-    def _check_list(
-        self, op: str, what: str, tensors: object, like: torch.Tensor, same_shape: bool = True
-    ) -> list:
-        if not isinstance(tensors, (list, tuple)) or len(tensors) != self.size():
-            n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
-            raise ConfigError(
-                f"{op}: {what} must be a list of {self.size()} tensors (one per member), got {n}"
-            )
-        for i, t in enumerate(tensors):
-            self._check_tensor(op, f"{what}[{i}]", t)
-            if t.dtype != like.dtype or (same_shape and t.shape != like.shape):
-                want = f"{spec(like)}" if same_shape else str(like.dtype)
-                raise ConfigError(f"{op}: {what}[{i}] is {spec(t)} but must be {want}")
-        return list(tensors)
-
-    def _check_contiguous(self, op: str, what: str, t: torch.Tensor) -> None:
-        if not t.is_contiguous():
-            raise ConfigError(
-                f"{op}: {what} must be contiguous; pass {what}.contiguous() (and copy results back)"
-            )
-
-    def _next(self, op: str) -> int:
-        self._check_member(op)
-        self._seq += 1
-        return self._seq
-
-    def _run(self, op: str, seq: int, fn: Callable[[], Any], async_op: bool) -> Work | None:
-        """Run now, or on the rank's comm worker. A synchronous op still queues behind pending async ops,
-        so a rank's operations on a tensor happen in issue order, as on a CUDA stream."""
-        if self._stream_ordered:
-            work = fn()  # enqueued on the backend's comm stream: its Work orders the caller's stream
-            if async_op:
-                return work
-            work.wait()
-            return None
-        worker = self._worker
-        if not async_op and (worker is None or worker.idle):
-            fn()  # the common case: no Work object, no thread hop
-            return None
-        description = f"{op} #{seq} on group '{self.name}' (rank {self.global_rank})"
-        if worker is None:
-            return CompletedWork(description, fn())
-        work = worker.submit(fn, Work(description, self._abort))
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    # collectives ------------------------------------------------------------------------------------------------
+class ProcessGroup(PointToPoint):
     def all_reduce(
         self, tensor: torch.Tensor, op: object = ReduceOp.SUM, async_op: bool = False
     ) -> Work | None:
@@ -461,70 +316,3 @@ class ProcessGroup:
         call = Call("barrier")
         member, backend = self._member, self._backend
         return self._run("barrier", seq, lambda: backend.barrier(member, seq, call), async_op)
-
-    # point to point ---------------------------------------------------------------------------------------------
-    def _p2p_check(self, op: str, tensor: torch.Tensor, peer: int, what: str, tag: int) -> int:
-        self._check_member(op)
-        self._check_tensor(op, "tensor", tensor)
-        peer_m = self._to_member(peer, what)
-        if peer_m == self._member:
-            raise ConfigError(f"{op}: rank {self.global_rank} cannot {op} to or from itself ({what}={peer})")
-        if not isinstance(tag, int):
-            raise ConfigError(f"{op}: tag must be an int, got {tag!r}")
-        return peer_m
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Buffered: returns as soon as the message is posted; `tensor` may be reused at once."""
-        dst_m = self._p2p_check("send", tensor, dst, "dst", tag)
-        result = self._backend.send(self._member, dst_m, tag, tensor)
-        if isinstance(result, Work):
-            result.wait()  # stream-ordered: the caller's stream may reuse `tensor` once the copy has read it
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        """On a stream-ordered backend, wait on the Work before overwriting `tensor`."""
-        dst_m = self._p2p_check("isend", tensor, dst, "dst", tag)
-        result = self._backend.send(self._member, dst_m, tag, tensor)
-        if isinstance(result, Work):
-            return result
-        return CompletedWork(f"isend to rank {dst} (tag {tag}, group '{self.name}')")
-
-    def recv(
-        self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, timeout: float | None = None
-    ) -> int:
-        """Receive into `tensor` (shape and dtype must match the message); returns the source's global rank."""
-        src_m = None if src is None else self._p2p_check("recv", tensor, src, "src", tag)
-        if src is None:
-            self._check_member("recv")
-        got, message = self._backend.recv_message(self._member, src_m, tag, timeout)
-        self._fill(tensor, message, got)
-        return self.ranks[got]
-
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        """Returns a Work; `tensor` holds the message once `wait()` returns (or `is_completed()` says True)."""
-        src_m = None if src is None else self._p2p_check("irecv", tensor, src, "src", tag)
-
-        def complete(timeout: float | None) -> int:
-            got, message = self._backend.recv_message(self._member, src_m, tag, timeout)
-            self._fill(tensor, message, got)
-            return self.ranks[got]
-
-        return LazyWork(
-            f"irecv from rank {src} (tag {tag}, group '{self.name}')",
-            complete,
-            lambda: self._backend.has_message(self._member, src_m, tag),
-        )
-
-    def recv_tensor(self, src: int, tag: int = 0, timeout: float | None = None) -> torch.Tensor:
-        """Receive a message as a new tensor: its shape and dtype travel with it (no preallocation)."""
-        self._check_member("recv_tensor")
-        src_m = self._to_member(src, "src")
-        return self._backend.recv_message(self._member, src_m, tag, timeout)[1]
-
-    def _fill(self, tensor: torch.Tensor, message: torch.Tensor, src_m: int) -> None:
-        if tensor.shape != message.shape or tensor.dtype != message.dtype:
-            raise ConfigError(
-                f"recv on rank {self.global_rank}: the message from rank {self.ranks[src_m]} is "
-                f"{spec(message)} but the receive tensor is {spec(tensor)}; "
-                "allocate a matching tensor, or use recv_tensor() to receive any shape"
-            )
-        tensor.copy_(message)

@@ -3,6 +3,9 @@ process.
 
 Without GPUs the ranks are CPU threads. The run prints the layout, a progress bar and a summary, and
 writes a loss curve, a pipeline timeline (PNG and Chrome trace) and metrics.json to --out.
+
+Under torchrun (`torchrun --nproc-per-node 2 -m threadpar.demo --gpus 2`) each process runs --gpus rank
+threads, the layout spans all processes, and process 0 alone prints and writes (threadpar.demo.processes).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 import torch
 
 import threadpar
+from threadpar.demo import processes
 from threadpar.demo.cli import DemoConfig, parse_args
 from threadpar.demo.data import Batches, load_tokens
 from threadpar.demo.outputs import (
@@ -27,11 +31,14 @@ from threadpar.demo.train import RunState, train_rank
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPT, model_config
 from threadpar.runtime.devices import cuda_device_count
+from threadpar.runtime.process_env import ProcessEnv, default_local_devices
 
 
-def placement(cfg: DemoConfig) -> tuple[str, str | None, str]:
+def placement(cfg: DemoConfig, env: ProcessEnv | None = None) -> tuple[str, str | None, str]:
     """(backend, devices, a line saying where the ranks run)."""
     n_cuda = cuda_device_count()
+    if cfg.processes > 1:
+        return _placement_across_processes(cfg, env or ProcessEnv(), n_cuda)
     if n_cuda == 0:
         return "threads", "cpu", f"no CUDA devices: running {cfg.gpus} ranks as CPU threads"
     if n_cuda < cfg.gpus:
@@ -44,13 +51,32 @@ def placement(cfg: DemoConfig) -> tuple[str, str | None, str]:
     return "nccl", None, f"{cfg.gpus} ranks on {cfg.gpus} GPUs (NCCL)"
 
 
+def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -> tuple[str, str | None, str]:
+    ranks = f"{cfg.processes} processes x {cfg.gpus} ranks = {cfg.world_size} ranks"
+    if n_cuda == 0:
+        return "threads", "cpu", f"no CUDA devices: {ranks}, as CPU threads"
+    try:  # the GPUs launch would give this process's ranks: fail here, in the demo's words
+        default_local_devices(n_cuda, cfg.gpus, env.local_rank, env.local_count)
+    except ConfigError:
+        raise ConfigError(
+            f"{env.local_count} process(es) on this node with --gpus {cfg.gpus} each need "
+            f"{env.local_count * cfg.gpus} GPUs, but this process sees {n_cuda}; pass a smaller --gpus or "
+            "start fewer processes per node"
+        ) from None
+    # NCCL does not span processes yet: groups across processes go through host memory and gloo.
+    return "threads", None, f"{ranks} on GPUs ('threads' backend: NCCL does not span processes yet)"
+
+
 def prepare(cfg: DemoConfig) -> RunState:
     gpt = model_config(
         cfg.model, block_size=cfg.seq_len, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k
     )
     batches = Batches(load_tokens(cfg.data), cfg.batch_size, cfg.seq_len, cfg.seed)
     if cfg.resume:
-        ckpt = load_checkpoint(cfg.checkpoint, gpt)
+        if cfg.processes > 1:  # only process 0 needs to see the checkpoint directory
+            ckpt = processes.from_process_zero(lambda: load_checkpoint(cfg.checkpoint, gpt))
+        else:
+            ckpt = load_checkpoint(cfg.checkpoint, gpt)
         written = ckpt["data"]
         if (written["seed"], written["source"]) != (cfg.seed, str(cfg.data or "synthetic")):
             raise ConfigError(
@@ -70,29 +96,36 @@ def prepare(cfg: DemoConfig) -> RunState:
     return RunState(config=cfg, gpt=gpt, batches=batches, dense_state=model.state_dict())
 
 
-def run_demo(cfg: DemoConfig) -> RunState:
-    backend, devices, where = placement(cfg)
+def run_demo(cfg: DemoConfig, env: ProcessEnv | None = None) -> RunState:
+    """Train; return this process's RunState (under torchrun, process 0's holds every rank's results)."""
+    env = env or threadpar.process_env()
+    if env.count != cfg.processes:
+        raise ConfigError(f"the config is for {cfg.processes} process(es) but this job has {env.count}")
+    backend, devices, where = placement(cfg, env)
+    created_group = cfg.processes > 1 and processes.connect(env, on_gpu=devices != "cpu")
     run = prepare(cfg)
     if run.start_step >= cfg.steps:
         raise ConfigError(
             f"the checkpoint is at step {run.start_step}; pass --steps larger than that to continue"
         )
+    main_process = env.rank == 0
     params = sum(t.numel() for t in run.dense_state.values())
-    print(
-        f"threadpar demo: GPT '{cfg.model}' ({params / 1e6:.2f}M parameters), {where}\n"
-        f"layout {layout_text(cfg)}, schedule {cfg.schedule}, {cfg.microbatches} microbatches, "
-        f"batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.dtype}"
-        + (", sequence parallel" if cfg.sequence_parallel else "")
-        + (f", MoE {cfg.moe_experts} experts (top-{cfg.moe_top_k})" if cfg.moe_experts else "")
-        + (", recompute" if cfg.recompute else "")
-        + (f", resuming at step {run.start_step}" if run.start_step else ""),
-        flush=True,
-    )
+    if main_process:
+        print(
+            f"threadpar demo: GPT '{cfg.model}' ({params / 1e6:.2f}M parameters), {where}\n"
+            f"layout {layout_text(cfg)}, schedule {cfg.schedule}, {cfg.microbatches} microbatches, "
+            f"batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.dtype}"
+            + (", sequence parallel" if cfg.sequence_parallel else "")
+            + (f", MoE {cfg.moe_experts} experts (top-{cfg.moe_top_k})" if cfg.moe_experts else "")
+            + (", recompute" if cfg.recompute else "")
+            + (f", resuming at step {run.start_step}" if run.start_step else ""),
+            flush=True,
+        )
     start = time.perf_counter()
     threadpar.launch(
         train_rank,
         run,
-        world_size=cfg.gpus,
+        world_size=cfg.world_size,
         dp=cfg.dp,
         cp=cfg.cp,
         tp=cfg.tp,
@@ -101,8 +134,15 @@ def run_demo(cfg: DemoConfig) -> RunState:
         devices=devices,
         seed=cfg.seed,
         print_layout=True,
+        threads_per_process=cfg.gpus if cfg.processes > 1 else None,
     )
     wall = time.perf_counter() - start
+    if cfg.processes > 1:
+        processes.gather_to_process_zero(run)
+        if created_group:
+            processes.disconnect()
+        if not main_process:
+            return run
     if cfg.checkpoint is not None:
         path = save_checkpoint(cfg.checkpoint, run)
         print(f"checkpoint: {path} (unsplit: loads into a plain GPT, resumes on any layout)")
@@ -116,11 +156,15 @@ def run_demo(cfg: DemoConfig) -> RunState:
 
 
 def main(argv: list[str] | None = None) -> int:
+    where = "threadpar demo"
     try:
-        cfg = parse_args(argv)
-        run_demo(cfg)
+        env = threadpar.process_env()
+        if env.count > 1:  # under torchrun every process reports its own errors: say which one
+            where += f" (process {env.rank} of {env.count})"
+        cfg = parse_args(argv, processes=env.count)
+        run_demo(cfg, env)
     except ConfigError as error:
-        print(f"threadpar demo: {error}", file=sys.stderr)
+        print(f"{where}: {error}", file=sys.stderr)
         return 2
     return 0
 

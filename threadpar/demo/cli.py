@@ -27,7 +27,8 @@ def default_layout(n: int, ep: int = 1) -> tuple[int, int, int]:
 
 @dataclass(kw_only=True)
 class DemoConfig:
-    gpus: int = 8
+    gpus: int = 8  # ranks in each process
+    processes: int = 1  # not a flag: the number of processes torchrun started (threadpar.process_env())
     dp: int | None = None
     cp: int = 1
     tp: int | None = None
@@ -56,6 +57,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ConfigError(f"--gpus {self.gpus}: need at least 1")
+        if self.processes < 1:
+            raise ConfigError(f"processes={self.processes}: need at least 1")
         self._derive_layout()
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -84,31 +87,30 @@ class DemoConfig:
 
     def _derive_layout(self) -> None:
         """dp, tp, pp from the flags given: all three left out -> default_layout of the ranks per CP rank."""
-        if not isinstance(self.cp, int) or self.cp < 1 or self.gpus % self.cp:
-            raise ConfigError(f"--cp {self.cp}: must be a positive divisor of --gpus {self.gpus}")
+        ranks, total = self.world_size, self._ranks_text()
+        if not isinstance(self.cp, int) or self.cp < 1 or ranks % self.cp:
+            raise ConfigError(f"--cp {self.cp}: must be a positive divisor of {total}")
         model, names = (self.cp, "cp*tp*pp") if self.cp > 1 else (1, "tp*pp")
         if all(s is None for s in (self.dp, self.tp, self.pp)):
-            self.dp, self.tp, self.pp = default_layout(
-                self.gpus // self.cp, self.ep if self.moe_experts else 1
-            )
+            self.dp, self.tp, self.pp = default_layout(ranks // self.cp, self.ep if self.moe_experts else 1)
         else:
             self.tp = self.tp or 1
             self.pp = self.pp or 1
             model *= self.tp * self.pp
             if self.dp is None:
-                if self.gpus % model:
+                if ranks % model:
                     raise ConfigError(
-                        f"--gpus {self.gpus} is not divisible by {names} = {model}; "
-                        f"choose --{names.replace('*', '/--')} whose product divides --gpus"
+                        f"{total} is not divisible by {names} = {model}; "
+                        f"choose --{names.replace('*', '/--')} whose product divides {ranks}"
                     )
-                self.dp = self.gpus // model
-        if self.dp * self.cp * self.tp * self.pp != self.gpus:
+                self.dp = ranks // model
+        if self.dp * self.cp * self.tp * self.pp != ranks:
             sizes = [("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)]
             sizes = [(n, v) for n, v in sizes if n != "cp" or self.cp > 1]
-            product = self.dp * self.cp * self.tp * self.pp
             raise ConfigError(
-                f"{'*'.join(n for n, _ in sizes)} = {'*'.join(str(v) for _, v in sizes)} = {product} but "
-                f"--gpus {self.gpus}; make the product equal --gpus (or leave --dp out to derive it)"
+                f"{'*'.join(n for n, _ in sizes)} = {'*'.join(str(v) for _, v in sizes)} = "
+                f"{self.dp * self.cp * self.tp * self.pp} but {total}; make the product equal "
+                f"{'--gpus' if self.processes == 1 else ranks} (or leave --dp out to derive it)"
             )
 
     def _check_sequence_split(self) -> None:
@@ -152,18 +154,37 @@ class DemoConfig:
             )
 
     @property
+    def world_size(self) -> int:
+        """Ranks in all: --gpus rank threads in each of the processes torchrun started."""
+        return self.gpus * self.processes
+
+    def _ranks_text(self) -> str:
+        if self.processes == 1:
+            return f"--gpus {self.gpus}"
+        return f"--gpus {self.gpus} x {self.processes} processes = {self.world_size} ranks"
+
+    @property
     def chunks_per_stage(self) -> int:
         return 2 if self.schedule == "interleaved" else 1
 
 
-def parse_args(argv: list[str] | None = None) -> DemoConfig:
+def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
+    """The flags in `argv`; `processes`: how many processes run the demo (each with --gpus ranks)."""
     defaults = DemoConfig(gpus=8)
     p = argparse.ArgumentParser(
         prog="python -m threadpar.demo",
-        description="Train a small GPT with DP x CP x TP x PP (MoE experts over EP) on rank threads (GPUs, or CPU "
-        "threads without them).",
+        description="Train a small GPT with DP x CP x TP x PP (MoE experts over EP) on rank threads (GPUs, "
+        "or CPU threads without them).",
+        epilog="Under torchrun each process runs --gpus rank threads and the layout spans all processes: "
+        "torchrun --standalone --nproc-per-node 2 -m threadpar.demo --gpus 2 trains on 4 ranks. "
+        "Process 0 prints and writes --out and --checkpoint.",
     )
-    p.add_argument("--gpus", type=int, default=8, help="number of ranks (GPUs, or CPU threads)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=8,
+        help="ranks (GPUs, or CPU threads) in this process; under torchrun, in each process",
+    )
     p.add_argument("--dp", type=int, help="data-parallel size (default: derived)")
     p.add_argument(
         "--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks"
@@ -194,4 +215,4 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     args = p.parse_args(argv)
     names = {f.name for f in fields(DemoConfig)}
-    return DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return DemoConfig(processes=processes, **{k: v for k, v in vars(args).items() if k in names})

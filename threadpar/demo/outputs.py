@@ -31,7 +31,7 @@ class Summary:
 
 def _layout(run: RunState) -> Layout:
     cfg = run.config
-    return Layout.build(cfg.gpus, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp)
+    return Layout.build(cfg.world_size, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp)
 
 
 def layout_sizes(cfg: DemoConfig) -> dict[str, int]:
@@ -121,6 +121,7 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
     metrics = {
         "model": cfg.model,
         "layout": layout_sizes(cfg),
+        "processes": cfg.processes,
         "moe": {"experts": cfg.moe_experts, "top_k": cfg.moe_top_k, "ep": cfg.ep}
         if cfg.moe_experts
         else None,

@@ -1,7 +1,9 @@
 """The demo's training loop, run by every rank thread, and the state it shares with the caller.
 
 `RunState` is created by the caller and handed to every rank: the dense weights and data go in, the
-losses, timings, timelines, memory peaks and checkpoint parts come back, all in host memory.
+losses, timings, timelines, memory peaks and checkpoint parts come back, all in host memory. Under torchrun
+each process has its own, filled by its own ranks; process 0 then gathers the others' per-rank entries
+(threadpar.demo.processes).
 """
 
 from __future__ import annotations
