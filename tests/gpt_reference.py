@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+import threadpar
 from threadpar.models.gpt import GPT, GPTConfig
+from threadpar.models.parallelize_gpt import parallelize_gpt
 
 SMALL = GPTConfig(n_layer=8, n_head=8, n_embd=32, block_size=16)
 
@@ -38,3 +40,28 @@ def reference(
 def dp_slice(t: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
     per = t.shape[0] // dp
     return t[dp_rank * per : (dp_rank + 1) * per]
+
+
+def hybrid_step(ref, schedule, microbatches, **options):
+    """Every rank: build its part, run one step on its DP slice; return (loss, this stage's dense grads)."""
+    layout, coords = threadpar.get_layout(), threadpar.get_coords()
+    model = parallelize_gpt(
+        ref.config, ref.dense, schedule=schedule, num_microbatches=microbatches, **options
+    )
+    x = dp_slice(ref.inputs, coords.dp, layout.dp)
+    y = dp_slice(ref.targets, coords.dp, layout.dp)
+    loss = model.train_step(x, y)
+    threadpar.all_reduce(loss, op="avg", group="DP")
+    return loss, model.dense_grads()
+
+
+def check_against(ref, results, *, rtol=1e-4, atol=1e-6):
+    covered = set()
+    for loss, grads in results:
+        torch.testing.assert_close(loss, ref.loss, rtol=rtol, atol=atol)
+        for name, grad in grads.items():
+            torch.testing.assert_close(
+                grad, ref.grads[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+            )
+            covered.add(name)
+    assert covered == set(ref.grads), "every parameter's gradient must be checked on some rank"

@@ -67,3 +67,19 @@ def test_resume_refuses_another_model_or_data(tmp_path):
     cfg = DemoConfig(gpus=4, steps=4, checkpoint=tmp_path / "a", resume=True, **{**COMMON, "seq_len": 32})
     with pytest.raises(ConfigError, match="pass the --model and --seq-len it was written with"):
         run_demo(cfg)
+
+
+def test_moe_checkpoint_is_dense_and_resumes_on_another_ep_and_layout(tmp_path):
+    """Experts sharded over ep=2 are saved as dense [E, ...] tensors; a run resumed with every expert on
+    every rank (ep=1, another layout) continues the uninterrupted one. Same dp x microbatches: a MoE routes
+    per forward, so the same forwards give the same aux losses."""
+    moe = dict(moe_experts=4, ep=2)
+    whole = demo(tmp_path / "whole", steps=4, dp=2, tp=2, pp=1, **moe)
+    demo(tmp_path / "run", steps=2, dp=2, tp=2, pp=1, **moe)
+    plain = GPT.from_checkpoint(str(tmp_path / "run" / "checkpoint.pt"))
+    assert plain.config.moe_experts == 4
+    assert plain.blocks["0"].mlp.experts.fc1_weight.shape == (4, 64, 256)
+    resumed = demo(tmp_path / "run", steps=4, resume=True, dp=2, tp=1, pp=2, moe_experts=4, ep=1)
+    torch.testing.assert_close(
+        torch.tensor(resumed.losses), torch.tensor(whole.losses[2:]), rtol=1e-4, atol=1e-5
+    )

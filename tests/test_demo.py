@@ -22,6 +22,9 @@ from threadpar.testing import run_ranks
 
 def test_default_layout_uses_all_three_axes_when_it_can():
     assert default_layout(8) == (2, 2, 2)
+    assert default_layout(4, ep=2) == (2, 2, 1)  # dp must be a multiple of ep: PP goes first, then TP
+    assert default_layout(2, ep=2) == (2, 1, 1)
+    assert (DemoConfig(gpus=8, cp=2).dp, DemoConfig(gpus=8, cp=2).tp) == (1, 2)  # the rest per CP rank
     assert default_layout(16) == (4, 2, 2)
     assert default_layout(4) == (1, 2, 2)
     assert default_layout(2) == (1, 2, 1)
@@ -38,6 +41,14 @@ def test_default_layout_uses_all_three_axes_when_it_can():
         (dict(gpus=4, tp=2, pp=2, batch_size=6), "divisible by dp\\*microbatches = 4"),
         (dict(gpus=2, resume=True), "--resume needs --checkpoint"),
         (dict(gpus=2, model="huge"), "choose one of"),
+        (dict(gpus=8, cp=3), "--cp 3: must be a positive divisor of --gpus 8"),
+        (dict(gpus=8, cp=2, tp=3), "not divisible by cp\\*tp\\*pp = 6"),
+        (dict(gpus=8, cp=2, seq_len=18), "--seq-len 18 does not split over cp=2 .* a multiple of 4"),
+        (dict(gpus=8, tp=2, sequence_parallel=True, seq_len=15), "a multiple of 2; choose --seq-len 16"),
+        (dict(gpus=8, ep=2), "add --moe-experts N"),
+        (dict(gpus=8, dp=1, tp=8, moe_experts=4, ep=2), "--ep 2 must divide dp=1"),
+        (dict(gpus=8, moe_experts=3, ep=2), "--moe-experts 3 does not split over --ep 2"),
+        (dict(gpus=8, moe_experts=2, moe_top_k=3), "--moe-top-k 3"),
     ],
 )
 def test_bad_flags_are_explained(kwargs, message):
@@ -132,6 +143,18 @@ def test_demo_writes_its_outputs_and_matches_the_single_thread_model(tmp_path, c
         assert (tmp_path / name).stat().st_size > 0
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["cat"] for e in trace["traceEvents"] if "cat" in e} >= {"forward", "backward"}
+
+
+def test_demo_with_context_parallelism_and_moe_over_ep_matches_the_single_thread_model(tmp_path, capsys):
+    args = ["--gpus", "4", "--cp", "2", "--moe-experts", "4", "--ep", "2", "--steps", "3", "--seq-len", "16"]
+    assert main([*args, "--batch-size", "8", "--check", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layout dp=2 x cp=2 x tp=1 x pp=1 (experts over ep=2)" in out
+    assert "check vs single-thread model, first 3 steps: match" in out
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["layout"] == {"dp": 2, "cp": 2, "tp": 1, "pp": 1, "ep": 2}
+    assert metrics["moe"] == {"experts": 4, "top_k": 2, "ep": 2}
+    assert all(0 < aux < 0.1 for aux in metrics["aux_losses"])  # the aux loss is part of the loss
 
 
 def test_bad_flags_exit_with_a_message(capsys):

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from gpt_reference import SMALL, dp_slice, reference
+from gpt_reference import SMALL, check_against, hybrid_step, reference
 
 import threadpar
 from threadpar.models.gpt import GPT, GPTConfig, TensorParallel
-from threadpar.models.parallelize_gpt import parallelize_gpt
 from threadpar.runtime.memory import SavedActivationTracker
 from threadpar.testing import run_ranks
 
@@ -15,31 +14,6 @@ LAYOUTS = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 8, 1)]
 CASES = [(*layout, "1f1b") for layout in LAYOUTS] + [
     (*layout, "interleaved") for layout in LAYOUTS if layout[2] > 1
 ]
-
-
-def hybrid_step(ref, schedule, microbatches, **options):
-    """Every rank: build its part, run one step on its DP slice; return (loss, this stage's dense grads)."""
-    layout, coords = threadpar.get_layout(), threadpar.get_coords()
-    model = parallelize_gpt(
-        ref.config, ref.dense, schedule=schedule, num_microbatches=microbatches, **options
-    )
-    x = dp_slice(ref.inputs, coords.dp, layout.dp)
-    y = dp_slice(ref.targets, coords.dp, layout.dp)
-    loss = model.train_step(x, y)
-    threadpar.all_reduce(loss, op="avg", group="DP")
-    return loss, model.dense_grads()
-
-
-def check_against(ref, results, *, rtol=1e-4, atol=1e-6):
-    covered = set()
-    for loss, grads in results:
-        torch.testing.assert_close(loss, ref.loss, rtol=rtol, atol=atol)
-        for name, grad in grads.items():
-            torch.testing.assert_close(
-                grad, ref.grads[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
-            )
-            covered.add(name)
-    assert covered == set(ref.grads), "every parameter's gradient must be checked on some rank"
 
 
 @pytest.fixture(scope="module")

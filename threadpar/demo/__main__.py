@@ -1,4 +1,5 @@
-"""`python -m threadpar.demo --gpus 8`: train a small GPT with DP x TP x PP from one process.
+"""`python -m threadpar.demo --gpus 8`: train a small GPT with DP x TP x PP (and CP, MoE with EP) from one
+process.
 
 Without GPUs the ranks are CPU threads. The run prints the layout, a progress bar and a summary, and
 writes a loss curve, a pipeline timeline (PNG and Chrome trace) and metrics.json to --out.
@@ -19,6 +20,7 @@ from threadpar.demo import processes
 from threadpar.demo.cli import DemoConfig, parse_args
 from threadpar.demo.data import Batches, load_tokens
 from threadpar.demo.outputs import (
+    layout_text,
     load_checkpoint,
     reference_losses,
     save_checkpoint,
@@ -66,7 +68,9 @@ def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -
 
 
 def prepare(cfg: DemoConfig) -> RunState:
-    gpt = model_config(cfg.model, block_size=cfg.seq_len)
+    gpt = model_config(
+        cfg.model, block_size=cfg.seq_len, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k
+    )
     batches = Batches(load_tokens(cfg.data), cfg.batch_size, cfg.seq_len, cfg.seed)
     if cfg.resume:
         if cfg.processes > 1:  # only process 0 needs to see the checkpoint directory
@@ -109,9 +113,10 @@ def run_demo(cfg: DemoConfig, env: ProcessEnv | None = None) -> RunState:
     if main_process:
         print(
             f"threadpar demo: GPT '{cfg.model}' ({params / 1e6:.2f}M parameters), {where}\n"
-            f"layout dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp}, schedule {cfg.schedule}, {cfg.microbatches} microbatches, "
+            f"layout {layout_text(cfg)}, schedule {cfg.schedule}, {cfg.microbatches} microbatches, "
             f"batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.dtype}"
             + (", sequence parallel" if cfg.sequence_parallel else "")
+            + (f", MoE {cfg.moe_experts} experts (top-{cfg.moe_top_k})" if cfg.moe_experts else "")
             + (", recompute" if cfg.recompute else "")
             + (f", resuming at step {run.start_step}" if run.start_step else ""),
             flush=True,
@@ -122,6 +127,7 @@ def run_demo(cfg: DemoConfig, env: ProcessEnv | None = None) -> RunState:
         run,
         world_size=cfg.world_size,
         dp=cfg.dp,
+        cp=cfg.cp,
         tp=cfg.tp,
         pp=cfg.pp,
         backend=backend,

@@ -9,15 +9,19 @@ from pathlib import Path
 
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import MODEL_SIZES
+from threadpar.parallel.context_parallel import padding_multiple
 
 SCHEDULES = ("afab", "1f1b", "interleaved")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
-def default_layout(n: int) -> tuple[int, int, int]:
-    """(dp, tp, pp) for n ranks: use all three axes when n allows (8 -> 2 x 2 x 2), TP first, then PP."""
+def default_layout(n: int, ep: int = 1) -> tuple[int, int, int]:
+    """(dp, tp, pp) for n ranks: use all three axes when n allows (8 -> 2 x 2 x 2), TP first, then PP;
+    with expert parallelism, give up PP, then TP, until dp is a multiple of ep (4 ranks, ep 2 -> 2 x 2 x 1)."""
     tp = 2 if n % 2 == 0 else 1
     pp = 2 if (n // tp) % 2 == 0 else 1
+    while (n // (tp * pp)) % ep and tp * pp > 1:
+        pp, tp = (1, tp) if pp > 1 else (pp, 1)
     return n // (tp * pp), tp, pp
 
 
@@ -26,8 +30,12 @@ class DemoConfig:
     gpus: int = 8  # ranks in each process
     processes: int = 1  # not a flag: the number of processes torchrun started (threadpar.process_env())
     dp: int | None = None
+    cp: int = 1
     tp: int | None = None
     pp: int | None = None
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    ep: int = 1
     schedule: str = "1f1b"
     microbatches: int | None = None
     steps: int = 100
@@ -51,26 +59,7 @@ class DemoConfig:
             raise ConfigError(f"--gpus {self.gpus}: need at least 1")
         if self.processes < 1:
             raise ConfigError(f"processes={self.processes}: need at least 1")
-        ranks, total = self.world_size, self._ranks_text()
-        sizes = [self.dp, self.tp, self.pp]
-        if all(s is None for s in sizes):
-            self.dp, self.tp, self.pp = default_layout(ranks)
-        else:
-            self.tp = self.tp or 1
-            self.pp = self.pp or 1
-            if self.dp is None:
-                if ranks % (self.tp * self.pp):
-                    raise ConfigError(
-                        f"{total} is not divisible by tp*pp = {self.tp * self.pp}; "
-                        f"choose --tp/--pp whose product divides {ranks}"
-                    )
-                self.dp = ranks // (self.tp * self.pp)
-        if self.dp * self.tp * self.pp != ranks:
-            raise ConfigError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} but {total}; "
-                f"make the product equal {'--gpus' if self.processes == 1 else ranks} "
-                "(or leave --dp out to derive it)"
-            )
+        self._derive_layout()
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.dtype not in DTYPES:
@@ -93,6 +82,76 @@ class DemoConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.resume and self.checkpoint is None:
             raise ConfigError("--resume needs --checkpoint DIR (where the checkpoint to resume from is)")
+        self._check_sequence_split()
+        self._check_experts()
+
+    def _derive_layout(self) -> None:
+        """dp, tp, pp from the flags given: all three left out -> default_layout of the ranks per CP rank."""
+        ranks, total = self.world_size, self._ranks_text()
+        if not isinstance(self.cp, int) or self.cp < 1 or ranks % self.cp:
+            raise ConfigError(f"--cp {self.cp}: must be a positive divisor of {total}")
+        model, names = (self.cp, "cp*tp*pp") if self.cp > 1 else (1, "tp*pp")
+        if all(s is None for s in (self.dp, self.tp, self.pp)):
+            self.dp, self.tp, self.pp = default_layout(ranks // self.cp, self.ep if self.moe_experts else 1)
+        else:
+            self.tp = self.tp or 1
+            self.pp = self.pp or 1
+            model *= self.tp * self.pp
+            if self.dp is None:
+                if ranks % model:
+                    raise ConfigError(
+                        f"{total} is not divisible by {names} = {model}; "
+                        f"choose --{names.replace('*', '/--')} whose product divides {ranks}"
+                    )
+                self.dp = ranks // model
+        if self.dp * self.cp * self.tp * self.pp != ranks:
+            sizes = [("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)]
+            sizes = [(n, v) for n, v in sizes if n != "cp" or self.cp > 1]
+            raise ConfigError(
+                f"{'*'.join(n for n, _ in sizes)} = {'*'.join(str(v) for _, v in sizes)} = "
+                f"{self.dp * self.cp * self.tp * self.pp} but {total}; make the product equal "
+                f"{'--gpus' if self.processes == 1 else ranks} (or leave --dp out to derive it)"
+            )
+
+    def _check_sequence_split(self) -> None:
+        """Context (and sequence) parallelism split each sequence into equal parts."""
+        multiple = padding_multiple(self.cp, self.tp, self.sequence_parallel)
+        if self.seq_len % multiple:
+            parts = [f"cp={self.cp} (two chunks per CP rank)"] if self.cp > 1 else []
+            if self.sequence_parallel and self.tp > 1:
+                parts.append(f"tp={self.tp} (--sequence-parallel)")
+            raise ConfigError(
+                f"--seq-len {self.seq_len} does not split over {' x '.join(parts)}: it must be a multiple of "
+                f"{multiple}; choose --seq-len {multiple * max(1, round(self.seq_len / multiple))}"
+            )
+
+    def _check_experts(self) -> None:
+        if not isinstance(self.moe_experts, int) or self.moe_experts < 0:
+            raise ConfigError(
+                f"--moe-experts {self.moe_experts}: must be 0 (dense MLPs) or a positive number"
+            )
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"--ep {self.ep}: must be a positive int")
+        if self.ep > 1 and not self.moe_experts:
+            raise ConfigError(
+                f"--ep {self.ep} shards the experts of MoE blocks; add --moe-experts N (a multiple of {self.ep})"
+            )
+        if not self.moe_experts:
+            return
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ConfigError(
+                f"--moe-top-k {self.moe_top_k}: each token goes to between 1 and --moe-experts "
+                f"{self.moe_experts} experts"
+            )
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"--ep {self.ep} must divide dp={self.dp}: the experts are split over ep of the data-parallel "
+                f"replicas; choose a layout whose dp is a multiple of {self.ep} (e.g. --dp {self.ep})"
+            )
+        if self.moe_experts % self.ep:
+            raise ConfigError(
+                f"--moe-experts {self.moe_experts} does not split over --ep {self.ep}; choose a multiple of {self.ep}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -114,7 +173,8 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
     defaults = DemoConfig(gpus=8)
     p = argparse.ArgumentParser(
         prog="python -m threadpar.demo",
-        description="Train a small GPT with DP x TP x PP on rank threads (GPUs, or CPU threads without them).",
+        description="Train a small GPT with DP x CP x TP x PP (MoE experts over EP) on rank threads (GPUs, "
+        "or CPU threads without them).",
         epilog="Under torchrun each process runs --gpus rank threads and the layout spans all processes: "
         "torchrun --standalone --nproc-per-node 2 -m threadpar.demo --gpus 2 trains on 4 ranks. "
         "Process 0 prints and writes --out and --checkpoint.",
@@ -126,6 +186,9 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
         help="ranks (GPUs, or CPU threads) in this process; under torchrun, in each process",
     )
     p.add_argument("--dp", type=int, help="data-parallel size (default: derived)")
+    p.add_argument(
+        "--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks"
+    )
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 when it divides --gpus)")
     p.add_argument("--pp", type=int, help="pipeline-parallel size (default: 2 when it divides what is left)")
     p.add_argument("--schedule", choices=SCHEDULES, default=defaults.schedule)
@@ -146,6 +209,9 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
     p.add_argument("--check", action="store_true", help="also run the single-thread model and compare losses")
     p.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout along the sequence")
+    p.add_argument("--moe-experts", type=int, default=0, help="make each MLP a mixture of N experts")
+    p.add_argument("--moe-top-k", type=int, default=defaults.moe_top_k, help="experts per token")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size: experts split over ep DP ranks")
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     args = p.parse_args(argv)
     names = {f.name for f in fields(DemoConfig)}

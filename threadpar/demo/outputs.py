@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from threadpar.checkpoint import load_optimizer_state
+from threadpar.demo.cli import DemoConfig
 from threadpar.demo.report import format_bytes, write_loss_png, write_metrics, write_timeline_png
 from threadpar.demo.train import AUTOCAST, RunState, make_optimizer
 from threadpar.errors import ConfigError
@@ -30,7 +31,19 @@ class Summary:
 
 def _layout(run: RunState) -> Layout:
     cfg = run.config
-    return Layout.build(cfg.world_size, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+    return Layout.build(cfg.world_size, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp)
+
+
+def layout_sizes(cfg: DemoConfig) -> dict[str, int]:
+    """The axis sizes (cp and ep only when used)."""
+    sizes = {"dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep}
+    return {k: v for k, v in sizes.items() if k not in ("cp", "ep") or v > 1}
+
+
+def layout_text(cfg: DemoConfig) -> str:
+    return " x ".join(f"{axis}={size}" for axis, size in layout_sizes(cfg).items() if axis != "ep") + (
+        f" (experts over ep={cfg.ep})" if cfg.ep > 1 else ""
+    )
 
 
 def _pipeline_zero(run: RunState) -> list:
@@ -39,7 +52,8 @@ def _pipeline_zero(run: RunState) -> list:
 
 
 def reference_losses(run: RunState) -> dict[str, Any]:
-    """Re-run the first steps on one thread with the plain GPT and compare the losses."""
+    """Re-run the first steps on one thread with the plain GPT and compare the losses. Each step runs one
+    forward per (DP replica, microbatch), as the parallel run does: a MoE routes per forward."""
     cfg = run.config
     steps = range(run.start_step, min(cfg.steps, run.start_step + CHECK_STEPS))
     model = GPT(run.gpt, autocast_dtype=AUTOCAST[cfg.dtype])
@@ -50,8 +64,7 @@ def reference_losses(run: RunState) -> dict[str, Any]:
     reference = []
     for step in steps:
         inputs, targets = run.batches.batch(step)
-        loss = model.loss(inputs, targets)
-        loss.backward()
+        loss = model.accumulate_gradients(inputs, targets, forwards=cfg.dp * cfg.microbatches)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reference.append(loss.item())
@@ -87,6 +100,11 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
         if cfg.pp > 1
         else "pipeline bubble: none (pp=1)",
     ]
+    if cfg.moe_experts:
+        lines.append(
+            f"MoE: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, ep={cfg.ep}; aux loss (in the loss) "
+            f"{run.aux_losses[0]:.4f} -> {run.aux_losses[-1]:.4f}"
+        )
     if run.skipped_steps:
         lines.append(f"fp16: {run.skipped_steps} step(s) skipped on overflow (agreed across all ranks)")
     per_rank = ", ".join(f"r{r} {format_bytes(p['saved_activations_bytes'])}" for r, p in peaks.items())
@@ -102,13 +120,17 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
         )
     metrics = {
         "model": cfg.model,
-        "layout": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+        "layout": layout_sizes(cfg),
         "processes": cfg.processes,
+        "moe": {"experts": cfg.moe_experts, "top_k": cfg.moe_top_k, "ep": cfg.ep}
+        if cfg.moe_experts
+        else None,
         "schedule": cfg.schedule,
         "microbatches": cfg.microbatches,
         "dtype": cfg.dtype,
         "first_step": run.start_step,
         "losses": run.losses,
+        "aux_losses": run.aux_losses if cfg.moe_experts else None,
         "step_seconds": run.step_seconds,
         "tokens_per_s": tokens_per_s,
         "bubble": bubble,
@@ -124,7 +146,7 @@ def write_outputs(out: Path, run: RunState, summary: Summary) -> list[str]:
     cfg = run.config
     written = [out / "metrics.json"]
     write_metrics(out / "metrics.json", summary.metrics)
-    title = f"GPT {cfg.model}, dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, {cfg.schedule}"
+    title = f"GPT {cfg.model}, {layout_text(cfg)}, {cfg.schedule}"
     if write_loss_png(run.losses, out / "loss.png", title=title):
         written.append(out / "loss.png")
     pipeline = _pipeline_zero(run)
@@ -160,7 +182,7 @@ def save_checkpoint(directory: Path, run: RunState) -> Path:
             "seq_len": cfg.seq_len,
             "source": str(cfg.data or "synthetic"),
         },
-        "layout": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+        "layout": layout_sizes(cfg),
         "losses": run.losses,
     }
     directory.mkdir(parents=True, exist_ok=True)
@@ -179,6 +201,6 @@ def load_checkpoint(directory: Path, gpt: GPTConfig) -> dict[str, Any]:
     if ckpt.get("config") != gpt.to_dict():
         raise ConfigError(
             f"--resume: the checkpoint in {directory} is for the model {ckpt.get('config')}, not {gpt.to_dict()}; "
-            "pass the --model and --seq-len it was written with"
+            "pass the --model and --seq-len it was written with (and its --moe-experts and --moe-top-k)"
         )
     return ckpt

@@ -43,6 +43,7 @@ class RunState:
     start_step: int = 0
     # written by the ranks (each writes its own keys; rank 0 appends to the lists)
     losses: list[float] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)  # the MoE aux part of each loss
     step_seconds: list[float] = field(default_factory=list)
     timelines: dict[int, Timeline] = field(default_factory=dict)
     activation_peaks: dict[int, int] = field(default_factory=dict)
@@ -69,6 +70,7 @@ def train_rank(run: RunState) -> None:
         schedule=cfg.schedule,
         num_microbatches=cfg.microbatches,
         sequence_parallel=cfg.sequence_parallel,
+        ep=cfg.ep,
         recompute=cfg.recompute,
         autocast_dtype=AUTOCAST[cfg.dtype],
         loss_scaler=scaler,
@@ -93,11 +95,13 @@ def train_rank(run: RunState) -> None:
         else:
             scaler.step(optimizer, params)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss.detach().clone()
-        dp_group.all_reduce(loss, op=ReduceOp.AVG)  # the mean over the global batch
+        # The replica's loss is the same on its CP, TP and PP ranks; the mean over DP is the global batch's.
+        loss_and_aux = torch.stack([loss.detach(), torch.tensor(model.last_aux_loss, device=loss.device)])
+        dp_group.all_reduce(loss_and_aux, op=ReduceOp.AVG)
         if rank == 0:
             seconds = time.perf_counter() - start
-            run.losses.append(loss.item())
+            run.losses.append(loss_and_aux[0].item())
+            run.aux_losses.append(loss_and_aux[1].item())
             run.step_seconds.append(seconds)
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 bar.update(step + 1, run.losses[-1], run.tokens_per_step / seconds)
@@ -111,9 +115,9 @@ def train_rank(run: RunState) -> None:
         run.final_scaler_state = scaler.state_dict()
         run.skipped_steps = scaler.skipped_steps
     if cfg.checkpoint is not None:
-        # Collectives over each TP group; one rank per pipeline stage hands the dense parts over.
+        # Collectives over each TP and EP group; one rank per pipeline stage hands the dense parts over.
         model_state = model.dense_state()
         optimizer_state = model.dense_optimizer_state(optimizer)
-        if coords.dp == 0 and coords.tp == 0:
+        if coords.dp == 0 and coords.tp == 0 and coords.cp == 0:
             run.model_parts[coords.pp] = model_state
             run.optimizer_parts[coords.pp] = optimizer_state

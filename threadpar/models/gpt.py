@@ -1,9 +1,10 @@
-"""A decoder-only GPT in one readable file (after nanoGPT), tensor-, sequence- and pipeline-parallel.
+"""A decoder-only GPT in one readable file (after nanoGPT): tensor-, sequence-, context-, expert- and
+pipeline-parallel. Its configuration (GPTConfig, the named sizes) is in config.py.
 
     idx [B, T] -> Embedding (token + learned position) -> Block x n_layer -> Head (final norm, LM head)
 
 A Block is pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x)); attention is causal multi-head
-(F.scaled_dot_product_attention). Built with `tp=None` every module is plain PyTorch (nn.Linear,
+(F.scaled_dot_product_attention). Built without tp, cp and ep every module is plain PyTorch (nn.Linear,
 nn.Embedding, F.cross_entropy). Built with a TensorParallel spec the same modules use threadpar's layers:
   - q/k/v: one ColumnParallelLinear with stride 3, so each rank holds whole heads (n_head / tp of them);
   - attention output projection and MLP down-projection: RowParallelLinear (one all-reduce each);
@@ -12,6 +13,12 @@ nn.Embedding, F.cross_entropy). Built with a TensorParallel spec the same module
   - with sequence parallelism, activations outside attention/MLP are split along T ([B, T / tp, C]):
     layer norms run on sequence shards (their gradients are summed over the TP group by
     `allreduce_sequence_parallel_grads`), and the all-reduces become all-gather + reduce-scatter.
+With a CP group (context parallelism) each rank holds a load-balanced part of every sequence (chunks r
+and 2cp - 1 - r of 2cp, `split_sequence`): every [B, T, ...] tensor, the token ids, the logits and the
+targets included, is this rank's [B, T / cp, ...] part; the embedding takes its positions from
+`load_balanced_indices` and attention is ring attention over the CP group (heads may also be split over
+TP). With `moe_experts` > 0 in the config every MLP is a mixture of experts (`MoE`, top-k routing with a
+load-balancing loss that its output backpropagates), its experts sharded over an EP group if given one.
 Whatever the layout, the model computes the same function as the plain one (tests check it).
 
 Pipeline chunks: `GPTChunk(config, layers=range(a, b), first=..., last=...)` holds the embedding if
@@ -23,7 +30,7 @@ and in a checkpoint.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +39,13 @@ from torch.utils.checkpoint import checkpoint
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.models.config import MODEL_SIZES, GPTConfig, model_config
+from threadpar.parallel.context_parallel import (
+    RingAttention,
+    context_tensor_parallel_group,
+    load_balanced_indices,
+)
+from threadpar.parallel.expert_parallel import MoE, MoEConfig
 from threadpar.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -41,43 +55,9 @@ from threadpar.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
+__all__ = ["GPT", "MODEL_SIZES", "GPTChunk", "GPTConfig", "GPTLoss", "TensorParallel", "model_config"]
 
-@dataclass(kw_only=True)
-class GPTConfig:
-    vocab_size: int = 256
-    block_size: int = 64  # the longest sequence
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
-    bias: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-MODEL_SIZES: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=64),
-    "small": GPTConfig(n_layer=8, n_head=8, n_embd=128),
-    "medium": GPTConfig(n_layer=12, n_head=8, n_embd=256),
-    "large": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
-}
-
-
-def model_config(size: str, *, block_size: int, dropout: float = 0.0) -> GPTConfig:
-    if size not in MODEL_SIZES:
-        raise ConfigError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
-    return replace(MODEL_SIZES[size], block_size=block_size, dropout=dropout)
+IGNORE_INDEX = -100  # targets that take no part in the loss (F.cross_entropy's default)
 
 
 @dataclass(kw_only=True)
@@ -92,26 +72,35 @@ class TensorParallel:
         return self.group.size()
 
 
-def _check_tp(config: GPTConfig, tp: TensorParallel | None) -> None:
-    if tp is None:
-        return
-    if config.n_head % tp.size:
+def _check_parallel(config: GPTConfig, tp: TensorParallel | None, parallel: bool) -> None:
+    if tp is not None and config.n_head % tp.size:
         raise ConfigError(
             f"n_head={config.n_head} is not divisible by tp={tp.size}; pick a tp that divides it"
         )
-    if config.dropout > 0:
+    if parallel and config.dropout > 0:
         raise ConfigError(
             "dropout > 0 is supported in the plain GPT only: nn.Dropout draws from the process-wide generator "
             "that all rank threads share; train the parallel GPT with dropout=0"
         )
 
 
-class Embedding(nn.Module):
-    """Token + learned position embedding: idx [B, T] -> x [B, T, C], or [B, T / tp, C] under SP."""
+def _routing_group(tp: TensorParallel | None, cp: ProcessGroup | None) -> ProcessGroup | None:
+    """The ranks holding the other tokens of this rank's sequences (CP, and TP under sequence
+    parallelism), over which a MoE counts routing for its load-balancing loss; None: whole sequences here."""
+    sp = tp is not None and tp.sequence_parallel
+    if cp is None:
+        return tp.group if sp else None
+    return context_tensor_parallel_group() if sp else cp
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None) -> None:
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: idx [B, T] -> x [B, T, C], or [B, T / tp, C] under SP.
+    Under CP, idx is this rank's part [B, T / cp] and the positions are those it holds."""
+
+    def __init__(self, config: GPTConfig, tp: TensorParallel | None, cp: ProcessGroup | None) -> None:
         super().__init__()
         self.tp = tp
+        self.cp = cp
         if tp is None:
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         else:
@@ -121,7 +110,12 @@ class Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # [B, T, C], whole on every rank
+        if self.cp is None:
+            positions = torch.arange(T, device=idx.device)
+        else:  # this rank's chunks of the whole sequence of T * cp positions
+            cp = self.cp.size()
+            positions = load_balanced_indices(T * cp, cp, self.cp.rank(), device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)  # [B, T, C], whole on every TP rank
         if self.tp is not None and self.tp.sequence_parallel:
             x = scatter_to_sp_region(x, self.tp.group, dim=1)  # [B, T / tp, C]
         return self.drop(x)
@@ -138,7 +132,7 @@ def _linears(config: GPTConfig, tp: TensorParallel | None, d_in: int, d_out: int
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None) -> None:
+    def __init__(self, config: GPTConfig, tp: TensorParallel | None, cp: ProcessGroup | None) -> None:
         super().__init__()
         self.head_dim = config.n_embd // config.n_head
         self.local_heads = config.n_head // (1 if tp is None else tp.size)
@@ -146,15 +140,20 @@ class CausalSelfAttention(nn.Module):
         self.qkv, self.proj = _linears(config, tp, config.n_embd, 3 * config.n_embd, stride=3)
         self.dropout = config.dropout
         self.resid_drop = nn.Dropout(config.dropout)
+        # Under CP: causal attention of this rank's queries on the whole sequence's keys, around the ring.
+        self.ring = RingAttention(cp) if cp is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [B, T, 3 * h * d] with h = this rank's heads (whole T: SP gathered it)
+        qkv = self.qkv(x)  # [B, T, 3 * h * d] with h = this rank's heads (whole T: SP gathered it; T / cp)
         B, T, _ = qkv.shape
         q, k, v = (
             t.view(B, T, self.local_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
         )
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # [B, h, T, d]
+        if self.ring is not None:
+            y = self.ring(q, k, v)  # [B, h, T / cp, d]
+        else:
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # [B, h, T, d]
         y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)
         return self.resid_drop(self.proj(y))  # [B, T, C] (or [B, T / tp, C] under SP)
 
@@ -176,13 +175,30 @@ def _layer_norm(config: GPTConfig, tp: TensorParallel | None) -> nn.LayerNorm:
     return norm
 
 
+def _moe(config: MoEConfig, tp: TensorParallel | None, ep: ProcessGroup | None, routing_group) -> MoE:
+    """A MoE in place of the MLP. Its experts are not split over TP: every TP rank holds its EP shard's
+    experts. Under SP each TP rank routes its own tokens, so the parameters' gradients are partial sums."""
+    moe = MoE(config, ep, aux_loss_group=routing_group)
+    if tp is not None and tp.sequence_parallel:
+        mark_sequence_parallel(moe)
+    return moe
+
+
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        tp: TensorParallel | None,
+        cp: ProcessGroup | None = None,
+        ep: ProcessGroup | None = None,
+        routing_group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.ln_1 = _layer_norm(config, tp)
-        self.attn = CausalSelfAttention(config, tp)
+        self.attn = CausalSelfAttention(config, tp, cp)
         self.ln_2 = _layer_norm(config, tp)
-        self.mlp = MLP(config, tp)
+        moe = config.moe_config()
+        self.mlp = MLP(config, tp) if moe is None else _moe(moe, tp, ep, routing_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -214,7 +230,12 @@ class Head(nn.Module):
 
 class GPTChunk(nn.Module):
     """Consecutive layers of a GPT: the embedding if `first`, blocks `layers` (global indices), the head
-    if `last`. `recompute` re-runs each block's forward in backward instead of keeping its activations."""
+    if `last`. `recompute` re-runs each block's forward in backward instead of keeping its activations.
+
+    tp: split each layer over a TP group. cp: the CP group each sequence is split over (see the module
+    docstring). ep: the EP group the MoE experts are sharded over (`expert_parallel_groups(ep)[0]`; None:
+    the MoE default, which is the DP group inside a launch and all experts here outside one).
+    """
 
     def __init__(
         self,
@@ -224,21 +245,44 @@ class GPTChunk(nn.Module):
         first: bool = True,
         last: bool = True,
         tp: TensorParallel | None = None,
+        cp: ProcessGroup | None = None,
+        ep: ProcessGroup | None = None,
         recompute: bool = False,
         autocast_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_tp(config, tp)
+        cp = cp if cp is not None and cp.size() > 1 else None
+        _check_parallel(config, tp, parallel=tp is not None or cp is not None or ep is not None)
         layers = range(config.n_layer) if layers is None else layers
         if layers and not (layers.start >= 0 and layers.stop <= config.n_layer):
             raise ConfigError(f"layers {layers} are outside the model's 0..{config.n_layer - 1}")
         self.config = config
         self.tp = tp
-        self.embedding = Embedding(config, tp) if first else None
-        self.blocks = nn.ModuleDict({str(i): Block(config, tp) for i in layers})
+        self.cp = cp
+        self.embedding = Embedding(config, tp, cp) if first else None
+        routing_group = _routing_group(tp, cp) if config.moe_experts and layers else None
+        self.blocks = nn.ModuleDict({str(i): Block(config, tp, cp, ep, routing_group) for i in layers})
         self.head = Head(config, tp) if last else None
         self.recompute = recompute
         self.autocast_dtype = autocast_dtype
+        self.moe_layers = [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
+        self.aux_loss_sum = 0.0  # this chunk's MoE aux losses, summed over forwards (set it to 0 to restart)
+        self.set_aux_loss_scale(1.0)
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp is None else self.cp.size()
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Tell the MoE layers what the loss is multiplied by before backward (1 / microbatches, an fp16
+        loss scale), since their aux losses join it in backward. Under CP the factor cp of GPTLoss's rank
+        losses is added here."""
+        for moe in self.moe_layers:
+            moe.aux_loss_scale = self.cp_size * scale
+
+    def last_aux_loss(self) -> float:
+        """The MoE aux losses of the last forward (this rank's share, times cp like GPTLoss's), 0 without MoE."""
+        return self.cp_size * sum(moe.last_stats.aux_loss for moe in self.moe_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """idx [B, T] (first chunk) or hidden states -> hidden states, or logits (last chunk)."""
@@ -254,27 +298,56 @@ class GPTChunk(nn.Module):
             x = checkpoint(block, x, use_reentrant=False) if self.recompute and self.training else block(x)
         if self.head is not None:
             x = self.head(x)
+        if self.moe_layers:  # read here, not in the blocks: recompute re-runs them in backward
+            self.aux_loss_sum += self.last_aux_loss()
         return x
 
 
 class GPT(GPTChunk):
-    """The whole model: one chunk with every layer. Plain PyTorch unless given `tp`."""
+    """The whole model: one chunk with every layer. Plain PyTorch unless given `tp`, `cp` or `ep`."""
 
     def __init__(self, config: GPTConfig, **kwargs) -> None:
         super().__init__(config, range(config.n_layer), first=True, last=True, **kwargs)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return GPTLoss(self.config, self.tp)(self(idx), targets)
+        """The training loss: mean next-token cross-entropy plus the MoE aux losses. The aux part is a
+        value only: the MoE outputs carry its gradient (scaled by set_aux_loss_scale)."""
+        loss = GPTLoss(self.config, self.tp, self.cp)(self(idx), targets)
+        if not self.moe_layers:
+            return loss
+        aux = torch.tensor(self.last_aux_loss(), dtype=loss.dtype, device=loss.device)
+        if self.tp is not None and self.tp.sequence_parallel:
+            self.tp.group.all_reduce(aux)  # each TP rank routed its shard of the sequence
+        return loss + aux
+
+    def accumulate_gradients(
+        self, idx: torch.Tensor, targets: torch.Tensor, forwards: int = 1
+    ) -> torch.Tensor:
+        """The single-thread oracle of a data-parallel, microbatched step: forward and backward of the
+        batch in `forwards` equal consecutive parts (a MoE routes, drops and balances per forward, as each
+        replica does with each microbatch), gradients of the mean loss accumulated. Returns that mean."""
+        if idx.shape[0] % forwards:
+            raise ConfigError(f"a batch of {idx.shape[0]} does not split into {forwards} equal forwards")
+        self.set_aux_loss_scale(1.0 / forwards)
+        losses = []
+        for x, y in zip(idx.chunk(forwards), targets.chunk(forwards)):
+            loss = self.loss(x, y)
+            (loss / forwards).backward()
+            losses.append(loss.detach())
+        self.set_aux_loss_scale(1.0)
+        return torch.stack(losses).mean()
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> GPT:
         """nanoGPT's initialisation, drawn from `generator` (not the process-wide RNG)."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
-            if p.dim() == 1:  # norm weights start at 1, biases at 0
-                p.fill_(1.0 if name.endswith(".weight") else 0.0)
-            else:
-                std = residual_std if name.endswith("proj.weight") else 0.02
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # norm weights
+                p.fill_(1.0)
+            else:  # the projections into the residual stream (the MoE experts' fc2 too) start smaller
+                std = residual_std if name.endswith(("proj.weight", "fc2_weight")) else 0.02
                 p.normal_(0.0, std, generator=generator)
         return self
 
@@ -288,17 +361,30 @@ class GPT(GPTChunk):
 
 
 class GPTLoss(nn.Module):
-    """Mean next-token cross-entropy in fp32. Under TP the logits are [B, T, V / tp] (padded vocabulary
-    entries excluded) and are never gathered: the vocab-parallel loss all-reduces a max and a sum-exp."""
+    """Mean next-token cross-entropy in fp32 (targets equal to -100 are ignored). Under TP the logits are
+    [B, T, V / tp] (padded vocabulary entries excluded) and are never gathered: the vocab-parallel loss
+    all-reduces a max and a sum-exp. Under CP a rank holds part of each sequence: its loss is its tokens'
+    summed loss over the whole sequences' token count (one all-reduce of a count), times cp, so the mean
+    of the CP ranks' losses is the loss of the whole sequences, and so is DDP's average of gradients."""
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: GPTConfig, tp: TensorParallel | None = None, cp: ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self.vocab_size = config.vocab_size
         self.tp = tp
+        self.cp = cp if cp is not None and cp.size() > 1 else None
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        reduction = "mean" if self.cp is None else "sum"
         if self.tp is None:
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return vocab_parallel_cross_entropy(
-            logits.float(), targets, vocab_size=self.vocab_size, group=self.tp.group
-        )
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+        else:
+            loss = vocab_parallel_cross_entropy(
+                logits.float(), targets, vocab_size=self.vocab_size, group=self.tp.group, reduction=reduction
+            )
+        if self.cp is None:
+            return loss
+        count = (targets != IGNORE_INDEX).sum()
+        self.cp.all_reduce(count)  # the tokens of the whole sequences
+        return loss * self.cp.size() / count.clamp(min=1)

@@ -1,11 +1,14 @@
-"""This rank's part of a GPT under the launch's DP x TP x PP layout, and its training step.
+"""This rank's part of a GPT under the launch's DP x CP x TP x PP layout (and EP), and its training step.
 
 `parallelize_gpt` applies the parallelisms in one short, ordered function (torchtitan's shape):
   1. pipeline: `get_stage_info` gives this rank's chunks (layer ranges) of the PP group;
   2. tensor (and sequence) parallel: each chunk is built from TP layers over the TP group;
-  3. weights: every rank loads its shard of the same dense weights, so the layout changes nothing;
-  4. data parallel: each chunk is wrapped in DDP over the DP group; the pipeline runs every backward but
-     a chunk's last inside `no_sync()`, so gradients are averaged once per step, overlapping that backward.
+  3. context parallel: with cp > 1 each sequence is split over the CP group and attention is ring attention;
+  4. expert parallel: with MoE blocks, the experts are sharded over EP groups of `ep` DP ranks;
+  5. weights: every rank loads its shard of the same dense weights, so the layout changes nothing;
+  6. data parallel: each chunk is wrapped in DDP over the DP group (DP x CP under CP; sharded experts
+     over the ranks holding the same experts); the pipeline runs every backward but a chunk's last inside
+     `no_sync()`, so gradients are averaged once per step, overlapping that backward.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ import torch
 from torch import nn
 
 from threadpar.checkpoint import gather_model_state, gather_optimizer_state, load_model_state
+from threadpar.comm.group import ProcessGroup
+from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPTChunk, GPTConfig, GPTLoss, TensorParallel
 from threadpar.parallel import DistributedDataParallel
+from threadpar.parallel.context_parallel import padding_multiple, split_sequence
+from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
 from threadpar.pipeline import PipelineParallel, get_stage_info
@@ -28,7 +35,7 @@ from threadpar.runtime.context import get_coords, get_group, get_layout
 
 @dataclass(eq=False)
 class HybridGPT:
-    """This rank's chunks (unwrapped), what the pipeline runs (DDP-wrapped when dp > 1), and the pipeline."""
+    """This rank's chunks (unwrapped), what the pipeline runs (DDP-wrapped when dp x cp > 1), the pipeline."""
 
     config: GPTConfig
     chunks: list[GPTChunk]
@@ -36,28 +43,60 @@ class HybridGPT:
     pipeline: PipelineParallel
     tp: TensorParallel | None
     loss_scaler: LossScaler | None = None
+    cp: ProcessGroup | None = None
+    last_aux_loss: float = 0.0  # the MoE aux losses in the last step's loss (0 without MoE)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for chunk in self.chunks:
             yield from chunk.parameters()
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of this DP replica's batch through the pipeline; gradients are complete
-        (averaged over DP, summed over TP for sequence-parallel replicas) when it returns. Returns the
-        replica's mean loss on every rank of its pipeline."""
+        """Forward and backward of this DP replica's batch [B, T] through the pipeline; gradients are
+        complete (averaged over DP x CP, summed over TP for sequence-parallel replicas) when it returns.
+        Returns the replica's mean loss (cross-entropy plus MoE aux losses) on every rank of the replica."""
         scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
-        loss = self.pipeline.train_step(inputs, targets)
+        n = self.pipeline.num_microbatches
+        if self.cp is not None:  # this rank's load-balanced part of every sequence: [B, T / cp]
+            self._check_sequence(inputs.shape[1])
+            inputs, targets = split_sequence(inputs, 1, self.cp), split_sequence(targets, 1, self.cp)
+        for chunk in self.chunks:
+            chunk.aux_loss_sum = 0.0
+            chunk.set_aux_loss_scale(scale / n)  # each microbatch's loss is scaled by `scale / n`, too
+        loss = self.pipeline.train_step(inputs, targets) / scale  # its rank losses (times cp under CP)
         if self.tp is not None and self.tp.sequence_parallel:
             for chunk in self.chunks:
                 allreduce_sequence_parallel_grads(chunk, self.tp.group)
-        return loss / scale
+        # The MoE aux losses joined the loss in backward, on every stage; add their values to what it reports.
+        aux = torch.tensor(sum(c.aux_loss_sum for c in self.chunks) / n, dtype=loss.dtype, device=loss.device)
+        if self.config.moe_experts and self.pipeline.pp > 1:
+            self.pipeline.group.all_reduce(aux)
+        if self.config.moe_experts and self.tp is not None and self.tp.sequence_parallel:
+            self.tp.group.all_reduce(aux)  # each TP rank routed its shard of the sequences
+        parts = torch.stack([loss, aux])
+        if self.cp is not None:
+            self.cp.all_reduce(parts, ReduceOp.AVG)  # the rank losses' mean is the whole sequences' loss
+        self.last_aux_loss = float(parts[1])
+        return parts.sum()
+
+    def _check_sequence(self, seq_len: int) -> None:
+        sp = self.tp is not None and self.tp.sequence_parallel
+        multiple = padding_multiple(self.cp.size(), 1 if self.tp is None else self.tp.size, sp)
+        if seq_len % multiple:
+            raise ConfigError(
+                f"a sequence of {seq_len} tokens does not split over cp={self.cp.size()}"
+                + (f" x tp={self.tp.size} (sequence parallel)" if sp else "")
+                + f": its length must be a multiple of {multiple} (two chunks per CP rank"
+                + (", each split over TP)" if sp else ")")
+                + "; use such a length, or pad inputs and targets at the end (pad_sequence; targets with -100, "
+                "which the loss ignores) with a block_size that covers the padded length"
+            )
 
     def dense_state(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters at dense shapes (collective over the TP group)."""
+        """This stage's parameters at dense shapes (collective over the TP and EP groups)."""
         return gather_model_state(self.chunks)
 
     def dense_grads(self) -> dict[str, torch.Tensor | None]:
-        """This stage's gradients at dense shapes (collective over the TP group), for parity checks."""
+        """This stage's gradients at dense shapes (collective over the TP and EP groups), for parity checks."""
         grads: dict[str, torch.Tensor | None] = {}
         for chunk in self.chunks:
             grads.update(gather_dense_grads(chunk))
@@ -74,6 +113,7 @@ def parallelize_gpt(
     schedule: str = "1f1b",
     num_microbatches: int = 1,
     sequence_parallel: bool = False,
+    ep: int = 1,
     recompute: bool = False,
     autocast_dtype: torch.dtype | None = None,
     loss_scaler: LossScaler | None = None,
@@ -81,6 +121,8 @@ def parallelize_gpt(
 ) -> HybridGPT:
     """Build this rank's part of the GPT (call on every rank of the launch, with the same arguments).
 
+    ep: the expert-parallel size of a MoE GPT (config.moe_experts > 0): the experts are sharded over
+    groups of ep consecutive DP ranks (ep divides dp); 1 keeps every expert on every rank.
     loss_scaler: fp16 loss scaling; each microbatch loss is multiplied by its current scale before
     backward (train_step returns the unscaled loss; step the optimizer with `loss_scaler.step`).
     The dense weights come from the caller, so that every layout starts from the same model.
@@ -90,23 +132,25 @@ def parallelize_gpt(
             "parallelize_gpt: dropout > 0 is not supported (nn.Dropout draws from the process-wide generator "
             "that all rank threads share); train with dropout=0"
         )
+    if ep != 1 and not config.moe_experts:
+        raise ConfigError(f"parallelize_gpt: ep={ep} needs a MoE model; set GPTConfig.moe_experts (or ep=1)")
     layout, coords = get_layout(), get_coords()
     tp = TensorParallel(group=get_group("TP"), sequence_parallel=sequence_parallel) if layout.tp > 1 else None
+    cp = get_group("CP") if layout.cp > 1 else None
+    ep_group = expert_parallel_groups(ep)[0] if config.moe_experts else None
     chunks_per_stage = 2 if schedule == "interleaved" else 1
     info = get_stage_info(config.n_layer, layout.pp, coords.pp, chunks_per_stage)
     last_chunk = layout.pp * chunks_per_stage - 1
-    options = dict(tp=tp, recompute=recompute, autocast_dtype=autocast_dtype)
+    options = dict(tp=tp, cp=cp, ep=ep_group, recompute=recompute, autocast_dtype=autocast_dtype)
     chunks = [
         GPTChunk(config, range(start, end), first=chunk == 0, last=chunk == last_chunk, **options)
         for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk)
     ]
     load_model_state(chunks, dense_state)
     modules: list[nn.Module] = list(chunks)
-    if layout.dp > 1:
-        modules = [
-            DistributedDataParallel(c, process_group="DP", bucket_cap_mb=bucket_cap_mb) for c in chunks
-        ]
-    criterion = GPTLoss(config, tp)
+    if layout.dp * layout.cp > 1:  # DDP's default group: DP, or DP x CP under context parallelism
+        modules = [DistributedDataParallel(c, bucket_cap_mb=bucket_cap_mb) for c in chunks]
+    criterion = GPTLoss(config, tp, cp)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = criterion(logits, targets)
@@ -115,4 +159,4 @@ def parallelize_gpt(
     pipeline = PipelineParallel(
         modules, loss_fn=loss_fn, schedule=schedule, num_microbatches=num_microbatches, group="PP"
     )
-    return HybridGPT(config, chunks, modules, pipeline, tp, loss_scaler)
+    return HybridGPT(config, chunks, modules, pipeline, tp, loss_scaler, cp)

@@ -3,6 +3,7 @@ ring attention over it, and the padding and gradient helpers around them."""
 
 from threadpar.parallel.context_parallel.gradients import (
     allreduce_context_parallel_grads,
+    context_tensor_parallel_group,
     data_context_parallel_group,
 )
 from threadpar.parallel.context_parallel.ring_attention import RingAttention, ring_attention
@@ -20,6 +21,7 @@ from threadpar.parallel.context_parallel.sequence import (
 __all__ = [
     "RingAttention",
     "allreduce_context_parallel_grads",
+    "context_tensor_parallel_group",
     "data_context_parallel_group",
     "gather_sequence",
     "get_padding",

@@ -20,15 +20,24 @@ def allreduce_context_parallel_grads(module: nn.Module, group: ProcessGroup | st
     allreduce_grads(module.parameters(), resolve_group(group, "CP"))
 
 
-def data_context_parallel_group() -> ProcessGroup:
-    """This rank's DP x CP group: the ranks that share its TP and PP coordinates (replicas of the same
-    model shard that see different tokens). Call on every rank of the launch."""
+def _group_sharing(axes: tuple[str, ...], name: str) -> ProcessGroup:
+    """The ranks whose coordinates on `axes` equal this rank's (a group; call on every rank of the launch)."""
     from threadpar.comm.functional import new_group
     from threadpar.runtime.context import current
 
     ctx = current()
     layout, mine = ctx.world.layout, ctx.coords
-    ranks = [
-        r for r in range(layout.world_size) if (c := layout.coords_of(r)).tp == mine.tp and c.pp == mine.pp
-    ]
-    return new_group(ranks, name=f"DPCP{mine.pp * layout.tp + mine.tp}")
+    ranks = [r for r in range(layout.world_size) if all(layout.coords_of(r)[a] == mine[a] for a in axes)]
+    return new_group(ranks, name=f"{name}{ranks[0]}")
+
+
+def data_context_parallel_group() -> ProcessGroup:
+    """This rank's DP x CP group: the ranks that share its TP and PP coordinates (replicas of the same
+    model shard that see different tokens). Call on every rank of the launch."""
+    return _group_sharing(("TP", "PP"), "DPCP")
+
+
+def context_tensor_parallel_group() -> ProcessGroup:
+    """This rank's CP x TP group: the ranks that share its DP and PP coordinates, which under sequence
+    parallelism together hold each of its sequences (a MoE counts routing over them)."""
+    return _group_sharing(("DP", "PP"), "CPTP")

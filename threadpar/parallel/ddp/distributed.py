@@ -7,6 +7,10 @@
 The default group is this rank's DP group (its DP x CP group when the layout has context parallelism):
 the ranks holding the same tensor-parallel shards and pipeline stage. So a module whose parameters are TP
 shards is wrapped as is; DDP only ever reduces over its group. With a group of one rank DDP does nothing.
+
+MoE experts sharded over an EP group (GroupedExperts with ep > 1) are not replicas: DDP reduces them over
+the members of its group that hold the same experts, scaled so that they get the gradient of the same
+mean as every other parameter (see experts.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.context_parallel import data_context_parallel_group
 from threadpar.parallel.ddp.comm_hooks import CommHook
+from threadpar.parallel.ddp.experts import expert_data_parallel_group, sharded_experts
 from threadpar.parallel.ddp.reducer import Reducer, ReducerOptions
 from threadpar.parallel.groups import resolve_group
 from threadpar.runtime import context
@@ -96,6 +101,8 @@ class DistributedDataParallel(nn.Module):
     broadcast_buffers: copy the first rank's buffers (e.g. BatchNorm running stats) to the others at every
     forward. find_unused_parameters: allow parameters that get no gradient on some ranks or iterations.
     gradient_bucketing=False: one all-reduce per parameter (for comparison and debugging).
+    expert_process_group: where the gradients of MoE experts sharded over an EP group are reduced; None
+    derives it (the members of process_group at this rank's EP rank, one all-gather when wrapping).
 
     Overlap needs a spare core (or a GPU): on CPU ranks that already use every core, all-reducing during
     backward only time-shares the cores, and one bucket (a large bucket_cap_mb and first_bucket_cap_mb)
@@ -107,6 +114,7 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         *,
         process_group: ProcessGroup | Axis | str | None = None,
+        expert_process_group: ProcessGroup | str | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = False,
@@ -137,18 +145,46 @@ class DistributedDataParallel(nn.Module):
         self._src = group.ranks[0]
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers and group.size() > 1 else []
         self._require_sync = True  # used when there is no reducer (a group of one rank)
+        experts = sharded_experts(module)
+        expert_ids = {id(p) for e in experts for p in e.parameters()}
+        replicated = [(name, p) for name, p in named if id(p) not in expert_ids]
+        sharded = [(name, p) for name, p in named if id(p) in expert_ids]
+        self.expert_process_group: ProcessGroup | None = None
+        if experts:
+            self.expert_process_group = (
+                expert_data_parallel_group(experts, group)
+                if expert_process_group is None
+                else resolve_group(expert_process_group, "DP")
+            )
+        abort = context.current().world.abort if context.in_rank() else None
         self.reducer: Reducer | None = None
+        self.expert_reducer: Reducer | None = None  # the sharded experts' (their own group and scale)
         if group.size() > 1:
             _check_same_structure(module, group)
-            broadcast_coalesced([*module.parameters(), *module.buffers()], group, self._src)
-            abort = context.current().world.abort if context.in_rank() else None
-            self.reducer = Reducer(
-                [p for _, p in named], [name for name, _ in named], group, self.options, abort
+            broadcast_coalesced(
+                [*(p for p in module.parameters() if id(p) not in expert_ids), *module.buffers()],
+                group,
+                self._src,
+            )
+            if replicated:
+                self.reducer = self._reducer(replicated, group, abort)
+        if sharded:
+            expert_group = self.expert_process_group
+            broadcast_coalesced([p for _, p in sharded], expert_group, expert_group.ranks[0])
+            self.expert_reducer = self._reducer(
+                sharded, expert_group, abort, expert_group.size() / group.size()
             )
 
+    def _reducer(self, named: list, group: ProcessGroup, abort, scale: float = 1.0) -> Reducer:
+        return Reducer([p for _, p in named], [n for n, _ in named], group, self.options, abort, scale)
+
+    @property
+    def _reducers(self) -> list[Reducer]:
+        return [r for r in (self.reducer, self.expert_reducer) if r is not None]
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.reducer is not None:
-            self.reducer.settle_interrupted_backward()
+        for reducer in self._reducers:
+            reducer.settle_interrupted_backward()
         if self._buffers_to_sync:
             broadcast_coalesced(self._buffers_to_sync, self.process_group, self._src)
         return self.module(*inputs, **kwargs)
@@ -156,14 +192,14 @@ class DistributedDataParallel(nn.Module):
     @property
     def require_backward_grad_sync(self) -> bool:
         """Whether the next backward averages gradients (read when that backward starts)."""
-        return self.reducer.require_backward_grad_sync if self.reducer is not None else self._require_sync
+        reducers = self._reducers
+        return reducers[0].require_backward_grad_sync if reducers else self._require_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        if self.reducer is not None:
-            self.reducer.require_backward_grad_sync = bool(value)
-        else:
-            self._require_sync = bool(value)
+        for reducer in self._reducers:
+            reducer.require_backward_grad_sync = bool(value)
+        self._require_sync = bool(value)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -181,8 +217,15 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce each bucket with `hook(state, bucket) -> Future[Tensor]` (see comm_hooks); once, before
-        the first backward. state=None passes this module's process group (what built-in hooks expect)."""
-        if self.reducer is not None:
-            self.reducer.register_comm_hook(state, hook)
-        elif not callable(hook):
+        the first backward. state=None passes this module's process group (what built-in hooks expect),
+        and the expert-DP group for the buckets of sharded MoE experts."""
+        if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
+        if self.expert_reducer is not None and state is not None:
+            raise ConfigError(
+                "register_comm_hook: this module has MoE experts reduced over their own group "
+                f"'{self.expert_process_group.name}', which a state for process group '{self.process_group.name}' "
+                "would not reach; register with state=None (each bucket's hook then gets its group)"
+            )
+        for reducer in self._reducers:
+            reducer.register_comm_hook(state, hook)

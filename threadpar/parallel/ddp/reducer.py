@@ -98,8 +98,12 @@ class Reducer:
         group: ProcessGroup,
         options: ReducerOptions,
         abort: AbortSignal | None = None,
+        scale: float = 1.0,
     ) -> None:
+        """scale: the gradients are multiplied by it before they are averaged (DDP's sharded MoE experts:
+        expert-DP size / DDP group size, see experts.py)."""
         self._params = list(params)
+        self._scale = float(scale)
         self._names = list(names)
         self._group = group
         self._options = options
@@ -259,6 +263,8 @@ class Reducer:
             k, bucket = self._next, self._buckets[self._next]
             # The gradients of this backward: the ones to average and write to, whatever happens later.
             grads = [self._gradient(i) for i in bucket.members]
+            if self._scale != 1.0:
+                torch._foreach_mul_(grads, self._scale)
             if self._hook is None:
                 # The default: one coalesced all-reduce, in place. Its Work's wait() blocks until done on
                 # the threads backend and orders the caller's stream after it on nccl.

@@ -49,7 +49,8 @@ def allreduce_moe_grads(
 ) -> None:
     """Sum gradients for a model with MoE layers: expert parameters over `expert_dp_group` (the ranks
     holding the same experts; None: no other rank does, as when ep = dp), the rest over `dp_group`.
-    A stand-in for a DDP that knows expert parameters; divide by dp afterwards for a mean."""
+    For training without DDP (DistributedDataParallel does this itself, averaging); divide by dp afterwards
+    for a mean."""
     experts = {id(p) for p in expert_parameters(module)}
     params = list(module.parameters() if params is None else params)
     allreduce_grads([p for p in params if id(p) not in experts], resolve_group(dp_group, "DP"))

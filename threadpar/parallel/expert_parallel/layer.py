@@ -19,11 +19,14 @@ rank's aux loss is its tokens' share of the whole sequence's (the shares sum to 
 
 The aux loss needs no code in the training loop: the backward of the layer's output also backpropagates
 it, as if it had been added to the loss (Megatron's MoEAuxLossAutoScaler), so the layer is a drop-in
-replacement for an MLP; `last_stats.aux_loss` has its value for logging.
+replacement for an MLP; `last_stats.aux_loss` has its value for logging. Because it is added in backward,
+it cannot see what the loss was multiplied by before `backward()`: set `aux_loss_scale` to that factor
+(1 / microbatches under gradient accumulation, an fp16 loss scale), as Megatron's set_loss_scale does.
 
 Gradients: expert parameters get the gradient of every token routed to them, from the whole EP group;
 replicated parameters (the router) only from this rank's tokens. Sum the router's over the DP group and
-the experts' over the ranks that hold the same experts (`allreduce_moe_grads`).
+the experts' over the ranks that hold the same experts (`allreduce_moe_grads`), or wrap the model in
+DistributedDataParallel, which averages both that way.
 """
 
 from __future__ import annotations
@@ -119,6 +122,8 @@ class MoE(nn.Module):
         self.ep_size = self.experts.ep_size
         self.dispatcher = AllToAllDispatcher(group, config.num_experts) if self.ep_size > 1 else None
         self.last_stats: MoEStats | None = None
+        # What the training loss is multiplied by before backward; the aux loss's gradient is scaled alike.
+        self.aux_loss_scale = 1.0
         self.reset_parameters(generator if generator is not None else init_generator())
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -138,8 +143,11 @@ class MoE(nn.Module):
             out = self.experts(rows, kept.tolist())
         else:
             out = self.dispatcher(rows, kept, self.experts)  # [M, hidden], same order as `rows`
-        gates = routing.gates.flatten().index_select(0, order).to(out.dtype)
-        y = tokens.new_zeros(tokens.shape).index_add(0, token_of, out * gates.unsqueeze(-1))
+        # Combined in the input's dtype: under autocast the experts' matmuls give low-precision rows, and
+        # a token's top-k contributions are summed in the (fp32) precision of the residual stream.
+        gates = routing.gates.flatten().index_select(0, order).to(tokens.dtype)
+        weighted = out.to(tokens.dtype) * gates.unsqueeze(-1)
+        y = tokens.new_zeros(tokens.shape).index_add(0, token_of, weighted)
         self.last_stats = MoEStats(
             routed=routing.routed,
             kept=kept,
@@ -149,7 +157,8 @@ class MoE(nn.Module):
             aux_loss=float(routing.aux_loss.detach()),
         )
         if cfg.aux_loss_coeff > 0 and y.requires_grad and routing.aux_loss.requires_grad:
-            y = _AttachAuxLoss.apply(y, routing.aux_loss)
+            aux = routing.aux_loss if self.aux_loss_scale == 1 else routing.aux_loss * self.aux_loss_scale
+            y = _AttachAuxLoss.apply(y, aux)
         return y.view(x.shape)
 
     def extra_repr(self) -> str:
