@@ -94,6 +94,33 @@ def test_first_bucket_is_launched_before_backward_reaches_the_first_layer():
     assert [e for e in events if e.startswith("bucket")] == [f"bucket {i}" for i in range(n)]
 
 
+def test_the_last_bucket_is_reduced_on_the_backward_thread_after_the_others_overlapped():
+    template = mlp(widths=(6, 64, 64, 3))
+    x, y = batches(steps=1, rows=4, n_in=6, n_out=3)[0]
+
+    def body():
+        rank = threadpar.get_rank()
+        model = copy.deepcopy(template)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0, first_bucket_cap_mb=0)
+        backend = ddp.reducer._group._backend
+        reduced_on, all_reduce = [], backend.all_reduce
+
+        def recording(member, *args):
+            if member == 0:  # the backend is shared by the group's members: record rank 0's calls
+                reduced_on.append(threading.current_thread())
+            return all_reduce(member, *args)
+
+        if rank == 0:
+            backend.all_reduce = recording
+        mse(ddp, rank_slice(x, rank, 2), rank_slice(y, rank, 2)).backward()
+        return threading.current_thread(), reduced_on
+
+    rank_thread, reduced_on = run_ranks(body, 2)[0]
+    assert len(reduced_on) == 6  # one all-reduce per bucket
+    assert reduced_on[-1] is rank_thread  # the last bucket: at the end of backward, on the rank's own thread
+    assert all(t.name.startswith("threadpar-comm") for t in reduced_on[:-1])  # the others overlapped
+
+
 def test_gradients_are_views_into_the_buckets_even_after_set_to_none_and_rebuild():
     torch.manual_seed(0)
     template = UsedInReverse().to(DTYPE)

@@ -154,14 +154,14 @@ class GroupHandle:
             work.wait()
             return None
         worker = self._worker
-        if not async_op and (worker is None or worker.idle):
-            fn()  # the common case: no Work object, no thread hop
+        if not async_op:
+            if worker is not None:
+                # This rank would block until the op is done anyway: once the earlier async ops are
+                # finished, run it here rather than hand it to the worker and back (one thread hop less).
+                worker.wait_idle()
+            fn()
             return None
         description = f"{op} #{seq} on group '{self.name}' (rank {self.global_rank})"
         if worker is None:
             return CompletedWork(description, fn())
-        work = worker.submit(fn, Work(description, self._abort))
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return worker.submit(fn, Work(description, self._abort))

@@ -72,6 +72,13 @@ class Work:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (or `timeout` seconds); raise the operation's error. Returns True, like torch."""
+        self.wait_done(timeout)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def wait_done(self, timeout: float | None = None) -> None:
+        """Block until done (or `timeout` seconds), without raising the operation's own error."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._done.is_set():
             if self._abort is not None:
@@ -82,9 +89,6 @@ class Work:
             if remaining <= 0:
                 raise CollectiveTimeoutError(f"{self._description} did not complete within {timeout} s")
             self._done.wait(remaining)
-        if self._error is not None:
-            raise self._error
-        return True
 
     def synchronize(self) -> None:
         self.wait()

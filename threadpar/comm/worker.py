@@ -22,10 +22,10 @@ class CommWorker:
         self._thread: threading.Thread | None = None
         self._last: Work | None = None  # only the owning rank submits, so FIFO order makes this enough
 
-    @property
-    def idle(self) -> bool:
-        """True when everything submitted so far has finished."""
-        return self._last is None or self._last.is_completed()
+    def wait_idle(self) -> None:
+        """Wait until everything submitted so far has finished (their errors stay with their Works)."""
+        if self._last is not None:
+            self._last.wait_done()
 
     def submit(self, fn: Callable[[], Any], work: Work) -> Work:
         if self._thread is None:
