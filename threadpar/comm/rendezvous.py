@@ -197,8 +197,12 @@ class Rendezvous:
         if isinstance(slot.error, str):
             raise CollectiveMismatchError(slot.error)
         call = slot.calls[0]
-        # An NCCL failure stays an NcclError for every member; anything else is reported as the group's failure.
-        kind = NcclError if isinstance(slot.error, NcclError) else ThreadparError
+        # An NCCL failure or a timeout keeps its kind for every member; anything else is the group's failure.
+        kind = (
+            type(slot.error)
+            if isinstance(slot.error, (NcclError, CollectiveTimeoutError))
+            else ThreadparError
+        )
         raise kind(
             f"{call} #{seq} on group '{self.name}' failed: {type(slot.error).__name__}: {slot.error}"
         ) from slot.error
