@@ -76,12 +76,16 @@ class FakeFabric:
         self.owner: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> process holding that communicator
         self._issued: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> collectives issued so far
         self._ops: dict[tuple[bytes, int], CliqueOp] = {}
+        self.id_makers: dict[bytes, str] = {}  # unique id -> the thread that made it
 
     def new_process(self) -> int:
         return next(self._processes)
 
     def unique_id(self) -> bytes:
-        return f"uid-{next(self._ids)}".encode().ljust(128, b"\0")  # NCCL_UNIQUE_ID_BYTES
+        uid = f"uid-{next(self._ids)}".encode().ljust(128, b"\0")  # NCCL_UNIQUE_ID_BYTES
+        with self.cond:
+            self.id_makers[uid] = threading.current_thread().name
+        return uid
 
     def join(self, num_ranks: int, uid: bytes, rank: int, process: int) -> None:
         with self.cond:

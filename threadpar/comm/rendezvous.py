@@ -164,12 +164,17 @@ class Rendezvous:
     def _wait(self, slot: Slot, member: int, seq: int, target: int, waiter, timeout: float) -> None:
         # Block on our own lock until the last arrival releases it; re-check the stop signal and the
         # deadline every poll interval (a stop also releases every waiter at once).
+        # Once every member has arrived, the last one is running the leader, whose own waits are bounded
+        # (e.g. asking other processes, with a message naming them): wait for it rather than time out first.
         deadline = time.monotonic() + timeout
         while slot.phase < target:
             self._abort.raise_if_set()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise CollectiveTimeoutError(self._describe_timeout(slot, member, seq, target, timeout))
+                if min(slot.reached) >= target:
+                    remaining = POLL_INTERVAL_S
+                else:
+                    raise CollectiveTimeoutError(self._describe_timeout(slot, member, seq, target, timeout))
             waiter.acquire(True, remaining if remaining < POLL_INTERVAL_S else POLL_INTERVAL_S)
 
     def _wake_all(self) -> None:
