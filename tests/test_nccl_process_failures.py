@@ -103,3 +103,17 @@ def test_torchrun_with_a_gpu_per_thread_uses_nccl_across_processes(monkeypatch, 
     assert devices == (torch.device("cuda", 2), torch.device("cuda", 3))  # process 1's block of GPUs
     with pytest.raises(ConfigError, match="need 4 GPUs, but this process sees 3"):
         _world_args(monkeypatch, 3, 0, backend)
+
+
+def test_a_failure_in_another_process_stops_ranks_waiting_for_it_at_the_first_collective():
+    def body():
+        if threadpar.get_rank() == 2:
+            raise ValueError("boom on purpose")
+        threadpar.all_reduce(torch.ones(2))  # process 0 waits for process 1 here (before NCCL's init)
+
+    start = time.monotonic()
+    outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, timeout=30.0)
+    assert time.monotonic() - start < 10  # the stop, not the 30 s timeout
+    for outcome in outcomes:
+        assert isinstance(outcome, RankFailedError) and outcome.rank == 2
+        assert "boom on purpose" in str(outcome)

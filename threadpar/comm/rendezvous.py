@@ -20,7 +20,13 @@ from typing import Any, NamedTuple
 import torch
 
 from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
-from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, NcclError, ThreadparError
+from threadpar.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    NcclError,
+    RankAborted,
+    ThreadparError,
+)
 
 
 class Call(NamedTuple):
@@ -202,12 +208,13 @@ class Rendezvous:
         if isinstance(slot.error, str):
             raise CollectiveMismatchError(slot.error)
         call = slot.calls[0]
-        # An NCCL failure or a timeout keeps its kind for every member; anything else is the group's failure.
-        kind = (
-            type(slot.error)
-            if isinstance(slot.error, (NcclError, CollectiveTimeoutError))
-            else ThreadparError
-        )
+        # An NCCL failure, a timeout or a stop keeps its kind for every member; anything else is the group's failure.
+        if isinstance(slot.error, RankAborted):
+            kind = RankAborted  # (a subclass may not take a message)
+        elif isinstance(slot.error, (NcclError, CollectiveTimeoutError)):
+            kind = type(slot.error)
+        else:
+            kind = ThreadparError
         raise kind(
             f"{call} #{seq} on group '{self.name}' failed: {type(slot.error).__name__}: {slot.error}"
         ) from slot.error
