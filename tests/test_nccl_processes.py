@@ -23,7 +23,7 @@ def flat(per_process):
     return [r for results in per_process for r in results]
 
 
-@pytest.mark.parametrize("processes,threads", [(2, 2), (2, 3)])
+@pytest.mark.parametrize("processes,threads", [(2, 2), (2, 3), (3, 2)])
 def test_every_collective_and_message_matches_direct_results(processes, threads):
     # tp=2: with 3 threads per process some TP groups span processes, others do not; the "interleaved"
     # group [W-1, 0, 1] has its member 0 in the last process. Roots and destinations rotate over members.
