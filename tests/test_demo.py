@@ -75,8 +75,12 @@ def test_placement_across_processes(monkeypatch):
         "no CUDA devices: 2 processes x 2 ranks = 4 ranks, as CPU threads",
     )
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 4)
-    backend, devices, line = placement(cfg, env)  # NCCL does not span processes: threads, launch's GPUs
-    assert (backend, devices) == ("threads", None) and "NCCL does not span processes" in line
+    backend, devices, line = placement(cfg, env)  # a GPU per rank: NCCL across processes, launch's GPUs
+    assert (backend, devices, line) == (
+        "nccl",
+        None,
+        "2 processes x 2 ranks = 4 ranks on 4 GPUs (NCCL, also between processes)",
+    )
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 3)
     with pytest.raises(ConfigError, match="need 4 GPUs, but this process sees 3; pass a smaller --gpus"):
         placement(cfg, env)

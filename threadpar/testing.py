@@ -113,9 +113,15 @@ def run_processes(
     """`launch_processes`, re-raising the root-cause rank's own exception (as run_ranks does); returns
     each process's per-thread results."""
     outcomes = launch_processes(fn, processes, threads_per_process, *args, **launch_kwargs)
+    raise_root_cause(outcomes)
+    return outcomes
+
+
+def raise_root_cause(outcomes: list[Any]) -> None:
+    """If a simulated process's launch raised, re-raise the root-cause rank's own exception (as run_ranks
+    does): every process reports the same root cause; raise it from the process where it happened."""
     failures = [o for o in outcomes if isinstance(o, BaseException)]
     if failures:
-        # Every process reports the same root cause; raise it from the process where it happened.
         own = [e for e in failures if not isinstance(getattr(e, "error", None), RemoteRankError)]
         first = (own or failures)[0]
         if isinstance(first, RankFailedError):
@@ -124,4 +130,3 @@ def run_processes(
                 error.add_note(f"(raised on rank {first.rank}; the traceback above is that rank's)")
             raise error from None
         raise first
-    return outcomes

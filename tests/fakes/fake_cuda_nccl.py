@@ -1,16 +1,16 @@
-"""Test double for torch.cuda.nccl, CUDA streams and events: `FakeCuda` stands in for threadpar's CudaApi.
+"""Test double for CUDA streams and events: `FakeCuda` stands in for threadpar's CudaApi (torch.cuda.nccl's
+double, `FakeNccl`, is in fake_nccl.py).
 
 A small simulation rather than a mock:
 - Streams keep what was enqueued on them; an event remembers where it was last recorded; a wait enqueues
   an edge to that point. `fake.ordered(a, b)` answers "would CUDA run a before b?" from stream order and
   event edges, so tests check ordering semantics rather than call sequences.
-- `FakeNccl` checks what NCCL and torch.cuda.nccl check (one tensor, stream and communicator per rank of
-  one clique, in rank order; NCCL's dtypes; sizes), also checks that the calling thread holds the launch
-  lock, computes the results on the CPU tensors, and logs every call.
-- `init_rank` behaves like ncclCommInitRank: it returns only once every rank of the clique has called it,
-  so communicators created one after another from one thread fail (after a short timeout).
+- `FakeNccl` checks what torch.cuda.nccl and NCCL check, also checks that the calling thread holds the
+  launch lock, computes the results on the CPU tensors, and logs every call here (`calls`).
 - The device can hang (events recorded while hung stay incomplete until `resume()`), the next call of an
   NCCL function can fail, and an asynchronous NCCL error can be set.
+- Several FakeCudas sharing one `FakeFabric` are the GPUs of several simulated processes
+  (`run_fake_gpu_processes`): their NCCL cliques span them.
 Devices are CPU devices, and every thread has its own default stream: the general case of ranks that
 compute on their own streams (on a real GPU, threads share the device's default stream unless told not to).
 """
@@ -27,14 +27,18 @@ import torch
 
 from threadpar.comm.cuda_api import CliquePool
 from threadpar.errors import RankFailedError
-from threadpar.runtime.launch import _Launch
+from threadpar.runtime.launch import _Launch, process_world
+from threadpar.runtime.process_env import ProcessEnv
 from threadpar.runtime.world import World
+from threadpar.testing import raise_root_cause
 from threadpar.topology import Layout
 
-NCCL_DTYPES = {
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
-}  # fmt: skip
-INIT_TIMEOUT_S = 5.0
+from .fake_nccl import FakeComm, FakeFabric, FakeNccl
+
+__all__ = [
+    "FakeComm", "FakeCuda", "FakeFabric", "FakeNccl", "fake_gpu_processes", "launch_fake_gpu_processes",
+    "run_fake_gpu_processes", "run_fake_gpus",
+]  # fmt: skip
 
 
 class Node(NamedTuple):
@@ -57,6 +61,12 @@ class FakeStream:
     def wait_event(self, event: FakeEvent) -> None:
         self._append("wait", event, event.node)  # waits for the event's latest record, as CUDA does
 
+    def synchronize(self) -> None:
+        """The host waits for everything enqueued so far (the double computes at enqueue: just recorded)."""
+        node = self._append("host-sync")
+        with self.fake.lock:
+            self.fake.host_syncs.append(node)
+
     def __repr__(self) -> str:
         return f"<FakeStream {self.name}>"
 
@@ -76,13 +86,6 @@ class FakeEvent:
         if self.fake.device_error is not None:
             raise RuntimeError(f"CUDA error: {self.fake.device_error}")
         return self.complete or not self.fake.hung
-
-
-class FakeComm(NamedTuple):
-    uid: bytes
-    rank: int
-    size: int
-    thread: str
 
 
 class OwnedLock:
@@ -118,130 +121,6 @@ class FakeCall:
     extra: dict = field(default_factory=dict)
 
 
-class FakeNccl:
-    """torch.cuda.nccl's functions, with its argument conventions."""
-
-    SUM = 0
-
-    def __init__(self, fake: FakeCuda, version: tuple[int, ...]) -> None:
-        self.fake = fake
-        self._version = version
-        self._ids = itertools.count()
-        self._joining: dict[bytes, set[int]] = {}
-        self._joined = threading.Condition()
-        self.fail_next: dict[str, str] = {}  # function name -> message of the error its next call raises
-        self.init_calls: list[FakeComm] = []
-
-    def version(self) -> tuple[int, ...]:
-        return self._version
-
-    def unique_id(self) -> bytes:
-        return f"uid-{next(self._ids)}".encode().ljust(128, b"\0")  # NCCL_UNIQUE_ID_BYTES
-
-    def init_rank(self, num_ranks: int, uid: bytes, rank: int) -> FakeComm:
-        with self._joined:
-            joined = self._joining.setdefault(uid, set())
-            joined.add(rank)
-            self._joined.notify_all()
-            if not self._joined.wait_for(lambda: len(joined) == num_ranks, INIT_TIMEOUT_S):
-                raise RuntimeError(
-                    f"NCCL Error 6: init of rank {rank}: ranks {sorted(joined)} of {num_ranks} joined"
-                )
-        comm = FakeComm(uid, rank, num_ranks, threading.current_thread().name)
-        with self.fake.lock:
-            self.init_calls.append(comm)
-        return comm
-
-    # collectives ------------------------------------------------------------------------------------------------
-    def all_reduce(self, inputs, outputs=None, op=SUM, streams=None, comms=None) -> None:
-        outputs = inputs if outputs is None else outputs
-        self._check("all_reduce", inputs, outputs, streams, comms, reduces=True)
-        result = self._reduce(inputs, op)
-        for out in outputs:
-            out.copy_(result)
-        self._log("all_reduce", inputs, outputs, streams, comms, op=op)
-
-    def reduce(self, inputs, output=None, root=0, op=SUM, streams=None, comms=None) -> None:
-        output = inputs[root] if output is None else output
-        self._check("reduce", inputs, None, streams, comms, reduces=True)
-        assert output.numel() == inputs[0].numel() and output.is_contiguous(), "reduce: bad output"
-        output.copy_(self._reduce(inputs, op))
-        self._log("reduce", inputs, [output], streams, comms, op=op, root=root)
-
-    def broadcast(self, inputs, root=0, streams=None, comms=None) -> None:
-        self._check("broadcast", inputs, None, streams, comms)
-        source = inputs[root].clone()
-        for t in inputs:
-            t.copy_(source)
-        self._log("broadcast", inputs, inputs, streams, comms, root=root)
-
-    def all_gather(self, inputs, outputs, streams=None, comms=None) -> None:
-        self._check("all_gather", inputs, outputs, streams, comms, out_factor=len(inputs))
-        gathered = torch.cat([t.view(-1) for t in inputs])
-        for out in outputs:
-            out.copy_(gathered)
-        self._log("all_gather", inputs, outputs, streams, comms)
-
-    def reduce_scatter(self, inputs, outputs, op=SUM, streams=None, comms=None) -> None:
-        n = len(inputs)
-        self._check("reduce_scatter", inputs, outputs, streams, comms, reduces=True, out_factor=1 / n)
-        result = self._reduce(inputs, op)
-        for i, out in enumerate(outputs):
-            out.copy_(result.view(n, -1)[i])
-        self._log("reduce_scatter", inputs, outputs, streams, comms, op=op)
-
-    # what NCCL checks, and the arithmetic -----------------------------------------------------------------------
-    def _check(self, name, inputs, outputs, streams, comms, *, reduces=False, out_factor=1.0) -> None:
-        message = self.fail_next.pop(name, None)
-        if message is not None:
-            raise RuntimeError(f"NCCL Error 3: {message}")
-        n = len(inputs)
-        assert n > 0 and comms is not None and len(comms) == n, f"{name}: one communicator per input"
-        assert all(isinstance(c, FakeComm) for c in comms), f"{name}: not communicators: {comms}"
-        assert len({c.uid for c in comms}) == 1, f"{name}: communicators of different cliques"
-        assert [c.rank for c in comms] == list(range(n)) and comms[0].size == n, f"{name}: not in rank order"
-        assert streams is not None and len(streams) == n, f"{name}: one stream per input"
-        assert len({id(s) for s in streams}) == n, f"{name}: two ranks on one stream"
-        dtype = inputs[0].dtype
-        old = self._version[:2] < (2, 10)
-        if dtype not in NCCL_DTYPES - ({torch.bfloat16} if old else set()) and not (
-            dtype == torch.bool and not reduces
-        ):
-            raise RuntimeError(f"Unconvertible NCCL type {dtype}")
-        for t in [*inputs, *(outputs or [])]:
-            assert t.dtype == dtype and t.is_contiguous(), (
-                f"{name}: inputs and outputs must be contiguous {dtype}"
-            )
-        assert all(t.numel() == inputs[0].numel() for t in inputs), f"{name}: inputs differ in size"
-        if outputs is not None:
-            assert len(outputs) == n, f"{name}: one output per input"
-            assert all(o.numel() == inputs[0].numel() * out_factor for o in outputs), f"{name}: output size"
-
-    def _reduce(self, inputs, op: int) -> torch.Tensor:
-        result = inputs[0].clone()
-        for t in inputs[1:]:
-            if op in (0, 4):
-                result.add_(t)
-            elif op == 1:
-                result.mul_(t)
-            else:
-                (torch.maximum if op == 2 else torch.minimum)(result, t, out=result)
-        if op == 4:
-            if not result.dtype.is_floating_point:
-                return result.div_(len(inputs), rounding_mode="trunc")
-            result.div_(len(inputs))
-        return result
-
-    def _log(self, name, inputs, outputs, streams, comms, **extra) -> None:
-        nodes = [s._append("nccl", name) for s in streams]
-        call = FakeCall(
-            name, list(inputs), list(outputs), list(streams), list(comms), nodes,
-            threading.current_thread().name, self.fake.launch_lock.held_by_me(), extra,
-        )  # fmt: skip
-        with self.fake.lock:
-            self.fake.calls.append(call)
-
-
 @dataclass
 class FakeCopy:
     dst: torch.Tensor
@@ -255,15 +134,16 @@ class FakeCopy:
 class FakeCuda:
     """Stands in for threadpar.comm.cuda_api.TorchCuda (pass it as World(cuda=...))."""
 
-    def __init__(self, nccl_version: tuple[int, ...] = (2, 21, 5)) -> None:
+    def __init__(self, nccl_version: tuple[int, ...] = (2, 21, 5), fabric: FakeFabric | None = None) -> None:
         self.lock = threading.RLock()  # guards the fake's own records
-        self.nccl = FakeNccl(self, nccl_version)
+        self.nccl = FakeNccl(self, nccl_version, fabric)
         self.launch_lock = OwnedLock()
         self.cliques = CliquePool()  # threadpar's own pool: plain Python, nothing to fake
         self.calls: list[FakeCall] = []
         self.copies: list[FakeCopy] = []
         self.comm_streams: list[FakeStream] = []
         self.recorded: list[tuple[torch.Tensor, FakeStream]] = []  # record_stream calls
+        self.host_syncs: list[Node] = []  # where the host waited for a stream (FakeStream.synchronize)
         self.hung = False
         self.device_error: str | None = None  # raised by every event query (a sticky CUDA error)
         self.async_error_message: str | None = None  # what ncclCommGetAsyncError reports
@@ -340,6 +220,28 @@ class FakeCuda:
     def async_error(self, comm: FakeComm) -> str | None:
         return self.async_error_message
 
+    # for FakeNccl -----------------------------------------------------------------------------------------------
+    def log_nccl(self, name, inputs, outputs, streams, comms, extra) -> None:
+        nodes = [s._append("nccl", name) for s in streams]
+        call = FakeCall(
+            name, list(inputs), [o for o in outputs if o is not None], list(streams), list(comms), nodes,
+            threading.current_thread().name, self.launch_lock.held_by_me(), extra,
+        )  # fmt: skip
+        with self.lock:
+            self.calls.append(call)
+
+    @contextlib.contextmanager
+    def released_launch_lock(self):
+        """While an NCCL part waits for the other processes' parts: let other launches in this process go on."""
+        held = self.launch_lock.held_by_me()
+        if held:
+            self.launch_lock.__exit__()
+        try:
+            yield
+        finally:
+            if held:
+                self.launch_lock.__enter__()
+
     # for tests --------------------------------------------------------------------------------------------------
     def mark(self, stream: FakeStream, label: str) -> Node:
         """Enqueue a labelled no-op (stands for a kernel) and return where it sits."""
@@ -390,3 +292,61 @@ def run_fake_gpus(
     except RankFailedError as failed:
         failed.error.add_note(f"(raised on rank {failed.rank})")
         raise failed.error from None
+
+
+def fake_gpu_processes(processes: int, fabric: FakeFabric | None = None, **options: Any) -> list[FakeCuda]:
+    """The GPUs of `processes` simulated processes: one FakeCuda each, their NCCLs on one fabric."""
+    fabric = FakeFabric() if fabric is None else fabric
+    return [FakeCuda(fabric=fabric, **options) for _ in range(processes)]
+
+
+def launch_fake_gpu_processes(
+    fn,
+    fakes: list[FakeCuda],
+    threads: int,
+    *,
+    backend: str = "nccl",
+    timeout: float = 5.0,
+    check_collectives: bool = False,
+    **layout,
+) -> list[Any]:
+    """Run `fn` as len(fakes) simulated processes (threads of this interpreter sharing a HashStore, as
+    threadpar.testing.launch_processes) x `threads` rank threads, process p's GPUs being fakes[p].
+    Returns, per process, its per-thread results or the exception its launch raised."""
+    import torch.distributed as dist
+
+    processes, store = len(fakes), dist.HashStore()
+    outcomes: list[Any] = [None] * processes
+
+    def process_main(p: int) -> None:
+        try:
+            world = process_world(
+                ProcessEnv(p, processes, store=store),
+                threads,
+                Layout.build(processes * threads, **layout),
+                backend,
+                (torch.device("cpu"),) * threads,
+                timeout,
+                0,
+                1,
+                check_collectives=check_collectives,
+                cuda=fakes[p],
+            )
+            outcomes[p] = _Launch(world, fn, (), {}).run()
+        except BaseException as error:
+            outcomes[p] = error
+
+    runners = [threading.Thread(target=process_main, args=(p,), daemon=True) for p in range(processes)]
+    for t in runners:
+        t.start()
+    for t in runners:
+        t.join()
+    return outcomes
+
+
+def run_fake_gpu_processes(fn, fakes: list[FakeCuda], threads: int, **options) -> list[list[Any]]:
+    """`launch_fake_gpu_processes`, re-raising the root-cause rank's own exception; returns each process's
+    per-thread results."""
+    outcomes = launch_fake_gpu_processes(fn, fakes, threads, **options)
+    raise_root_cause(outcomes)
+    return outcomes

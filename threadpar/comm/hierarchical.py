@@ -53,8 +53,17 @@ def group_key(ranks: Sequence[int]) -> int:
 
 class HierarchicalGroup(CopyOps):
     def __init__(
-        self, name: str, ranks: Sequence[int], processes: Any, abort: AbortSignal, timeout: float
+        self,
+        name: str,
+        ranks: Sequence[int],
+        processes: Any,
+        abort: AbortSignal,
+        timeout: float,
+        *,
+        route_messages: bool = True,
     ) -> None:
+        """`route_messages=False`: another object receives this group's messages from other processes
+        (the nccl backend's spanning groups use this class for their collectives through host memory)."""
         self.name = name
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
@@ -74,7 +83,8 @@ class HierarchicalGroup(CopyOps):
         self.rendezvous = Rendezvous(name, [self.ranks[m] for m in self.local], abort, timeout)
         self.mailboxes = Mailboxes(name, self.ranks, abort, timeout)
         self._gloo: dict[str, Any] = {}
-        processes.router.register(self.key, self.mailboxes, self.ranks)
+        if route_messages:
+            processes.router.register(self.key, self.mailboxes, self.ranks)
 
     # plumbing ---------------------------------------------------------------------------------------------------
     def _pg(self, which: str) -> Any:

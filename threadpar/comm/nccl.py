@@ -11,6 +11,10 @@ Communicators: one clique per group (sub-groups get their own), made on the grou
 every member thread calling `init_rank` concurrently, as NCCL requires (ncclCommInitAll-style within one
 process), then reused. Comm streams: one high-priority stream per member and group.
 
+A group whose members live in several processes (nccl_spanning.py) is this class with `local` = the
+members in this process: its rendezvous, launch and grouped calls cover those members only (NCCL ranks are
+group indices, so one grouped call per process joins the processes' parts into one collective).
+
 What torch.cuda.nccl lacks is built from copies between devices on the comm streams, ordered by events
 (nccl_copies.py): send/recv, scatter, gather and all_to_all. dtypes and ops NCCL lacks are mapped as
 nccl_plan.py describes. Inputs reach this module validated by ProcessGroup.
@@ -66,11 +70,17 @@ class NcclGroup(CopyOps):
 
     stream_ordered = True  # ProcessGroup: ops return their own Work; no comm worker thread
 
-    def __init__(self, name: str, ranks: Sequence[int], world: Any) -> None:
+    def __init__(
+        self, name: str, ranks: Sequence[int], world: Any, local: Sequence[int] | None = None
+    ) -> None:
+        """`local`: the indices of the members whose threads run in this process (default: all of them)."""
         self.name = name
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.devices = tuple(world.devices[r] for r in self.ranks)
+        self.local = tuple(range(self.size)) if local is None else tuple(local)
+        self.local_index = {m: i for i, m in enumerate(self.local)}
+        self.local_devices = tuple(self.devices[m] for m in self.local)
         self._cuda = world.cuda_api()
         if not self._cuda.nccl_available():
             raise ConfigError(
@@ -79,7 +89,7 @@ class NcclGroup(CopyOps):
             )
         self._abort = world.abort
         self._timeout = world.timeout
-        self.rendezvous = Rendezvous(name, ranks, world.abort, world.timeout)
+        self.rendezvous = Rendezvous(name, [self.ranks[m] for m in self.local], world.abort, world.timeout)
         self.mailboxes = Mailboxes(name, ranks, world.abort, world.timeout)
         self._lock = threading.Lock()
         self._streams: list[Any] = [None] * self.size
@@ -97,7 +107,7 @@ class NcclGroup(CopyOps):
                 stream = self._streams[member]
         return stream
 
-    def _communicator(self, member: int, call: Call) -> Any:
+    def _communicator(self, member: int, seq: int, call: Call) -> Any:
         """This member's communicator; on first use every member joins the group's clique (blocking)."""
         comm = self._comms[member]
         if comm is not None:
@@ -115,7 +125,7 @@ class NcclGroup(CopyOps):
         # once, with the call that needs the communicators (so a mismatch shows already), so that all of
         # them are present before any blocks inside NCCL's own initialisation, which has no timeout.
         joining = call._replace(extra=(*call.extra, ("creating", "NCCL communicators")))
-        slot = self.rendezvous.arrive(member, 0, joining, None, leader=choose, final=True)
+        slot = self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=choose, final=True)
         if isinstance(slot.result, bytes):
             try:
                 with cuda.device_guard(self.devices[member]):
@@ -147,16 +157,16 @@ class NcclGroup(CopyOps):
         post launches the operation for all (`nccl`: it needs the communicators)."""
         tensors = _tensors(payload)
         self._check_devices(member, call.op, tensors)
-        comm = self._communicator(member, call) if nccl else None
+        comm = self._communicator(member, seq, call) if nccl else None
         cuda, device = self._cuda, self.devices[member]
         ready, done = cuda.event(), cuda.event()
         ready.record(cuda.current_stream(device))
         arrival = self.rendezvous.post(
-            member,
+            self.local_index[member],
             seq,
             call,
             _Posted(payload, tensors, ready, done),
-            leader=lambda slot: self._launch(slot, launch),
+            leader=lambda slot: self._launch(slot, seq, launch),
         )
         return NcclWork(
             Described(call, seq, self.name, self.ranks[member]),
@@ -169,9 +179,18 @@ class NcclGroup(CopyOps):
             comm=comm,
         )
 
-    def _launch(self, slot: Slot, launch: Launch) -> bool:
+    def _before_launch(self, seq: int, call: Call) -> str | None:
+        """Run by the leader before it launches collective `seq`; a message stops the launch as a mismatch
+        (nccl_spanning.py asks the other processes here)."""
+        return None
+
+    def _launch(self, slot: Slot, seq: int, launch: Launch) -> bool:
+        """The leader: payloads and streams of the local members, in group order."""
+        slot.error = self._before_launch(seq, slot.calls[0])
+        if slot.error is not None:
+            return False
         posted: list[_Posted] = slot.payloads
-        streams = [self._stream(m) for m in range(self.size)]
+        streams = [self._stream(m) for m in self.local]
         cuda = self._cuda
         with cuda.launch_lock:
             for p, stream in zip(posted, streams):
@@ -184,9 +203,9 @@ class NcclGroup(CopyOps):
         return True
 
     def _nccl(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """Call torch.cuda.nccl.<name> with every member's communicator; NCCL failures become NcclError."""
+        """Call torch.cuda.nccl.<name> with every local member's communicator; failures become NcclError."""
         try:
-            getattr(self._cuda.nccl, name)(*args, comms=self._comms, **kwargs)
+            getattr(self._cuda.nccl, name)(*args, comms=[self._comms[m] for m in self.local], **kwargs)
         except RuntimeError as error:
             raise NcclError(f"torch.cuda.nccl.{name} on group '{self.name}' failed: {error}") from error
 
@@ -200,11 +219,12 @@ class NcclGroup(CopyOps):
             return t.contiguous()
 
     # reductions -------------------------------------------------------------------------------------------------
+    # ins, outs and streams hold one entry per LOCAL member (self.local order); `root` is a group index.
     def _reduce(
         self, ins: list[torch.Tensor], outs: list[torch.Tensor], op: ReduceOp, streams, kind: str, root=0
     ):
-        """The reduction core. kind "all": outs[m] = reduce(ins); "root": outs[root] = reduce(ins);
-        "scatter": outs[m] = reduce(ins)[m-th 1/size]. Every tensor is contiguous, 1-D per member."""
+        """The reduction core. kind "all": outs[i] = reduce(ins); "root": the root's out = reduce(ins);
+        "scatter": outs[i] = reduce(ins)[member's 1/size]. Every tensor is contiguous and 1-D."""
         plan = reduction_plan(ins[0].dtype, op, self._native_avg)
         if ins[0].numel() == 0:
             return
@@ -215,33 +235,50 @@ class NcclGroup(CopyOps):
         if kind == "all":
             self._nccl("all_reduce", wins, wouts, op=plan.nccl_op, streams=streams)
         elif kind == "root":
-            self._nccl("reduce", wins, wouts[root], root=root, op=plan.nccl_op, streams=streams)
+            self._nccl_reduce(wins, wouts, root, plan, streams)
         else:
-            self._nccl("reduce_scatter", wins, wouts, op=plan.nccl_op, streams=streams)
-        self._divide(plan, outs, streams, [root] if kind == "root" else range(self.size))
+            self._nccl_reduce_scatter(wins, wouts, plan, streams)
+        self._divide(plan, outs, streams, self._receivers(kind, root))
 
-    def _divide(self, plan: ReductionPlan, outs, streams, members) -> None:
+    def _receivers(self, kind: str, root: int) -> list[int]:
+        """The local positions whose outputs a reduction of `kind` writes."""
+        if kind != "root":
+            return list(range(len(self.local)))
+        return [self.local_index[root]] if root in self.local_index else []
+
+    def _nccl_reduce(self, wins, wouts, root: int, plan: ReductionPlan, streams) -> None:
+        # In one process the local index of the root is its NCCL rank, as torch.cuda.nccl.reduce requires.
+        self._nccl("reduce", wins, wouts[root], root=root, op=plan.nccl_op, streams=streams)
+
+    def _nccl_reduce_scatter(self, wins, wouts, plan: ReductionPlan, streams) -> None:
+        self._nccl("reduce_scatter", wins, wouts, op=plan.nccl_op, streams=streams)
+
+    def _all_gather_bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor], streams) -> None:
+        """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order."""
+        self._nccl("all_gather", ins, outs, streams=streams)
+
+    def _divide(self, plan: ReductionPlan, outs, streams, positions) -> None:
         if plan.divide:
-            for m in members:
-                with self._on(streams[m]):
-                    accumulate_(outs[m], (), ReduceOp.AVG, self.size)
+            for i in positions:
+                with self._on(streams[i]):
+                    accumulate_(outs[i], (), ReduceOp.AVG, self.size)
 
     def _gather_reduce(self, ins, outs, op: ReduceOp, streams, kind: str, root: int) -> None:
         """For dtypes/ops NCCL cannot reduce: all-gather the bytes, then each member reduces in rank order."""
         P, n = self.size, ins[0].numel()
         stages = []
-        for m in range(P):
-            with self._on(streams[m]):
-                stages.append(torch.empty(P * nbytes(ins[m]), dtype=torch.uint8, device=self.devices[m]))
-        self._nccl("all_gather", [as_bytes(t) for t in ins], stages, streams=streams)
-        for m in [root] if kind == "root" else range(P):
-            rows = stages[m].view(ins[0].dtype).view(P, n)  # rows[s] = member s's input
+        for i, device in enumerate(self.local_devices):
+            with self._on(streams[i]):
+                stages.append(torch.empty(P * nbytes(ins[i]), dtype=torch.uint8, device=device))
+        self._all_gather_bytes([as_bytes(t) for t in ins], stages, streams)
+        for i in self._receivers(kind, root):
+            rows = stages[i].view(ins[0].dtype).view(P, n)  # rows[s] = member s's input
             if kind == "scatter":
-                step = n // P
+                step, m = n // P, self.local[i]
                 rows = rows[:, m * step : (m + 1) * step]
-            with self._on(streams[m]):
-                outs[m].copy_(rows[0])
-                accumulate_(outs[m], list(rows[1:]), op, P)
+            with self._on(streams[i]):
+                outs[i].copy_(rows[0])
+                accumulate_(outs[i], list(rows[1:]), op, P)
 
     def all_reduce(
         self, member: int, seq: int, call: Call, tensors: list[torch.Tensor], op: ReduceOp
@@ -314,7 +351,7 @@ class NcclGroup(CopyOps):
             if payloads[0][1].numel() == 0:
                 return
             ins, bufs, staged = [], [], []
-            for (outs, t), stream, device in zip(payloads, streams, self.devices):
+            for (outs, t), stream, device in zip(payloads, streams, self.local_devices):
                 ins.append(as_bytes(self._contiguous(t, stream)))
                 whole = joined(outs)  # all_gather_into_tensor: gather straight into the output
                 staged.append(whole is None)
@@ -322,7 +359,7 @@ class NcclGroup(CopyOps):
                     with self._on(stream):
                         whole = torch.empty(self.size * nbytes(t), dtype=torch.uint8, device=device)
                 bufs.append(as_bytes(whole))
-            self._nccl("all_gather", ins, bufs, streams=streams)
+            self._all_gather_bytes(ins, bufs, streams)
             for (outs, t), buf, stream, copy_out in zip(payloads, bufs, streams, staged):
                 if copy_out:  # separate output tensors: copy the chunks out on the comm stream
                     chunks = buf.view(t.dtype).view(self.size, *t.shape)
@@ -339,5 +376,5 @@ class NcclGroup(CopyOps):
             device=self.devices[member],
             abort=self._abort,
             timeout=self._timeout,
-            arrival=self.rendezvous.post(member, seq, call, None),
+            arrival=self.rendezvous.post(self.local_index[member], seq, call, None),
         )

@@ -111,11 +111,13 @@ class CopyOps:
     def recv_message(
         self, member: int, src: int | None, tag: int, timeout: float | None = None
     ) -> tuple[int, torch.Tensor]:
-        """Take a message; the caller's current stream waits for its copy before it reads the buffer."""
+        """Take a message; the caller's current stream waits for its copy before it reads the buffer.
+        (A message from another process comes without an event: it was copied to this device already.)"""
         got, (message, done) = self.mailboxes.take(member, src, tag, timeout)
-        stream = self._cuda.current_stream(self.devices[member])
-        stream.wait_event(done)
-        self._cuda.record_stream(message, stream)
+        if done is not None:
+            stream = self._cuda.current_stream(self.devices[member])
+            stream.wait_event(done)
+            self._cuda.record_stream(message, stream)
         return got, message
 
     def has_message(self, member: int, src: int | None, tag: int) -> bool:

@@ -20,7 +20,13 @@ from typing import Any, NamedTuple
 import torch
 
 from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
-from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, NcclError, ThreadparError
+from threadpar.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    NcclError,
+    RankAborted,
+    ThreadparError,
+)
 
 
 class Call(NamedTuple):
@@ -164,12 +170,17 @@ class Rendezvous:
     def _wait(self, slot: Slot, member: int, seq: int, target: int, waiter, timeout: float) -> None:
         # Block on our own lock until the last arrival releases it; re-check the stop signal and the
         # deadline every poll interval (a stop also releases every waiter at once).
+        # Once every member has arrived, the last one is running the leader, whose own waits are bounded
+        # (e.g. asking other processes, with a message naming them): wait for it rather than time out first.
         deadline = time.monotonic() + timeout
         while slot.phase < target:
             self._abort.raise_if_set()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise CollectiveTimeoutError(self._describe_timeout(slot, member, seq, target, timeout))
+                if min(slot.reached) >= target:
+                    remaining = POLL_INTERVAL_S
+                else:
+                    raise CollectiveTimeoutError(self._describe_timeout(slot, member, seq, target, timeout))
             waiter.acquire(True, remaining if remaining < POLL_INTERVAL_S else POLL_INTERVAL_S)
 
     def _wake_all(self) -> None:
@@ -197,8 +208,13 @@ class Rendezvous:
         if isinstance(slot.error, str):
             raise CollectiveMismatchError(slot.error)
         call = slot.calls[0]
-        # An NCCL failure stays an NcclError for every member; anything else is reported as the group's failure.
-        kind = NcclError if isinstance(slot.error, NcclError) else ThreadparError
+        # An NCCL failure, a timeout or a stop keeps its kind for every member; anything else is the group's failure.
+        if isinstance(slot.error, RankAborted):
+            kind = RankAborted  # (a subclass may not take a message)
+        elif isinstance(slot.error, (NcclError, CollectiveTimeoutError)):
+            kind = type(slot.error)
+        else:
+            kind = ThreadparError
         raise kind(
             f"{call} #{seq} on group '{self.name}' failed: {type(slot.error).__name__}: {slot.error}"
         ) from slot.error

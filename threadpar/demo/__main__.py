@@ -63,8 +63,8 @@ def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -
             f"{env.local_count * cfg.gpus} GPUs, but this process sees {n_cuda}; pass a smaller --gpus or "
             "start fewer processes per node"
         ) from None
-    # NCCL does not span processes yet: groups across processes go through host memory and gloo.
-    return "threads", None, f"{ranks} on GPUs ('threads' backend: NCCL does not span processes yet)"
+    # One GPU per rank: NCCL, also for the groups that span processes (threadpar.comm.nccl_spanning).
+    return "nccl", None, f"{ranks} on {cfg.world_size} GPUs (NCCL, also between processes)"
 
 
 def prepare(cfg: DemoConfig) -> RunState:

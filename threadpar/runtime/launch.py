@@ -32,6 +32,7 @@ from threadpar.runtime.world import World
 from threadpar.topology import Layout
 
 DEFAULT_TIMEOUT_S = 300.0
+CHECK_COLLECTIVES_VAR = "THREADPAR_CHECK_COLLECTIVES"
 # After a failure, how long ranks get to notice the stop signal before one is injected, and then to exit.
 ABORT_GRACE_S = 0.75
 INJECT_GRACE_S = 0.5
@@ -322,36 +323,69 @@ def _multi_process_world(
     if devices is None and n_cuda > 0:
         devices = default_local_devices(n_cuda, threads, env.local_rank, env.local_count)
     placement = resolve_placement(threads, devices, 1, None, backend, n_cuda=n_cuda)
-    if placement.backend == "nccl":
-        raise ConfigError(
-            "groups that span processes are not supported on the nccl backend yet (threadpar.comm."
-            "nccl_bootstrap joins NCCL communicators across processes, but the nccl backend does not use it "
-            "yet); pass backend='threads' (cross-process steps go through host memory and gloo) or "
-            "devices='cpu'"
-        )
     world_size = env.count * threads
     layout = Layout.build(world_size, dp=dp, tp=tp, pp=pp, cp=cp, order=order)
     on_cpu = placement.devices[0].type == "cpu"
     if env.rank == 0 and on_cpu:
         say_once(f"{env.count} processes x {threads} rank threads on CPU = {world_size} ranks")
-    store = bootstrap_store(env, not on_cpu, timeout)
+    return process_world(
+        env,
+        threads,
+        layout,
+        placement.backend,
+        placement.devices,
+        timeout,
+        seed,
+        _intraop(intraop_threads, threads * env.local_count, on_cpu),
+        check_collectives=check_collectives_requested(),
+    )
+
+
+def check_collectives_requested() -> bool:
+    """THREADPAR_CHECK_COLLECTIVES=1: check every NCCL collective between processes, not only a group's
+    first (see threadpar.comm.nccl_spanning); like TORCH_DISTRIBUTED_DEBUG, for finding a mismatch."""
+    value = os.environ.get(CHECK_COLLECTIVES_VAR, "0").strip().lower()
+    if value not in ("0", "1", "", "false", "true"):
+        raise ConfigError(f"{CHECK_COLLECTIVES_VAR}={value!r}: set it to 1 (check every call) or 0")
+    return value in ("1", "true")
+
+
+def process_world(
+    env: ProcessEnv,
+    threads: int,
+    layout: Layout,
+    backend: str,
+    devices: tuple[torch.device, ...],
+    timeout: float,
+    seed: int,
+    intraop_threads: int,
+    *,
+    check_collectives: bool = False,
+    cuda: Any = None,
+) -> World:
+    """Meet the other processes and build this process's World; `devices` are this process's (one per
+    thread). `cuda` is the CudaApi (None: torch.cuda; tests pass the double)."""
+    store = bootstrap_store(env, devices[0].type == "cuda", timeout)
     processes = Processes(env, threads, store, timeout)
     processes.handshake(
         {
             "threads_per_process": threads,
             "layout": layout.describe(),
-            "backend": placement.backend,
+            "backend": backend,
             "seed": seed,
+            CHECK_COLLECTIVES_VAR: check_collectives,
         }
     )
     world = World(
         layout=layout,
-        backend=placement.backend,
-        devices=tuple(placement.devices[r % threads] for r in range(world_size)),
+        backend=backend,
+        devices=tuple(devices[r % threads] for r in range(layout.world_size)),
         timeout=timeout,
         seed=seed,
-        intraop_threads=_intraop(intraop_threads, threads * env.local_count, on_cpu),
+        intraop_threads=intraop_threads,
+        cuda=cuda,
         processes=processes,
+        check_collectives=check_collectives,
     )
     processes.attach(world.abort, lambda rank: world.devices[rank])
     return world

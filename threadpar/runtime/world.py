@@ -29,6 +29,7 @@ class World:
         intraop_threads: int,
         cuda: Any = None,
         processes: Any = None,
+        check_collectives: bool = False,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -47,6 +48,8 @@ class World:
         self.processes = processes  # threadpar.runtime.processes.Processes, or None in a one-process launch
         self.process_rank = 0 if processes is None else processes.rank
         self.threads_per_process = layout.world_size if processes is None else processes.threads_per_process
+        # Check every NCCL collective between processes, not only each group's first (THREADPAR_CHECK_COLLECTIVES).
+        self.check_collectives = check_collectives
         self.abort = AbortSignal()
         self.groups = GroupRegistry(self.world_size, self._make_backend)
 
@@ -92,8 +95,11 @@ class World:
         )
 
     def _spanning_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
-        # On the nccl backend this is where NCCL groups across processes will come from (their
-        # communicators joined through threadpar.comm.nccl_bootstrap); launch refuses that case for now.
+        """A group with members in this process and in others."""
+        if self.backend == "nccl":
+            from threadpar.comm.nccl_spanning import NcclSpanningGroup
+
+            return NcclSpanningGroup(name, ranks, self)
         from threadpar.comm.hierarchical import HierarchicalGroup
 
         return HierarchicalGroup(name, ranks, self.processes, self.abort, self.timeout)

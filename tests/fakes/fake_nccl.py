@@ -1,0 +1,310 @@
+"""Test double for torch.cuda.nccl: `FakeNccl` (one per simulated process) over a shared `FakeFabric`.
+
+What it checks, in two layers, so that no code path passes against the double while failing on real torch:
+- torch.cuda.nccl's own argument checks (torch/csrc/cuda/nccl.cpp), which use the LOCAL list length:
+  `reduce` needs 0 <= root < len(inputs) and gives the output to local index `root` only, while NCCL takes
+  `root` as the rank that receives; `all_gather` needs output numel == len(inputs) x input numel;
+  `reduce_scatter` computes count = input numel / len(inputs) and needs output numel == count. These raise
+  RuntimeError at the call, as torch's TORCH_CHECKs do.
+- NCCL's: one communicator per input, all of one clique, in increasing rank order (threadpar passes
+  members in group order), and every communicator of the clique this process holds in the call (NCCL
+  hangs otherwise); NCCL's dtypes; and, once every rank of the clique has issued its part, that the
+  buffers are big enough for the CLIQUE's size (torch sized them for the local list: a cross-process
+  all_gather or reduce_scatter through them would overrun) and that a reduce's root rank has an output.
+
+Cliques span simulated processes (threadpar.testing runs several in one interpreter): `init_rank` blocks
+until the whole clique has joined, like ncclCommInitRank, and a collective is computed once every rank of
+the clique has issued it. The thread that issues a part blocks until then (a real launch returns at once
+and the device waits); it lets go of its process's launch lock while it waits, so that other groups'
+launches in that process go on, as they would on a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+NCCL_DTYPES = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
+}  # fmt: skip
+INIT_TIMEOUT_S = 5.0
+# How long an issued part waits for the rest of its clique (a real device would wait for ever).
+OP_TIMEOUT_S = 10.0
+SUM = 0
+
+
+class FakeComm(NamedTuple):
+    uid: bytes
+    rank: int
+    size: int
+    thread: str
+    process: int  # which FakeNccl (simulated process) created it
+
+
+class Part(NamedTuple):
+    """One rank's share of a collective: its input, and where NCCL writes its result (None: nowhere)."""
+
+    input: torch.Tensor
+    output: torch.Tensor | None
+
+
+@dataclass
+class CliqueOp:
+    """The k-th collective of one clique: the parts issued so far, by NCCL rank."""
+
+    name: str
+    args: tuple  # what every rank must agree on: (count, dtype, op, root)
+    size: int
+    parts: dict[int, Part] = field(default_factory=dict)
+    done: bool = False
+    error: str | None = None
+
+
+class FakeFabric:
+    """What the NCCLs of all simulated processes share: unique ids, cliques joining, collectives in flight."""
+
+    def __init__(self, op_timeout: float = OP_TIMEOUT_S) -> None:
+        self.op_timeout = op_timeout
+        self.cond = threading.Condition()
+        self._ids = itertools.count()
+        self._processes = itertools.count()
+        self._joining: dict[bytes, set[int]] = {}
+        self.owner: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> process holding that communicator
+        self._issued: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> collectives issued so far
+        self._ops: dict[tuple[bytes, int], CliqueOp] = {}
+        self.id_makers: dict[bytes, str] = {}  # unique id -> the thread that made it
+
+    def new_process(self) -> int:
+        return next(self._processes)
+
+    def unique_id(self) -> bytes:
+        uid = f"uid-{next(self._ids)}".encode().ljust(128, b"\0")  # NCCL_UNIQUE_ID_BYTES
+        with self.cond:
+            self.id_makers[uid] = threading.current_thread().name
+        return uid
+
+    def join(self, num_ranks: int, uid: bytes, rank: int, process: int) -> None:
+        with self.cond:
+            joined = self._joining.setdefault(uid, set())
+            joined.add(rank)
+            self.owner[uid, rank] = process
+            self.cond.notify_all()
+            if not self.cond.wait_for(lambda: len(joined) == num_ranks, INIT_TIMEOUT_S):
+                raise RuntimeError(
+                    f"NCCL Error 6: init of rank {rank}: ranks {sorted(joined)} of {num_ranks} joined"
+                )
+
+    def ranks_held_by(self, uid: bytes, process: int) -> list[int]:
+        with self.cond:
+            return sorted(r for (u, r), p in self.owner.items() if u == uid and p == process)
+
+    def issue(self, name: str, args: tuple, comms: list[FakeComm], parts: list[Part], release: Any) -> None:
+        """Add this process's parts of a collective; compute it once every rank has; wait until then.
+        `release` is a context manager that lets go of the caller's launch lock while it waits."""
+        uid, size = comms[0].uid, comms[0].size
+        with self.cond:
+            indices = {self._issued.get((uid, c.rank), 0) for c in comms}
+            assert len(indices) == 1, f"{name}: the communicators of one call are at different collectives"
+            index = indices.pop()
+            for c in comms:
+                self._issued[uid, c.rank] = index + 1
+            op = self._ops.setdefault((uid, index), CliqueOp(name, args, size))
+            if (op.name, op.args) != (name, args):
+                op.error = (
+                    f"NCCL collectives differ on clique {uid[:8]!r} at its collective #{index}: "
+                    f"{op.name}{op.args} and {name}{args} (NCCL would hang or corrupt data)"
+                )
+            for c, part in zip(comms, parts):
+                op.parts[c.rank] = part
+            if op.error is None and len(op.parts) == size:
+                op.error = _compute(op)
+            if len(op.parts) == size or op.error is not None:
+                op.done = True
+                del self._ops[uid, index]
+                self.cond.notify_all()
+        if not op.done:
+            # (the launch lock is let go of outside the fabric's lock: launches take them in the other order)
+            with release(), self.cond:
+                finished = self.cond.wait_for(lambda: op.done, self.op_timeout)
+            if not finished:
+                missing = sorted(set(range(size)) - set(op.parts))
+                raise RuntimeError(
+                    f"fake NCCL: {name} #{index} on clique {uid[:8]!r}: ranks {missing} never issued it "
+                    f"within {self.op_timeout:g} s (on a GPU the kernel would hang)"
+                )
+        if op.error is not None:
+            raise RuntimeError(op.error)
+
+
+def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
+    result = inputs[0].clone()
+    for t in inputs[1:]:
+        if op in (0, 4):
+            result.add_(t)
+        elif op == 1:
+            result.mul_(t)
+        else:
+            (torch.maximum if op == 2 else torch.minimum)(result, t, out=result)
+    if op == 4:
+        if not result.dtype.is_floating_point:
+            return result.div_(len(inputs), rounding_mode="trunc")
+        result.div_(len(inputs))
+    return result
+
+
+def _compute(op: CliqueOp) -> str | None:
+    """Run a collective whose parts have all been issued; returns what NCCL would get wrong, if anything."""
+    parts = [op.parts[r] for r in range(op.size)]  # by NCCL rank
+    inputs = [p.input for p in parts]
+    count, _dtype, reduce_op, root = op.args
+    if op.name == "all_reduce":
+        result = _reduce(inputs, reduce_op)
+        for p in parts:
+            p.output.copy_(result)
+    elif op.name == "reduce":
+        if parts[root].output is None:
+            return (
+                f"NCCL reduce: rank {root} is the root, but torch.cuda.nccl gave it no output buffer (it "
+                "passes the output only at local index root): NCCL would write through a null pointer"
+            )
+        parts[root].output.copy_(_reduce(inputs, reduce_op))
+    elif op.name == "broadcast":
+        source = inputs[root].clone()
+        for t in inputs:
+            t.copy_(source)
+    elif op.name == "all_gather":
+        short = [r for r, p in enumerate(parts) if p.output.numel() < op.size * count]
+        if short:
+            return (
+                f"NCCL all_gather over {op.size} ranks writes {op.size * count} elements, but ranks {short} "
+                "passed smaller outputs (torch.cuda.nccl sizes them by the local inputs): buffer overrun"
+            )
+        gathered = torch.cat([t.view(-1) for t in inputs])
+        for p in parts:
+            p.output.copy_(gathered)
+    elif op.name == "reduce_scatter":
+        short = [r for r, t in enumerate(inputs) if t.numel() < op.size * count]
+        if short:
+            return (
+                f"NCCL reduce_scatter over {op.size} ranks reads {op.size * count} elements, but ranks {short} "
+                "passed smaller inputs (torch.cuda.nccl counts by the local inputs): buffer overrun"
+            )
+        result = _reduce([t.view(-1)[: op.size * count] for t in inputs], reduce_op).view(op.size, -1)
+        for r, p in enumerate(parts):
+            p.output.copy_(result[r])
+    return None
+
+
+class FakeNccl:
+    """torch.cuda.nccl's functions, with its argument conventions and checks (for one simulated process)."""
+
+    SUM = SUM
+
+    def __init__(self, fake: Any, version: tuple[int, ...], fabric: FakeFabric | None = None) -> None:
+        self.fake = fake
+        self._version = version
+        self.fabric = FakeFabric() if fabric is None else fabric
+        self.process = self.fabric.new_process()
+        self.fail_next: dict[str, str] = {}  # function name -> message of the error its next call raises
+        self.init_calls: list[FakeComm] = []
+
+    def version(self) -> tuple[int, ...]:
+        return self._version
+
+    def unique_id(self) -> bytes:
+        return self.fabric.unique_id()
+
+    def init_rank(self, num_ranks: int, uid: bytes, rank: int) -> FakeComm:
+        self.fabric.join(num_ranks, uid, rank, self.process)
+        comm = FakeComm(uid, rank, num_ranks, threading.current_thread().name, self.process)
+        with self.fake.lock:
+            self.init_calls.append(comm)
+        return comm
+
+    # collectives (torch.cuda.nccl's signatures) -----------------------------------------------------------------
+    def all_reduce(self, inputs, outputs=None, op=SUM, streams=None, comms=None) -> None:
+        outputs = inputs if outputs is None else outputs
+        self._check("all_reduce", inputs, outputs, streams, comms, reduces=True)
+        parts = [Part(i, o) for i, o in zip(inputs, outputs)]
+        self._issue(
+            "all_reduce", (inputs[0].numel(), inputs[0].dtype, op, None), parts, streams, comms, op=op
+        )
+
+    def reduce(self, inputs, output=None, root=0, op=SUM, streams=None, comms=None) -> None:
+        if not 0 <= root < len(inputs):  # torch: "root" indexes the local inputs
+            raise RuntimeError(
+                f"torch.cuda.nccl.reduce: root {root} is not an index into {len(inputs)} inputs"
+            )
+        output = inputs[root] if output is None else output
+        self._check("reduce", inputs, None, streams, comms, reduces=True)
+        if output.numel() != inputs[0].numel() or not output.is_contiguous():
+            raise RuntimeError("torch.cuda.nccl.reduce: output must be contiguous, with the inputs' size")
+        # torch passes the output only at local index `root`, and `root` to NCCL as the receiving rank.
+        parts = [Part(t, output if i == root else None) for i, t in enumerate(inputs)]
+        self._issue(
+            "reduce", (inputs[0].numel(), inputs[0].dtype, op, root), parts, streams, comms, op=op, root=root
+        )
+
+    def broadcast(self, inputs, root=0, streams=None, comms=None) -> None:
+        self._check("broadcast", inputs, None, streams, comms)
+        parts = [Part(t, t) for t in inputs]
+        self._issue(
+            "broadcast", (inputs[0].numel(), inputs[0].dtype, None, root), parts, streams, comms, root=root
+        )
+
+    def all_gather(self, inputs, outputs, streams=None, comms=None) -> None:
+        self._check("all_gather", inputs, outputs, streams, comms, out_factor=len(inputs))
+        parts = [Part(i, o) for i, o in zip(inputs, outputs)]
+        self._issue("all_gather", (inputs[0].numel(), inputs[0].dtype, None, None), parts, streams, comms)
+
+    def reduce_scatter(self, inputs, outputs, op=SUM, streams=None, comms=None) -> None:
+        n = len(inputs)
+        self._check("reduce_scatter", inputs, outputs, streams, comms, reduces=True, out_factor=1 / n)
+        count = inputs[0].numel() // n  # torch: the count per rank comes from the LOCAL list length
+        parts = [Part(i, o) for i, o in zip(inputs, outputs)]
+        self._issue("reduce_scatter", (count, inputs[0].dtype, op, None), parts, streams, comms, op=op)
+
+    # what torch and NCCL check ----------------------------------------------------------------------------------
+    def _check(self, name, inputs, outputs, streams, comms, *, reduces=False, out_factor=1.0) -> None:
+        message = self.fail_next.pop(name, None)
+        if message is not None:
+            raise RuntimeError(f"NCCL Error 3: {message}")
+        n = len(inputs)
+        assert n > 0 and comms is not None and len(comms) == n, f"{name}: one communicator per input"
+        assert all(isinstance(c, FakeComm) for c in comms), f"{name}: not communicators: {comms}"
+        assert len({c.uid for c in comms}) == 1, f"{name}: communicators of different cliques"
+        ranks = [c.rank for c in comms]
+        assert ranks == sorted(set(ranks)), f"{name}: communicators not in increasing rank order: {ranks}"
+        held = self.fabric.ranks_held_by(comms[0].uid, self.process)
+        assert ranks == held, f"{name}: this process holds ranks {held} of the clique but passed {ranks}"
+        assert streams is not None and len(streams) == n, f"{name}: one stream per input"
+        assert len({id(s) for s in streams}) == n, f"{name}: two ranks on one stream"
+        dtype = inputs[0].dtype
+        old = self._version[:2] < (2, 10)
+        if dtype not in NCCL_DTYPES - ({torch.bfloat16} if old else set()) and not (
+            dtype == torch.bool and not reduces
+        ):
+            raise RuntimeError(f"Unconvertible NCCL type {dtype}")
+        for t in [*inputs, *(outputs or [])]:
+            assert t.dtype == dtype and t.is_contiguous(), (
+                f"{name}: inputs and outputs must be contiguous {dtype}"
+            )
+        if not all(t.numel() == inputs[0].numel() for t in inputs):
+            raise RuntimeError(f"torch.cuda.nccl.{name}: inputs differ in size")
+        if outputs is not None:
+            if len(outputs) != n:
+                raise RuntimeError(f"torch.cuda.nccl.{name}: one output per input")
+            want = inputs[0].numel() * out_factor
+            if not all(o.numel() == want for o in outputs):
+                raise RuntimeError(
+                    f"torch.cuda.nccl.{name}: output numel must be {want:g} ({len(inputs)} local inputs of "
+                    f"{inputs[0].numel()}), got {[o.numel() for o in outputs]}"
+                )
+
+    def _issue(self, name, args, parts, streams, comms, **extra) -> None:
+        self.fake.log_nccl(name, [p.input for p in parts], [p.output for p in parts], streams, comms, extra)
+        self.fabric.issue(name, args, list(comms), parts, self.fake.released_launch_lock)

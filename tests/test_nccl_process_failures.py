@@ -1,0 +1,119 @@
+"""The nccl backend across processes when processes disagree or one does not come: a clear error on every
+rank, naming the process and its ranks, never a hang. Also how launch picks the backend under torchrun."""
+
+import importlib
+import time
+
+import pytest
+import torch
+from fakes.fake_cuda_nccl import fake_gpu_processes, launch_fake_gpu_processes
+
+import threadpar
+from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, RankFailedError
+from threadpar.runtime.process_env import ProcessEnv
+
+launch_module = importlib.import_module(
+    "threadpar.runtime.launch"
+)  # (threadpar.runtime.launch is the function)
+
+
+def test_a_process_that_skips_a_groups_first_collective_is_named_without_a_hang():
+    def body():
+        if threadpar.get_process_rank() == 0:
+            threadpar.all_reduce(torch.ones(2))
+
+    start = time.monotonic()
+    outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, timeout=1.0)
+    assert time.monotonic() - start < 10
+    failed = outcomes[0]
+    assert isinstance(failed, RankFailedError) and isinstance(failed.error, CollectiveTimeoutError)
+    assert "process 1 (ranks [2, 3]) did not reach it" in str(failed.error)
+    assert "all_reduce(float32[2], op=SUM, creating=NCCL communicators) #1 on group 'WORLD'" in str(
+        failed.error
+    )
+    assert isinstance(outcomes[1], threadpar.ThreadparError)  # the other process fails too (no hang)
+
+
+def _mismatch(numel_in_process_1: int, first_op: bool, check: bool):
+    def body():
+        if not first_op:
+            threadpar.all_reduce(torch.ones(3))  # communicators made, the processes agreed once
+        numel = 4 if threadpar.get_process_rank() == 0 else numel_in_process_1
+        try:
+            threadpar.all_reduce(torch.zeros(numel))
+        except CollectiveMismatchError as error:
+            return str(error)
+        return "no error"
+
+    outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, check_collectives=check, timeout=5.0)
+    return [m for per_process in outcomes for m in per_process]
+
+
+def test_processes_that_disagree_on_the_first_collective_raise_a_mismatch_on_every_rank():
+    messages = _mismatch(5, first_op=True, check=False)
+    assert all("collective mismatch on group 'WORLD'" in m and "across processes" in m for m in messages)
+    assert "process 0: #1 all_reduce(float32[4], op=SUM, creating=NCCL communicators)" in messages[0]
+    assert (
+        "process 1: #1 all_reduce(float32[5], op=SUM, creating=NCCL communicators)   <-- differs"
+        in messages[0]
+    )
+
+
+def test_with_threadpar_check_collectives_every_collective_is_checked_between_processes():
+    messages = _mismatch(5, first_op=False, check=True)
+    assert all("process 1: #2 all_reduce(float32[5], op=SUM)" in m for m in messages)
+
+
+def test_with_threadpar_check_collectives_a_process_that_skips_a_later_collective_is_named():
+    def body():
+        threadpar.all_reduce(torch.ones(2))
+        if threadpar.get_process_rank() == 0:
+            threadpar.all_reduce(torch.ones(2))
+
+    outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, check_collectives=True, timeout=1.0)
+    assert isinstance(outcomes[0].error, CollectiveTimeoutError)
+    assert "#2 on group 'WORLD'" in str(outcomes[0].error) and "process 1 (ranks [2, 3])" in str(
+        outcomes[0].error
+    )
+
+
+def test_threadpar_check_collectives_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv("THREADPAR_CHECK_COLLECTIVES", raising=False)
+    assert launch_module.check_collectives_requested() is False
+    monkeypatch.setenv("THREADPAR_CHECK_COLLECTIVES", "1")
+    assert launch_module.check_collectives_requested() is True
+    monkeypatch.setenv("THREADPAR_CHECK_COLLECTIVES", "yes")
+    with pytest.raises(ConfigError, match="THREADPAR_CHECK_COLLECTIVES='yes': set it to 1"):
+        launch_module.check_collectives_requested()
+
+
+def _world_args(monkeypatch, n_cuda: int, local_rank: int, backend: str):
+    seen = {}
+    monkeypatch.setattr(launch_module, "cuda_device_count", lambda: n_cuda)
+    monkeypatch.setattr(launch_module, "process_world", lambda *args, **kwargs: seen.update(args=args))
+    env = ProcessEnv(local_rank, 2, local_rank, 2)
+    launch_module._multi_process_world(env, 2, None, None, 1, 1, 1, backend, 5.0, 0, None, None)
+    return seen["args"]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "auto"])
+def test_torchrun_with_a_gpu_per_thread_uses_nccl_across_processes(monkeypatch, backend):
+    _, _, layout, chosen, devices, *_ = _world_args(monkeypatch, 4, 1, backend)
+    assert chosen == "nccl" and layout.world_size == 4
+    assert devices == (torch.device("cuda", 2), torch.device("cuda", 3))  # process 1's block of GPUs
+    with pytest.raises(ConfigError, match="need 4 GPUs, but this process sees 3"):
+        _world_args(monkeypatch, 3, 0, backend)
+
+
+def test_a_failure_in_another_process_stops_ranks_waiting_for_it_at_the_first_collective():
+    def body():
+        if threadpar.get_rank() == 2:
+            raise ValueError("boom on purpose")
+        threadpar.all_reduce(torch.ones(2))  # process 0 waits for process 1 here (before NCCL's init)
+
+    start = time.monotonic()
+    outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, timeout=30.0)
+    assert time.monotonic() - start < 10  # the stop, not the 30 s timeout
+    for outcome in outcomes:
+        assert isinstance(outcome, RankFailedError) and outcome.rank == 2
+        assert "boom on purpose" in str(outcome)

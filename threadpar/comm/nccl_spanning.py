@@ -1,0 +1,203 @@
+"""The `nccl` backend for a group whose member threads live in several processes (torchrun).
+
+It is `NcclGroup` (nccl.py) over the members in THIS process: they meet at a local rendezvous, and the last
+to post launches ONE grouped torch.cuda.nccl call for them (their tensors, comm streams and communicators,
+in group order) under the process-wide launch lock, with ready/done events, exactly as in one process. The
+NCCL ranks are the members' indices in the whole group, so the processes' grouped calls are the parts of
+one NCCL collective. Communicators: on the group's first NCCL collective the local members meet once, the
+leader checks that every process came with the same call (process_check.py), then each member thread
+joins the group's clique with `join_nccl_group` (member 0 puts the unique id in the launch's store).
+They are not pooled across launches (every process would have to agree on reusing them).
+
+torch.cuda.nccl sizes and indexes by the LOCAL lists, so some collectives are built from others:
+- all_reduce, broadcast: as they are (broadcast's root is passed to NCCL as the rank). Optimal.
+- reduce: torch uses `root` both as the index of the output in the local lists and as NCCL's root rank,
+  which differ across processes. So: an all-reduce into the root's tensor and into scratch buffers on the
+  other members. Cost: 2x the bytes of a reduce on the wire (ring all-reduce = reduce-scatter +
+  all-gather), plus one scratch buffer per non-root member.
+- reduce_scatter: torch computes count = input numel / len(local inputs). So: an all-reduce of the whole
+  input into a scratch buffer, each member keeps its 1/size. Cost: 2x the bytes of a reduce-scatter, and a
+  [size x count] buffer per member.
+- all_gather (and the byte gather behind bool/int16/complex-product reductions): torch checks output =
+  len(local inputs) x input. So: one broadcast per member, rooted at it. The same bytes as a ring
+  all-gather ((size-1) x count per member), but `size` NCCL launches in a row: latency size x a broadcast's.
+- scatter, gather, all_to_all, barrier: through host memory and gloo, with the hierarchical backend's code
+  (hierarchical.py). Each member's current stream is synchronized first (the host waits for the device);
+  the op is done when it returns, so async_op=True does not overlap it. Cost: a device-to-host and a
+  host-to-device copy of the data plus gloo's TCP transfer, instead of NCCL: fine for scatter/gather,
+  slow for a hot all_to_all (MoE expert parallelism across processes: keep EP groups inside a process).
+- send/recv: to a member in this process, a device-to-device copy on the comm streams (as in one process);
+  to another process, the message router (router.py: a blocking device-to-host copy on the sender's
+  current stream, gloo, a host-to-device copy on arrival). Sends stay buffered; any-source receives work.
+
+Checks: the local members' calls are compared at every collective (the rendezvous), the processes' calls
+on a group's first NCCL collective and, with THREADPAR_CHECK_COLLECTIVES=1, on every NCCL collective (a
+store round trip per call: a debugging aid). Without it a process that skips a later collective is not
+named: the others' NCCL kernels wait, and `Work.wait(timeout)` / `synchronize()` time out. The
+host-staged ops are always checked (the hierarchical backend's control message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from threadpar.comm.hierarchical import HierarchicalGroup, group_key
+from threadpar.comm.nccl import NcclGroup, _tensors
+from threadpar.comm.nccl_bootstrap import join_nccl_group
+from threadpar.comm.nccl_plan import ReductionPlan
+from threadpar.comm.nccl_work import Described, NcclWork
+from threadpar.comm.process_check import ProcessCheck
+from threadpar.comm.rendezvous import Call, Slot
+from threadpar.errors import NcclError
+
+
+class _Inbox:
+    """Where the router drops this group's messages from other processes: the group's mailboxes, as
+    (tensor, None) (no event: the router's host-to-device copy has finished when it delivers)."""
+
+    def __init__(self, mailboxes: Any) -> None:
+        self._mailboxes = mailboxes
+
+    def put(self, src: int, dst: int, tag: int, message: torch.Tensor) -> None:
+        self._mailboxes.put(src, dst, tag, (message, None))
+
+
+class NcclSpanningGroup(NcclGroup):
+    def __init__(self, name: str, ranks: Sequence[int], world: Any) -> None:
+        processes = world.processes
+        local = [m for m, r in enumerate(ranks) if r in world.local_ranks]
+        super().__init__(name, ranks, world, local)
+        self._processes = processes
+        self.key = group_key(self.ranks)
+        self._host = HierarchicalGroup(
+            name, ranks, processes, world.abort, world.timeout, route_messages=False
+        )
+        self._check = ProcessCheck(
+            name,
+            self.ranks,
+            self._host.procs,
+            [[self.ranks[m] for m in members] for members in self._host.members_by_proc],
+            self._host.me,
+            processes,
+            f"{self.key:x}",
+            world.abort,
+            world.timeout,
+        )
+        self._check_every_call = world.check_collectives
+        processes.router.register(self.key, _Inbox(self.mailboxes), self.ranks)
+
+    # communicators and checks -----------------------------------------------------------------------------------
+    def _communicator(self, member: int, seq: int, call: Call) -> Any:
+        """This member's communicator; on first use the local members meet, their leader checks that every
+        process came with the same call, then each member joins the clique (blocking until all have)."""
+        comm = self._comms[member]
+        if comm is not None:
+            return comm
+        joining = call._replace(extra=(*call.extra, ("creating", "NCCL communicators")))
+
+        def meet(slot: Slot) -> bool:  # run by the last local member to arrive, while the others wait
+            slot.error = self._check.agree(seq, joining)
+            return False
+
+        self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=meet, final=True)
+        cuda = self._cuda
+        try:
+            with cuda.device_guard(self.devices[member]):
+                comm = join_nccl_group(
+                    self._processes.store_client(),
+                    f"{self.key:x}",
+                    member,
+                    self.size,
+                    self._timeout,
+                    nccl=cuda.nccl,
+                )
+        except RuntimeError as error:
+            raise NcclError(
+                f"creating the NCCL communicator of rank {self.ranks[member]} in group '{self.name}' "
+                f"(global ranks {list(self.ranks)}, across processes {list(self._host.procs)}) failed: {error}"
+            ) from error
+        self._comms[member] = comm
+        return comm
+
+    def _before_launch(self, seq: int, call: Call) -> str | None:
+        return self._check.agree(seq, call) if self._check_every_call else None
+
+    # reductions torch.cuda.nccl cannot do across processes (costs: see the module note) ----------------------
+    def _nccl_reduce(self, wins, wouts, root: int, plan: ReductionPlan, streams) -> None:
+        outs = []
+        for i, (m, win) in enumerate(zip(self.local, wins)):
+            if m == root:
+                outs.append(wouts[i])  # (the root's input is its output: reduced in place)
+            else:
+                with self._on(streams[i]):  # allocated for the comm stream that uses it
+                    outs.append(torch.empty_like(win))
+        self._nccl("all_reduce", wins, outs, op=plan.nccl_op, streams=streams)
+
+    def _nccl_reduce_scatter(self, wins, wouts, plan: ReductionPlan, streams) -> None:
+        wholes = []  # [size * count] each: the whole reduction, of which each member keeps its slice
+        for i, win in enumerate(wins):
+            with self._on(streams[i]):
+                wholes.append(torch.empty_like(win))
+        self._nccl("all_reduce", wins, wholes, op=plan.nccl_op, streams=streams)
+        count = wouts[0].numel()
+        for i, m in enumerate(self.local):
+            with self._on(streams[i]):
+                wouts[i].copy_(wholes[i][m * count : (m + 1) * count])
+
+    def _all_gather_bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor], streams) -> None:
+        n = ins[0].numel()  # bytes per member; outs[i] is [size * n]
+        for i, m in enumerate(self.local):
+            own = outs[i][m * n : (m + 1) * n]
+            if own.data_ptr() != ins[i].data_ptr():
+                with self._on(streams[i]):
+                    own.copy_(ins[i])
+        for s in range(self.size):  # chunk s comes from member s, wherever it lives
+            self._nccl("broadcast", [out[s * n : (s + 1) * n] for out in outs], root=s, streams=streams)
+
+    # through host memory ----------------------------------------------------------------------------------------
+    def _host_staged(
+        self, member: int, seq: int, call: Call, payload: Any, run: Callable[[], None], *, sync: bool = True
+    ) -> NcclWork:
+        """Run a hierarchical-backend op after the host has waited for this member's current stream (`sync`:
+        its tensors are final); it has finished when it returns, so its Work is complete."""
+        self._check_devices(member, call.op, _tensors(payload))
+        cuda, device = self._cuda, self.devices[member]
+        if sync:
+            cuda.current_stream(device).synchronize()
+        run()
+        return NcclWork(
+            Described(call, seq, self.name, self.ranks[member]),
+            cuda=cuda,
+            device=device,
+            abort=self._abort,
+            timeout=self._timeout,
+        )
+
+    def scatter(self, member, seq, call, tensor, chunks, src) -> NcclWork:
+        run = lambda: self._host.scatter(member, seq, call, tensor, chunks, src)  # noqa: E731
+        return self._host_staged(member, seq, call, (tensor, chunks or []), run)
+
+    def gather(self, member, seq, call, tensor, outputs, dst) -> NcclWork:
+        run = lambda: self._host.gather(member, seq, call, tensor, outputs, dst)  # noqa: E731
+        return self._host_staged(member, seq, call, (tensor, outputs or []), run)
+
+    def all_to_all(self, member, seq, call, outputs, inputs) -> NcclWork:
+        run = lambda: self._host.all_to_all(member, seq, call, outputs, inputs)  # noqa: E731
+        return self._host_staged(member, seq, call, (outputs, inputs), run)
+
+    def barrier(self, member: int, seq: int, call: Call) -> NcclWork:
+        """A host barrier of every member, in every process (it orders no device work, as in one process)."""
+        run = lambda: self._host.barrier(member, seq, call)  # noqa: E731
+        return self._host_staged(member, seq, call, (), run, sync=False)
+
+    # point to point ---------------------------------------------------------------------------------------------
+    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> NcclWork | None:
+        if dst in self.local_index:
+            return super().send(member, dst, tag, tensor)  # a device-to-device copy
+        self._check_devices(member, "send", [tensor])
+        process = self._host.procs[self._host.proc_index[dst]]
+        self._processes.router.send(process, self.key, member, dst, tag, tensor)
+        return None  # handed over: `tensor` may be reused at once

@@ -1,0 +1,94 @@
+"""Do the processes of a group agree on an NCCL call? Asked through the launch's store, not through NCCL.
+
+NCCL itself never checks: processes that call different collectives (or the same with other sizes) hang
+or corrupt data, and a process that never comes leaves the others' kernels waiting for ever. The
+hierarchical backend checks every call with a gloo round trip (call_check.py); for an NCCL collective that
+round trip would cost more than the collective, so the nccl backend asks only (nccl_spanning.py):
+- on a group's first NCCL collective, before anybody enters NCCL's initialisation (which has no timeout);
+- on every NCCL collective when THREADPAR_CHECK_COLLECTIVES=1 (a debugging aid, like TORCH_DISTRIBUTED_DEBUG).
+
+One thread per process (the local leader, after the local members agreed) writes "#seq call" under a key
+of its own and waits for every other process's key. A process that does not come within the timeout is
+named with its ranks; calls that differ are shown side by side, like the other mismatch messages.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from threadpar.comm.abort import AbortSignal
+from threadpar.errors import CollectiveTimeoutError
+
+# How often a waiting leader looks at the stop signal.
+POLL = datetime.timedelta(milliseconds=100)
+
+
+class ProcessCheck:
+    def __init__(
+        self,
+        name: str,
+        ranks: Sequence[int],
+        procs: Sequence[int],
+        ranks_by_proc: Sequence[Sequence[int]],
+        me: int,
+        processes: Any,
+        group_key: str,
+        abort: AbortSignal,
+        timeout: float,
+    ) -> None:
+        """`procs`: the group's processes (sorted), `ranks_by_proc`: the global ranks each holds, `me`:
+        this process's index in `procs`, `processes`: the launch's Processes (for a store client)."""
+        self.name, self.ranks = name, tuple(ranks)
+        self.procs, self.ranks_by_proc, self.me = tuple(procs), ranks_by_proc, me
+        self._processes = processes
+        self._prefix = f"check/{group_key}"
+        self._abort, self._timeout = abort, timeout
+        self._store: Any = None  # one client, used by one leader at a time (they hold the rendezvous lock)
+        self._count = 0  # checks made on this group (the same sequence in every process)
+
+    def agree(self, seq: int, call: object) -> str | None:
+        """None if every process of the group describes call #seq the same way, else a mismatch message.
+        Raises CollectiveTimeoutError naming the processes that did not come."""
+        if self._store is None:
+            self._store = self._processes.store_client()
+        store, n = self._store, self._count
+        self._count += 1
+        keys = [f"{self._prefix}/{n}/{p}" for p in self.procs]
+        store.set(keys[self.me], f"#{seq} {call}")
+        if n >= 2:  # every process has read check n-2: it wrote its key of check n-1 after that
+            store.delete_key(f"{self._prefix}/{n - 2}/{self.procs[self.me]}")
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                store.wait(keys, POLL)
+                break
+            except RuntimeError:  # DistStoreError: not all there yet
+                self._abort.raise_if_set()
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(self._describe_missing(store, keys, seq, call)) from None
+        texts = [store.get(k).decode(errors="replace") for k in keys]
+        if all(t == texts[self.me] for t in texts):
+            return None
+        lines = [
+            f"collective mismatch on group '{self.name}' (global ranks {list(self.ranks)}) across processes at "
+            f"its call #{seq}: members must call the same collectives, with the same dtypes and shapes, in the "
+            "same order"
+        ]
+        for p, text in zip(self.procs, texts):
+            mark = "" if text == texts[self.me] else f"   <-- differs from process {self.procs[self.me]}"
+            lines.append(f"  process {p}: {text}{mark}")
+        return "\n".join(lines)
+
+    def _describe_missing(self, store: Any, keys: list[str], seq: int, call: object) -> str:
+        missing = [i for i, key in enumerate(keys) if not store.check([key])]
+        who = ", ".join(f"process {self.procs[i]} (ranks {list(self.ranks_by_proc[i])})" for i in missing)
+        return (
+            f"{call} #{seq} on group '{self.name}' (global ranks {list(self.ranks)}) timed out after "
+            f"{self._timeout:g} s in process {self.procs[self.me]}: {who} did not reach it. A process that "
+            "skips the collective, calls another one first, or is stuck or dead causes this (NCCL calls are "
+            "checked between processes on a group's first call, or on every call with "
+            "THREADPAR_CHECK_COLLECTIVES=1)."
+        )
