@@ -32,13 +32,14 @@ from threadpar.pipeline.p2p import (
     add_note,
     check_tag_range,
     gradient_anchor,
-    message_tag,
     recv_activation,
     run_backward,
     send_activation,
+    settle_gradient,
 )
 from threadpar.pipeline.schedule import Action, Plan, build_plan
 from threadpar.pipeline.simulator import Simulation, simulate
+from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
 from threadpar.runtime.context import get_group
 
@@ -214,7 +215,7 @@ class PipelineParallel:
 
         with torch.no_grad():
             self._run(plan.actions[self.stage], simulation, run)
-        return torch.cat(outputs) if self.is_last_stage else None
+        return concat_microbatches(outputs) if self.is_last_stage else None
 
     # the action loop --------------------------------------------------------------------------------------------
     def _run(self, actions: Sequence[Action], simulation: Simulation, run: Callable[[int, Action], None]):
@@ -245,7 +246,7 @@ class PipelineParallel:
             x = input_mbs[microbatch]
         else:
             x = recv_activation(self._from_prev, self._anchor, chunk=chunk, microbatch=microbatch)
-        return self.chunks[action.local_chunk(self.pp)](x)
+        return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
 
     def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
         module = self.chunks[action.local_chunk(self.pp)]
@@ -258,11 +259,11 @@ class PipelineParallel:
                 if root is not None and root.requires_grad:
                     root.backward()
             elif root is not None:
-                run_backward(root)  # receives dL/d(output) from the next stage, sends dL/d(input) back
-            else:
-                # This chunk's output needs no gradient (a frozen first chunk): take the gradient the
-                # next stage sends anyway, so no message is left behind.
-                self._to_next.recv(message_tag(action.microbatch, action.chunk, backward=True))
+                # The token of this chunk's send: its backward receives dL/d(output) from the next stage
+                # (and drops it, for a frozen chunk whose output needs none).
+                run_backward(root)
+        if action.chunk > 0:  # sends dL/d(input) back, or "none" if this backward never reached the input
+            settle_gradient(self._from_prev, chunk=action.chunk, microbatch=action.microbatch)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self.loss_fn(output, target)
@@ -283,20 +284,7 @@ class PipelineParallel:
         return mean.to(torch.float32)
 
     def _split(self, what: str, batch: Any) -> list:
-        n = self.num_microbatches
-        stage = "first" if what == "inputs" else "last"
-        if not isinstance(batch, torch.Tensor):
-            raise TypeError(
-                f"PipelineParallel: the {stage} stage needs {what} as a tensor whose dim 0 is the batch, "
-                f"got {type(batch).__name__}"
-            )
-        if batch.dim() == 0 or batch.shape[0] % n:
-            size = batch.shape[0] if batch.dim() else "no"
-            raise ConfigError(
-                f"PipelineParallel: {what} has batch size {size} (dim 0), which must be a multiple of "
-                f"num_microbatches={n} so that every microbatch has the same size"
-            )
-        return list(batch.split(batch.shape[0] // n))
+        return split_microbatches(batch, self.num_microbatches, what)
 
     def __repr__(self) -> str:
         return (
