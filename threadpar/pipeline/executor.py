@@ -7,6 +7,14 @@ stage, stage + pp, ...) and calls `train_step` with the same arguments, SPMD sty
     pipe = PipelineParallel(chunks, loss_fn=F.cross_entropy, schedule="interleaved", num_microbatches=8)
     loss = pipe.train_step(inputs, targets)  # inputs used on the first stage, targets on the last
 
+What travels between chunks: a tensor, or tensors and None/bool/int/float/str constants nested in tuples,
+lists and dicts (str keys). The next chunk gets a tuple or list as positional arguments (as
+torch.distributed.pipelining does) and a dict as keyword arguments; nested containers arrive as they were
+sent. Only floating-point tensors that require grad carry a gradient back (integer masks, token ids and
+detached tensors do not), and a chunk may leave any of them unused. The first stage's inputs and the last
+stage's targets may be such structures too: every tensor in them is split along dim 0, and `loss_fn` gets
+the last chunk's output as it returned it.
+
 Each microbatch's saved activations are released as soon as its backward has run. A chunk that has a
 `no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its last of the step
 inside `no_sync()`, so its gradients are synchronized once per step, after the last microbatch.
@@ -161,9 +169,12 @@ class PipelineParallel:
         for chunk in self.chunks:
             yield from chunk.parameters()
 
-    def train_step(self, inputs: torch.Tensor | None = None, targets: Any = None) -> torch.Tensor:
+    def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         """One step: forward and backward of every microbatch in schedule order, gradients accumulated
-        (each microbatch loss scaled by 1/n). Returns the mean loss (0-dim float32) on every stage."""
+        (each microbatch loss scaled by 1/n). Returns the mean loss (0-dim float32) on every stage.
+
+        `inputs` (used on the first stage) and `targets` (on the last): a tensor, or a tuple/list/dict of
+        them, each split into num_microbatches along dim 0; constants in them go to every microbatch."""
         input_mbs = self._split("inputs", inputs) if self.is_first_stage else None
         target_mbs = self._split("targets", targets) if self.is_last_stage else None
         saved: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk, microbatch) -> backward root
@@ -196,9 +207,11 @@ class PipelineParallel:
             self.optimizer.zero_grad(set_to_none=True)
         return loss
 
-    def eval_step(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+    def eval_step(self, inputs: Any = None) -> Any:
         """Forward only, without autograd: the model's output for the whole batch on the last stage (the
-        microbatch outputs concatenated along dim 0), None on the other stages."""
+        microbatch outputs concatenated along dim 0), None on the other stages. For a structured output,
+        each tensor is concatenated (a 0-dim one, e.g. an aux loss, stacked into [n]) and each constant
+        becomes the list of its n values."""
         if self._forward_plan is None:
             plan = self.plan.forward_plan()
             self._forward_plan = (plan, simulate(plan))

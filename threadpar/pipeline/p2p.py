@@ -120,7 +120,7 @@ class Link:
             add_note(
                 error,
                 f"(the pipeline was waiting for the {what} {describe_tag(tag)} from rank {self.peer}: "
-                "did that rank fail, run another schedule, or leave its chunk's output unused?)",
+                "did that rank fail, or run another schedule?)",
             )
             raise
         if self.timeline is not None:

@@ -6,8 +6,9 @@ backend carries it as it carries one activation, with its shape and dtype (acros
 
     [0, 8)             MAGIC (int64)
     [8, 16)            header length L in bytes (int64)
-    [16, 16 + L)       the header, JSON: {"spec": structure spec, "leaves": [[dtype, shape, offset, grad]]}
-    offset of leaf i   its bytes, at offsets aligned to ALIGN so that a view as any dtype is legal
+    [16, 16 + L)       the header, JSON: {"spec": structure spec, "leaves": [[dtype, shape, grad], ...]}
+    then the leaves    one after the other, each at an offset aligned to ALIGN (so that a view as any
+                       dtype is legal): `byte_layout` of their (dtype, shape) from 16 + L, on both sides
 
 The receiver tells a packed message from a plain activation by its dtype and shape alone (no device read):
 a plain tensor that would look like one is sent packed too, so the two can never be confused. The `grad`
@@ -91,44 +92,44 @@ def _read(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence
 def pack(spec: list, leaves: Sequence[torch.Tensor], grad_flags: Sequence[bool], device: torch.device):
     """The packed message for a structure: spec from `structure.flatten`, its tensor leaves, and which
     of them carry a gradient back."""
-    metas = [(t.dtype, tuple(t.shape)) for t in leaves]
-    # The header holds the leaf offsets, which depend on the header's length: lay out from an upper bound.
-    draft = {"spec": spec, "leaves": [[str(d), list(s), 0, bool(g)] for (d, s), g in zip(metas, grad_flags)]}
-    bound = len(json.dumps(draft, separators=(",", ":")).encode()) + 24 * len(leaves)
-    offsets, total = byte_layout(metas, start=_FIXED + bound)
-    header = {
-        "spec": spec,
-        "leaves": [[str(d), list(s), o, bool(g)] for (d, s), o, g in zip(metas, offsets, grad_flags)],
-    }
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= bound  # each offset adds at most 20 digits to the draft's 0
-    prefix = bytearray(struct.pack("<qq", MAGIC, len(text)) + text)
+    described = [[str(t.dtype), list(t.shape), bool(g)] for t, g in zip(leaves, grad_flags)]
+    text = json.dumps({"spec": spec, "leaves": described}, separators=(",", ":")).encode()
+    prefix = _prefix(text)
+    _, metas, total = _parse_header(text)
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    buffer[: len(prefix)].copy_(torch.frombuffer(prefix, dtype=torch.uint8))
-    for leaf, offset in zip(leaves, offsets):
+    buffer[: prefix.numel()].copy_(prefix)
+    for leaf, (*_, offset, _) in zip(leaves, metas):
         _write(buffer, offset, leaf.detach())
     return buffer.view(*PACKED_PREFIX, total)
 
 
 def unpack(message: torch.Tensor) -> tuple[list, list[torch.Tensor], list[bool]]:
-    """(spec, leaves, grad flags) of a packed message; the leaves are views of the message's bytes."""
+    """(spec, leaves, grad flags) of a packed message; the leaves share the message's memory."""
     flat = message.view(-1)
-    fixed = flat[:_FIXED].cpu().numpy().tobytes()  # on CUDA: the only device reads of a hop
-    magic, length = struct.unpack("<qq", fixed)
+    magic, length = flat[:_FIXED].view(torch.int64).tolist()  # on CUDA: a device read (and the next)
     if magic != MAGIC:
         raise ValueError(f"packed pipeline message: bad magic {magic:#x} (not a threadpar message)")
-    spec, metas = _parse_header(flat[_FIXED : _FIXED + length].cpu().numpy().tobytes())
+    spec, metas, _ = _parse_header(flat[_FIXED : _FIXED + length].cpu().numpy().tobytes())
     leaves = [_read(flat, offset, dtype, shape) for dtype, shape, offset, _ in metas]
     return spec, leaves, [grad for *_, grad in metas]
 
 
+# Headers repeat (the same structure every microbatch): each distinct one is parsed and laid out once.
+# The results are only read, so the stages (threads) may share them.
 @functools.lru_cache(maxsize=256)
-def _parse_header(text: bytes) -> tuple[list, tuple]:
-    """Headers repeat (same structure every microbatch): parse each distinct one once. Callers only read
-    the result, so sharing it between threads is safe."""
+def _parse_header(text: bytes) -> tuple[list, tuple, int]:
+    """(spec, ((dtype, shape, offset, grad) per leaf), message size in bytes)."""
     header = json.loads(text)
-    metas = tuple((_dtype_named(d), tuple(s), o, g) for d, s, o, g in header["leaves"])
-    return header["spec"], metas
+    described = [(_dtype_named(d), tuple(s), g) for d, s, g in header["leaves"]]
+    offsets, total = byte_layout([(d, s) for d, s, _ in described], start=_FIXED + len(text))
+    metas = tuple((d, s, o, g) for (d, s, g), o in zip(described, offsets))
+    return header["spec"], metas, total
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix(text: bytes) -> torch.Tensor:
+    """MAGIC, the length and the header, as the first bytes of a message (a CPU tensor)."""
+    return torch.frombuffer(bytearray(struct.pack("<qq", MAGIC, len(text)) + text), dtype=torch.uint8)
 
 
 def pack_gradients(
