@@ -143,13 +143,13 @@ class _SendActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, activation: torch.Tensor, link: Link, forward_tag: int, backward_tag: int):
         link.send(activation, forward_tag)
-        ctx.link, ctx.backward_tag, ctx.numel = link, backward_tag, activation.numel()
+        ctx.link, ctx.backward_tag = link, backward_tag
         return activation.new_empty(0)
 
     @staticmethod
     def backward(ctx, _token_grad: torch.Tensor):
         grad = ctx.link.recv(ctx.backward_tag)
-        return (grad if grad.numel() or not ctx.numel else None), None, None, None
+        return (grad if grad.numel() else None), None, None, None  # empty: no gradient reached it
 
 
 class _DropGradient(torch.autograd.Function):
