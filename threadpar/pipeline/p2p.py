@@ -194,7 +194,6 @@ class _RecvActivation(torch.autograd.Function):
     def forward(ctx, anchor: torch.Tensor, link: Link, forward_tag: int, backward_tag: int, unpacked: list):
         message = link.recv(forward_tag)
         ctx.link, ctx.backward_tag, ctx.metas = link, backward_tag, None
-        ctx.set_materialize_grads(False)
         if not is_packed(message):
             unpacked.append(None)
             if _is_differentiable(message):
@@ -209,6 +208,7 @@ class _RecvActivation(torch.autograd.Function):
             ctx.mark_non_differentiable(message)
             return message
         ctx.metas = [(t.dtype, tuple(t.shape)) for t in flagged]
+        ctx.set_materialize_grads(False)  # a leaf the chunk left unused: None, sent as zeros or not at all
         link.owe(backward_tag)
         return tuple(flagged)
 
@@ -216,7 +216,7 @@ class _RecvActivation(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         link = ctx.link
         if ctx.metas is None:
-            message = grads[0] if grads[0] is not None else _no_gradient(link.device)
+            message = grads[0]  # a plain activation's gradient (materialized: never None)
         else:
             message = pack_gradients(grads, ctx.metas, link.device)
         link.send(message, ctx.backward_tag)
