@@ -102,7 +102,6 @@ class Link:
         self.owed: set[int] = set()
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
-        self.owed.discard(tag)
         t0 = time.perf_counter()
         self.channel.send(tensor.detach(), self.peer, tag)
         if self.timeline is not None:
@@ -110,6 +109,11 @@ class Link:
 
     def owe(self, tag: int) -> None:
         self.owed.add(tag)
+
+    def pay(self, gradient: torch.Tensor, tag: int) -> None:
+        """Send a gradient this rank owes the peer."""
+        self.owed.discard(tag)
+        self.send(gradient, tag)
 
     def recv(self, tag: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -194,8 +198,7 @@ class _RecvActivation(torch.autograd.Function):
     def forward(ctx, anchor: torch.Tensor, link: Link, forward_tag: int, backward_tag: int, unpacked: list):
         message = link.recv(forward_tag)
         ctx.link, ctx.backward_tag, ctx.metas = link, backward_tag, None
-        if not is_packed(message):
-            unpacked.append(None)
+        if not is_packed(message):  # `unpacked` stays empty: the caller takes the output as it is
             if _is_differentiable(message):
                 link.owe(backward_tag)
             else:
@@ -219,7 +222,7 @@ class _RecvActivation(torch.autograd.Function):
             message = grads[0]  # a plain activation's gradient (materialized: never None)
         else:
             message = pack_gradients(grads, ctx.metas, link.device)
-        link.send(message, ctx.backward_tag)
+        link.pay(message, ctx.backward_tag)
         return None, None, None, None, None
 
 
@@ -265,7 +268,7 @@ def recv_activation(link: Link, anchor: torch.Tensor | None, *, chunk: int, micr
     outputs = _RecvActivation.apply(
         anchor, link, forward_tag, message_tag(microbatch, chunk - 1, True), unpacked
     )
-    if unpacked[0] is None:
+    if not unpacked:
         return outputs
     spec, leaves, flags = unpacked[0]
     if any(flags):  # put the outputs, which are part of the graph, in the place of their leaves
@@ -277,9 +280,11 @@ def recv_activation(link: Link, anchor: torch.Tensor | None, *, chunk: int, micr
 def settle_gradient(link: Link, *, chunk: int, microbatch: int) -> None:
     """After chunk `chunk`'s backward of `microbatch`: if it never reached the received activation (the
     chunk did not use its gradient-carrying part), tell the previous rank that no gradient comes."""
+    if not link.owed:  # the usual case once a backward has sent its gradient: nothing to compute
+        return
     tag = message_tag(microbatch, chunk - 1, backward=True)
     if tag in link.owed:
-        link.send(_no_gradient(link.device), tag)
+        link.pay(_no_gradient(link.device), tag)
 
 
 def run_backward(token: torch.Tensor) -> None:
