@@ -7,8 +7,14 @@ import torch
 
 import threadpar
 from threadpar.errors import CollectiveTimeoutError
-from threadpar.pipeline import Link, describe_tag, message_tag, recv_activation, send_activation
-from threadpar.pipeline.p2p import MAX_CHUNKS, MAX_MICROBATCHES, gradient_anchor, run_backward
+from threadpar.pipeline import Link, Timeline, describe_tag, message_tag, recv_activation, send_activation
+from threadpar.pipeline.p2p import (
+    MAX_CHUNKS,
+    MAX_MICROBATCHES,
+    gradient_anchor,
+    run_backward,
+    settle_gradient,
+)
 from threadpar.testing import run_ranks
 
 
@@ -94,3 +100,108 @@ def test_a_missing_activation_times_out_naming_it():
     with pytest.raises(CollectiveTimeoutError) as caught:
         run_ranks(body, 2, timeout=0.3)
     assert "waiting for the activation 2F5 from rank 0" in "\n".join(caught.value.__notes__)
+
+
+def recording_link(peer: int) -> Link:
+    return Link(threadpar.get_group(), peer, torch.device("cpu"), Timeline(threadpar.get_rank(), 0))
+
+
+def test_a_structure_goes_forward_in_one_message_and_only_its_differentiable_leaves_get_gradients():
+    """{"h": fp32 requiring grad, "ids": int64, "r": bf16 requiring grad, "d": detached fp32, "unused": fp32
+    requiring grad that the receiver ignores, "k": 3, "n": None} in one message; gradients for h, r and
+    unused (zeros) in one message back."""
+    g = torch.Generator().manual_seed(0)
+    x, w0, c = (torch.randn(3, 4, generator=g) for _ in range(3))
+    ids = torch.tensor([[1, 2], [3, 4]])
+
+    def structure(w):
+        y = x * w
+        return {
+            "h": y,
+            "ids": ids,
+            "pair": (y.to(torch.bfloat16), y.detach() + 1),
+            "unused": [y * 2],
+            "k": 3,
+            "n": None,
+        }
+
+    def loss(s):
+        return (s["h"] * c).sum() + (s["pair"][0].float() * c * 3).sum() + s["ids"].sum() * 0
+
+    def body():
+        if threadpar.get_rank() == 0:
+            w = w0.clone().requires_grad_()
+            link = recording_link(1)
+            token = send_activation(structure(w), link, chunk=0, microbatch=0)
+            run_backward(token)
+            return w.grad, [e.name for e in link.timeline.events]
+        link = recording_link(0)
+        got = recv_activation(link, gradient_anchor(torch.device("cpu")), chunk=1, microbatch=0)
+        assert set(got) == {"h", "ids", "pair", "unused", "k", "n"} and got["k"] == 3 and got["n"] is None
+        assert isinstance(got["pair"], tuple) and isinstance(got["unused"], list)
+        dtypes = [got["h"].dtype, got["ids"].dtype, got["pair"][0].dtype, got["pair"][1].dtype]
+        assert dtypes == [torch.float32, torch.int64, torch.bfloat16, torch.float32]
+        leaves = [got["h"], got["ids"], got["pair"][0], got["pair"][1], got["unused"][0]]
+        assert [t.requires_grad for t in leaves] == [True, False, True, False, True]
+        torch.testing.assert_close(got["ids"], ids)
+        torch.testing.assert_close(got["pair"][1], x * w0 + 1)
+        got["h"].mul_(1.0)  # received leaves may be modified in place, like a plain activation
+        loss(got).backward()
+        settle_gradient(link, chunk=1, microbatch=0)  # already sent by the backward: sends nothing more
+        return None, [e.name for e in link.timeline.events]
+
+    (grad, sender_events), (_, receiver_events) = run_ranks(body, 2)
+    assert sender_events == ["send 0F0", "recv 0B0"] and receiver_events == ["recv 0F0", "send 0B0"]
+    w = w0.clone().requires_grad_()
+    loss(structure(w)).backward()
+    torch.testing.assert_close(grad, w.grad)
+
+
+def test_a_receiver_that_uses_no_differentiable_leaf_settles_and_the_sender_gets_no_gradient():
+    def body():
+        w = torch.ones(2, requires_grad=True)
+        if threadpar.get_rank() == 0:
+            token = send_activation((w * 2, torch.arange(2)), link_to(1), chunk=0, microbatch=0)
+            run_backward(token)  # would time out if rank 1 did not settle
+            return w.grad
+        link = link_to(0)
+        hidden, ids = recv_activation(link, gradient_anchor(torch.device("cpu")), chunk=1, microbatch=0)
+        assert hidden.requires_grad and not ids.requires_grad
+        (ids.float() * w).sum().backward()  # the received hidden is not used
+        settle_gradient(link, chunk=1, microbatch=0)
+        return w.grad
+
+    sender_grad, receiver_grad = run_ranks(body, 2, timeout=5)
+    assert sender_grad is None
+    torch.testing.assert_close(receiver_grad, torch.tensor([0.0, 1.0]))
+
+
+def test_a_structure_without_differentiable_leaves_needs_no_gradient_message():
+    def body():
+        w = torch.ones(2, requires_grad=True)
+        if threadpar.get_rank() == 0:
+            with torch.no_grad():
+                detached = w * 2
+            token = send_activation([detached, torch.arange(2)], link_to(1), chunk=0, microbatch=0)
+            return token
+        link = link_to(0)
+        got = recv_activation(link, gradient_anchor(torch.device("cpu")), chunk=1, microbatch=0)
+        assert isinstance(got, list) and not any(t.requires_grad for t in got)
+        assert not link.owed  # nothing to settle
+        return None
+
+    assert run_ranks(body, 2, timeout=5) == [None, None]
+
+
+def test_a_plain_tensor_that_looks_like_a_packed_message_still_arrives_as_itself():
+    lookalike = torch.arange(5, dtype=torch.uint8).view(1, 1, 1, 1, 1, 1, 1, 5)
+
+    def body():
+        if threadpar.get_rank() == 0:
+            send_activation(lookalike, link_to(1), chunk=0, microbatch=0)
+            return None
+        return recv_activation(link_to(0), None, chunk=1, microbatch=0)
+
+    got = run_ranks(body, 2)[1]
+    assert isinstance(got, torch.Tensor) and got.shape == lookalike.shape
+    assert torch.equal(got, lookalike)

@@ -31,6 +31,7 @@ def test_every_collective_and_message_matches_direct_results(processes, threads)
 
 
 def test_pipeline_stages_in_different_processes_match_the_whole_model():
+    # single tensors, then tuples and dicts packed into one routed message per hop
     counts = run_processes(checks.check_pipeline, 2, 2, pp=2)
     assert all(c > 0 for per_process in counts for c in per_process)
 

@@ -273,6 +273,30 @@ def check_pipeline(steps: int = 2) -> int:
                 checks += 1
     threads = threadpar.runtime.current().world.threads_per_process
     assert len({r // threads for r in threadpar.get_group("PP").ranks}) == 2  # the stages span processes
+    return checks + check_pipeline_structures()
+
+
+def check_pipeline_structures() -> int:
+    """The same layout with chunks that pass tuples (an int64 mask, a bf16 leaf, a leaf that gets no
+    gradient) and dicts (a 0-dim aux loss, constants): packed messages through the router. Loss and every
+    gradient this stage holds equal the whole model in this thread."""
+    from pipeline_models import MODELS, my_chunks, my_gradients, reference
+
+    from threadpar.pipeline import PipelineParallel
+
+    checks, dp = 0, threadpar.get_coords().dp
+    for kind, schedule, v in (("tuple", "1f1b", 1), ("dict", "interleaved", 2)):
+        make_layers, make_batch, loss_fn = MODELS[kind]
+        inputs, targets = make_batch(8, seed=10 + dp)
+        layers = make_layers(5)
+        chunks = my_chunks(layers, v)
+        pipe = PipelineParallel(chunks, loss_fn=loss_fn, schedule=schedule, num_microbatches=4)
+        loss = pipe.train_step(inputs, targets)
+        ref_loss, ref_grads = reference(kind, 5, inputs, targets)
+        torch.testing.assert_close(loss, ref_loss)
+        for name, grad in my_gradients(layers, chunks).items():
+            torch.testing.assert_close(grad, ref_grads[name], msg=lambda m, n=f"{kind} {name}": f"{n}: {m}")
+            checks += 1
     return checks
 
 

@@ -12,7 +12,14 @@ threadpar.launch(train, world_size=4, pp=4)
 """
 
 from threadpar.pipeline.executor import PipelineParallel
-from threadpar.pipeline.p2p import Link, describe_tag, message_tag, recv_activation, send_activation
+from threadpar.pipeline.p2p import (
+    Link,
+    describe_tag,
+    message_tag,
+    recv_activation,
+    send_activation,
+    settle_gradient,
+)
 from threadpar.pipeline.partition import StageInfo, chunk_layer_ranges, get_stage_info
 from threadpar.pipeline.schedule import (
     SCHEDULES,
@@ -60,6 +67,7 @@ __all__ = [
     "one_f_one_b",
     "recv_activation",
     "send_activation",
+    "settle_gradient",
     "simulate",
     "step_time",
     "write_chrome_trace",

@@ -7,6 +7,14 @@ stage, stage + pp, ...) and calls `train_step` with the same arguments, SPMD sty
     pipe = PipelineParallel(chunks, loss_fn=F.cross_entropy, schedule="interleaved", num_microbatches=8)
     loss = pipe.train_step(inputs, targets)  # inputs used on the first stage, targets on the last
 
+What travels between chunks: a tensor, or tensors and None/bool/int/float/str constants nested in tuples,
+lists and dicts (str keys). The next chunk gets a tuple or list as positional arguments (as
+torch.distributed.pipelining does) and a dict as keyword arguments; nested containers arrive as they were
+sent. Only floating-point tensors that require grad carry a gradient back (integer masks, token ids and
+detached tensors do not), and a chunk may leave any of them unused. The first stage's inputs and the last
+stage's targets may be such structures too: every tensor in them is split along dim 0, and `loss_fn` gets
+the last chunk's output as it returned it.
+
 Each microbatch's saved activations are released as soon as its backward has run. A chunk that has a
 `no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its last of the step
 inside `no_sync()`, so its gradients are synchronized once per step, after the last microbatch.
@@ -32,13 +40,14 @@ from threadpar.pipeline.p2p import (
     add_note,
     check_tag_range,
     gradient_anchor,
-    message_tag,
     recv_activation,
     run_backward,
     send_activation,
+    settle_gradient,
 )
 from threadpar.pipeline.schedule import Action, Plan, build_plan
 from threadpar.pipeline.simulator import Simulation, simulate
+from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
 from threadpar.runtime.context import get_group
 
@@ -160,9 +169,12 @@ class PipelineParallel:
         for chunk in self.chunks:
             yield from chunk.parameters()
 
-    def train_step(self, inputs: torch.Tensor | None = None, targets: Any = None) -> torch.Tensor:
+    def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         """One step: forward and backward of every microbatch in schedule order, gradients accumulated
-        (each microbatch loss scaled by 1/n). Returns the mean loss (0-dim float32) on every stage."""
+        (each microbatch loss scaled by 1/n). Returns the mean loss (0-dim float32) on every stage.
+
+        `inputs` (used on the first stage) and `targets` (on the last): a tensor, or a tuple/list/dict of
+        them, each split into num_microbatches along dim 0; constants in them go to every microbatch."""
         input_mbs = self._split("inputs", inputs) if self.is_first_stage else None
         target_mbs = self._split("targets", targets) if self.is_last_stage else None
         saved: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk, microbatch) -> backward root
@@ -195,9 +207,11 @@ class PipelineParallel:
             self.optimizer.zero_grad(set_to_none=True)
         return loss
 
-    def eval_step(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+    def eval_step(self, inputs: Any = None) -> Any:
         """Forward only, without autograd: the model's output for the whole batch on the last stage (the
-        microbatch outputs concatenated along dim 0), None on the other stages."""
+        microbatch outputs concatenated along dim 0), None on the other stages. For a structured output,
+        each tensor is concatenated (a 0-dim one, e.g. an aux loss, stacked into [n]) and each constant
+        becomes the list of its n values."""
         if self._forward_plan is None:
             plan = self.plan.forward_plan()
             self._forward_plan = (plan, simulate(plan))
@@ -214,7 +228,7 @@ class PipelineParallel:
 
         with torch.no_grad():
             self._run(plan.actions[self.stage], simulation, run)
-        return torch.cat(outputs) if self.is_last_stage else None
+        return concat_microbatches(outputs) if self.is_last_stage else None
 
     # the action loop --------------------------------------------------------------------------------------------
     def _run(self, actions: Sequence[Action], simulation: Simulation, run: Callable[[int, Action], None]):
@@ -245,7 +259,7 @@ class PipelineParallel:
             x = input_mbs[microbatch]
         else:
             x = recv_activation(self._from_prev, self._anchor, chunk=chunk, microbatch=microbatch)
-        return self.chunks[action.local_chunk(self.pp)](x)
+        return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
 
     def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
         module = self.chunks[action.local_chunk(self.pp)]
@@ -258,11 +272,11 @@ class PipelineParallel:
                 if root is not None and root.requires_grad:
                     root.backward()
             elif root is not None:
-                run_backward(root)  # receives dL/d(output) from the next stage, sends dL/d(input) back
-            else:
-                # This chunk's output needs no gradient (a frozen first chunk): take the gradient the
-                # next stage sends anyway, so no message is left behind.
-                self._to_next.recv(message_tag(action.microbatch, action.chunk, backward=True))
+                # The token of this chunk's send: its backward receives dL/d(output) from the next stage
+                # (and drops it, for a frozen chunk whose output needs none).
+                run_backward(root)
+        if action.chunk > 0:  # sends dL/d(input) back, or "none" if this backward never reached the input
+            settle_gradient(self._from_prev, chunk=action.chunk, microbatch=action.microbatch)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self.loss_fn(output, target)
@@ -283,20 +297,7 @@ class PipelineParallel:
         return mean.to(torch.float32)
 
     def _split(self, what: str, batch: Any) -> list:
-        n = self.num_microbatches
-        stage = "first" if what == "inputs" else "last"
-        if not isinstance(batch, torch.Tensor):
-            raise TypeError(
-                f"PipelineParallel: the {stage} stage needs {what} as a tensor whose dim 0 is the batch, "
-                f"got {type(batch).__name__}"
-            )
-        if batch.dim() == 0 or batch.shape[0] % n:
-            size = batch.shape[0] if batch.dim() else "no"
-            raise ConfigError(
-                f"PipelineParallel: {what} has batch size {size} (dim 0), which must be a multiple of "
-                f"num_microbatches={n} so that every microbatch has the same size"
-            )
-        return list(batch.split(batch.shape[0] // n))
+        return split_microbatches(batch, self.num_microbatches, what)
 
     def __repr__(self) -> str:
         return (

@@ -6,6 +6,12 @@ continues this chunk's backward with it. `recv_activation(link, ...)` returns th
 previous chunk's rank; backward through it sends the gradient back there. So each stage's backward runs on
 its own rank (thread), and shapes and dtypes travel with the messages: no receive shapes, any dtype.
 
+y is a tensor (sent as it is: one message), or tensors and small constants nested in tuples, lists and
+dicts (structure.py), sent as one packed message (packing.py) whose header says which leaves carry a
+gradient back: floating-point leaves that require grad, as the sender decides. Their gradients come back
+as one message too. A receiving stage whose backward never reached the activation (its chunk did not use
+it) still owes the sender an answer: `settle_gradient` sends an empty one, so no side waits forever.
+
 Every message carries a tag that encodes (microbatch, chunk, direction), so arrivals that come out of
 order are never mixed up. The `Link` that the Functions capture holds the group handle, the peer and the
 timeline: nothing is read from the rank's thread-local context (backward may run on another thread).
@@ -14,11 +20,13 @@ timeline: nothing is read from the rank's thread-local context (backward may run
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from threadpar.errors import CollectiveTimeoutError, ConfigError
+from threadpar.pipeline.packing import is_packed, pack, pack_gradients, unpack, unpack_gradients
+from threadpar.pipeline.structure import flatten, unflatten
 from threadpar.pipeline.timeline import Timeline
 
 # Tags live above 2**30 (clear of small user tags) and below 2**31 (what any backend's int tag can hold):
@@ -88,12 +96,24 @@ class Link:
         self.peer = peer  # global rank
         self.device = device  # where received tensors must live
         self.timeline = timeline
+        # Tags of the gradients this rank still owes the peer for activations it received with autograd.
+        # Touched by the rank thread and by its backward (which may run on an engine thread, but while the
+        # rank thread waits for it): set operations are atomic under the GIL.
+        self.owed: set[int] = set()
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         t0 = time.perf_counter()
         self.channel.send(tensor.detach(), self.peer, tag)
         if self.timeline is not None:
             self.timeline.record(f"send {describe_tag(tag)}", "send", t0, time.perf_counter())
+
+    def owe(self, tag: int) -> None:
+        self.owed.add(tag)
+
+    def pay(self, gradient: torch.Tensor, tag: int) -> None:
+        """Send a gradient this rank owes the peer."""
+        self.owed.discard(tag)
+        self.send(gradient, tag)
 
     def recv(self, tag: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -104,12 +124,21 @@ class Link:
             add_note(
                 error,
                 f"(the pipeline was waiting for the {what} {describe_tag(tag)} from rank {self.peer}: "
-                "did that rank fail, run another schedule, or leave its chunk's output unused?)",
+                "did that rank fail, or run another schedule?)",
             )
             raise
         if self.timeline is not None:
             self.timeline.record(f"recv {describe_tag(tag)}", "recv", t0, time.perf_counter())
         return tensor if tensor.device == self.device else tensor.to(self.device)
+
+
+def _is_differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _no_gradient(device: torch.device) -> torch.Tensor:
+    """The gradient message that says "no gradient reached this activation" (it has no bytes)."""
+    return torch.empty(0, dtype=torch.uint8, device=device)
 
 
 class _SendActivation(torch.autograd.Function):
@@ -123,43 +152,139 @@ class _SendActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _token_grad: torch.Tensor):
-        return ctx.link.recv(ctx.backward_tag), None, None, None
+        grad = ctx.link.recv(ctx.backward_tag)
+        return (grad if grad.numel() else None), None, None, None  # empty: no gradient reached it
+
+
+class _DropGradient(torch.autograd.Function):
+    """A token for an activation that needs no gradient but gets one (a plain floating-point tensor: its
+    receiver cannot tell): backward takes that message and drops it, so none is left behind."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, link: Link, backward_tag: int):
+        ctx.link, ctx.backward_tag = link, backward_tag
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad: torch.Tensor):
+        ctx.link.recv(ctx.backward_tag)
+        return None, None, None
+
+
+class _SendLeaves(torch.autograd.Function):
+    """Forward: post a packed structure, return a token. Backward: receive the gradients of its
+    gradient-carrying leaves (the inputs after `metas`), in one message."""
+
+    @staticmethod
+    def forward(ctx, link: Link, message: torch.Tensor, forward_tag: int, backward_tag: int, metas, *flagged):
+        link.send(message, forward_tag)
+        ctx.link, ctx.backward_tag, ctx.metas = link, backward_tag, metas
+        return torch.empty(0, device=message.device)
+
+    @staticmethod
+    def backward(ctx, _token_grad: torch.Tensor):
+        grads = unpack_gradients(ctx.link.recv(ctx.backward_tag), ctx.metas)
+        return None, None, None, None, None, *grads
 
 
 class _RecvActivation(torch.autograd.Function):
-    """Forward: receive the previous stage's activation. Backward: send the gradient back to it."""
+    """Forward: receive the previous stage's activation. Backward: send the gradient back to it.
+
+    A plain message is returned as it is. For a packed one the outputs are its gradient-carrying leaves,
+    and (spec, leaves, grad flags) goes into `unpacked` for the caller to rebuild the structure. The
+    outputs are created here, not views of an input, so a chunk may modify them in place."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, link: Link, forward_tag: int, backward_tag: int):
-        activation = link.recv(forward_tag)
-        if not (activation.is_floating_point() or activation.is_complex()):
-            ctx.mark_non_differentiable(activation)  # integer activations (token ids) carry no gradient
-        ctx.link, ctx.backward_tag = link, backward_tag
-        return activation
+    def forward(ctx, anchor: torch.Tensor, link: Link, forward_tag: int, backward_tag: int, unpacked: list):
+        message = link.recv(forward_tag)
+        ctx.link, ctx.backward_tag, ctx.metas = link, backward_tag, None
+        if not is_packed(message):  # `unpacked` stays empty: the caller takes the output as it is
+            if _is_differentiable(message):
+                link.owe(backward_tag)
+            else:
+                ctx.mark_non_differentiable(message)  # integer activations (token ids) carry no gradient
+            return message
+        spec, leaves, flags = unpack(message)
+        unpacked.append((spec, leaves, flags))
+        flagged = [leaf for leaf, flag in zip(leaves, flags) if flag]
+        if not flagged:  # the sender waits for no gradient: nothing here is differentiable
+            ctx.mark_non_differentiable(message)
+            return message
+        ctx.metas = [(t.dtype, tuple(t.shape)) for t in flagged]
+        ctx.set_materialize_grads(False)  # a leaf the chunk left unused: None, sent as zeros or not at all
+        link.owe(backward_tag)
+        return tuple(flagged)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.link.send(grad, ctx.backward_tag)
-        return None, None, None, None
+    def backward(ctx, *grads: torch.Tensor | None):
+        link = ctx.link
+        if ctx.metas is None:
+            message = grads[0]  # a plain activation's gradient (materialized: never None)
+        else:
+            message = pack_gradients(grads, ctx.metas, link.device)
+        link.pay(message, ctx.backward_tag)
+        return None, None, None, None, None
 
 
-def send_activation(activation: torch.Tensor, link: Link, *, chunk: int, microbatch: int) -> torch.Tensor:
+def send_activation(activation: Any, link: Link, *, chunk: int, microbatch: int) -> torch.Tensor | None:
     """Post chunk `chunk`'s output for `microbatch` to the rank of chunk + 1; return the token to run this
-    chunk's backward from (`run_backward(token)`), or None when no gradient can flow (no grad mode)."""
-    forward_tag = message_tag(microbatch, chunk, backward=False)
-    if not (torch.is_grad_enabled() and activation.requires_grad):
+    chunk's backward from (`run_backward(token)`), or None when no gradient comes back (no grad mode, or no
+    leaf that requires grad in a structure)."""
+    forward_tag, backward_tag = message_tag(microbatch, chunk, False), message_tag(microbatch, chunk, True)
+    grad_mode = torch.is_grad_enabled()
+    if isinstance(activation, torch.Tensor) and not is_packed(activation):  # the common case: as it is
+        if grad_mode and activation.requires_grad:
+            return _SendActivation.apply(activation, link, forward_tag, backward_tag)
         link.send(activation, forward_tag)
+        if grad_mode and _is_differentiable(activation):  # e.g. out of a frozen chunk
+            anchor = torch.empty(0, device=activation.device, requires_grad=True)
+            return _DropGradient.apply(anchor, link, backward_tag)
         return None
-    return _SendActivation.apply(activation, link, forward_tag, message_tag(microbatch, chunk, True))
+    spec, leaves = flatten(activation, f"the output of chunk {chunk}")
+    flags = [grad_mode and t.requires_grad and _is_differentiable(t) for t in leaves]
+    with torch.no_grad():
+        message = pack(spec, leaves, flags, link.device)
+    flagged = [t for t, flag in zip(leaves, flags) if flag]
+    if not flagged:
+        link.send(message, forward_tag)
+        return None
+    metas = [(t.dtype, tuple(t.shape)) for t in flagged]
+    return _SendLeaves.apply(link, message, forward_tag, backward_tag, metas, *flagged)
 
 
-def recv_activation(link: Link, anchor: torch.Tensor | None, *, chunk: int, microbatch: int) -> torch.Tensor:
-    """The input of chunk `chunk` for `microbatch`, from the rank of chunk - 1. With `anchor` (an empty leaf
-    that requires grad) the result is part of the graph and its gradient goes back to that rank."""
+def recv_activation(link: Link, anchor: torch.Tensor | None, *, chunk: int, microbatch: int) -> Any:
+    """The input of chunk `chunk` for `microbatch`, from the rank of chunk - 1: a tensor or the structure
+    the previous chunk returned. With `anchor` (an empty leaf that requires grad) its gradient-carrying
+    tensors are part of the graph and their gradients go back to that rank; call `settle_gradient` after
+    this chunk's backward."""
     forward_tag = message_tag(microbatch, chunk - 1, backward=False)
     if anchor is None or not torch.is_grad_enabled():
-        return link.recv(forward_tag)
-    return _RecvActivation.apply(anchor, link, forward_tag, message_tag(microbatch, chunk - 1, True))
+        message = link.recv(forward_tag)
+        if not is_packed(message):
+            return message
+        spec, leaves, _ = unpack(message)
+        return unflatten(spec, leaves)
+    unpacked: list = []
+    outputs = _RecvActivation.apply(
+        anchor, link, forward_tag, message_tag(microbatch, chunk - 1, True), unpacked
+    )
+    if not unpacked:
+        return outputs
+    spec, leaves, flags = unpacked[0]
+    if any(flags):  # put the outputs, which are part of the graph, in the place of their leaves
+        attached = iter(outputs)
+        leaves = [next(attached) if flag else leaf for leaf, flag in zip(leaves, flags)]
+    return unflatten(spec, leaves)
+
+
+def settle_gradient(link: Link, *, chunk: int, microbatch: int) -> None:
+    """After chunk `chunk`'s backward of `microbatch`: if it never reached the received activation (the
+    chunk did not use its gradient-carrying part), tell the previous rank that no gradient comes."""
+    if not link.owed:  # the usual case once a backward has sent its gradient: nothing to compute
+        return
+    tag = message_tag(microbatch, chunk - 1, backward=True)
+    if tag in link.owed:
+        link.pay(_no_gradient(link.device), tag)
 
 
 def run_backward(token: torch.Tensor) -> None:
