@@ -112,7 +112,7 @@ def test_two_launches_share_nothing():
         if threadpar.get_rank() == 0:
             threadpar.send(torch.ones(1), dst=1)  # never received in this launch
         threadpar.all_reduce(torch.ones(1))
-        return id(threadpar.get_group())
+        return threadpar.get_group()
 
     def second():
         if threadpar.get_rank() == 1:
@@ -120,12 +120,15 @@ def test_two_launches_share_nothing():
                 threadpar.get_group().recv(torch.empty(1), src=0, timeout=0.2)
         t = torch.ones(1)
         threadpar.all_reduce(t)  # sequence numbers start afresh
-        return id(threadpar.get_group()), t.item()
+        return threadpar.get_group(), t.item()
 
-    ids1 = run_ranks(first, 2)
+    # The groups themselves are returned (not their id()s, which Python may reuse once the first launch's
+    # objects are freed), so the first launch's stay alive for the comparison.
+    groups1 = run_ranks(first, 2)
     res2 = run_ranks(second, 2)
     assert [r[1] for r in res2] == [2.0, 2.0]
-    assert not set(ids1) & {r[0] for r in res2}
+    assert all(a is not b for a in groups1 for b, _ in res2)
+    assert all(a._backend is not b._backend for a in groups1 for b, _ in res2)  # nor their shared state
 
 
 def test_accessors_outside_a_rank_explain_what_to_do():
