@@ -103,6 +103,18 @@ def run_demo(cfg: DemoConfig, env: ProcessEnv | None = None) -> RunState:
         raise ConfigError(f"the config is for {cfg.processes} process(es) but this job has {env.count}")
     backend, devices, where = placement(cfg, env)
     created_group = cfg.processes > 1 and processes.connect(env, on_gpu=devices != "cpu")
+    try:
+        return _train_and_report(cfg, env, backend, devices, where)
+    finally:
+        # Before the interpreter exits: a gloo group destroyed during finalization can abort the process
+        # ("terminate called without an active exception"), also after an error such as a bad --steps.
+        if created_group:
+            processes.disconnect()
+
+
+def _train_and_report(
+    cfg: DemoConfig, env: ProcessEnv, backend: str, devices: str | None, where: str
+) -> RunState:
     run = prepare(cfg)
     if run.start_step >= cfg.steps:
         raise ConfigError(
@@ -139,8 +151,6 @@ def run_demo(cfg: DemoConfig, env: ProcessEnv | None = None) -> RunState:
     wall = time.perf_counter() - start
     if cfg.processes > 1:
         processes.gather_to_process_zero(run)
-        if created_group:
-            processes.disconnect()
         if not main_process:
             return run
     if cfg.checkpoint is not None:

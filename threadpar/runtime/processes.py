@@ -16,6 +16,7 @@ through torch.distributed's store, under a prefix of their own (the n-th launch 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
@@ -73,6 +74,11 @@ def _leak(obj: Any) -> None:
     """Keep `obj` alive until the process exits: a gloo group with a pending operation blocks in its
     destructor until the operation times out (minutes), which would hang the caller after a failure."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _shutdown(pg: Any) -> None:
+    with contextlib.suppress(Exception):  # a torch without Backend.shutdown, or a group already down
+        pg.shutdown()
 
 
 class Processes:
@@ -235,6 +241,13 @@ class Processes:
                 abandoned, self._abandoned = self._abandoned, []
             for pg in groups if failed else abandoned:
                 _leak(pg)
+            if not failed:
+                # Stop their threads now: a group that something still references (a model keeps its
+                # group handles) would otherwise be destroyed during interpreter finalization, which can
+                # abort the process ("terminate called without an active exception").
+                for pg in groups:
+                    if not any(pg is gone for gone in abandoned):
+                        _shutdown(pg)
             self.router = None
         return failed
 
