@@ -10,6 +10,7 @@ threads, the layout spans all processes, and process 0 alone prints and writes (
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -179,5 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Under torchrun, leave without the interpreter's finalization. A gloo worker thread may still be
+    releasing the tensors of the last collective (the results gathered to process 0), which needs the
+    GIL; if the interpreter is finalizing by then, the thread's exit aborts the process ("terminate called
+    without an active exception", torch#190489; seen in about a third of full-suite runs on 2 cores; core dump: gloo's runLoop
+    in ~AsyncGatherWork -> pybind11 gil_scoped_acquire -> pthread_exit). Everything is written by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if threadpar.process_env().count > 1:
+        exit_now(status)
+    sys.exit(status)
