@@ -168,15 +168,17 @@ class NcclGroup(CopyOps):
             _Posted(payload, tensors, ready, done),
             leader=lambda slot: self._launch(slot, seq, launch),
         )
+        return self._work(member, seq, call, arrival=arrival, done=done, comm=comm)
+
+    def _work(self, member: int, seq: int, call: Call, **state: Any) -> NcclWork:
+        """The Work of `member`'s call; `state`: what it waits for (arrival, done event, communicator)."""
         return NcclWork(
             Described(call, seq, self.name, self.ranks[member]),
-            cuda=cuda,
-            device=device,
+            cuda=self._cuda,
+            device=self.devices[member],
             abort=self._abort,
             timeout=self._timeout,
-            arrival=arrival,
-            done=done,
-            comm=comm,
+            **state,
         )
 
     def _before_launch(self, seq: int, call: Call) -> str | None:
@@ -370,11 +372,6 @@ class NcclGroup(CopyOps):
 
     def barrier(self, member: int, seq: int, call: Call) -> NcclWork:
         """A host barrier: done when every member has reached it (it orders no device work)."""
-        return NcclWork(
-            Described(call, seq, self.name, self.ranks[member]),
-            cuda=self._cuda,
-            device=self.devices[member],
-            abort=self._abort,
-            timeout=self._timeout,
-            arrival=self.rendezvous.post(self.local_index[member], seq, call, None),
+        return self._work(
+            member, seq, call, arrival=self.rendezvous.post(self.local_index[member], seq, call, None)
         )

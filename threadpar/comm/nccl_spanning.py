@@ -48,7 +48,7 @@ from threadpar.comm.hierarchical import HierarchicalGroup, group_key
 from threadpar.comm.nccl import NcclGroup, _tensors
 from threadpar.comm.nccl_bootstrap import join_nccl_group
 from threadpar.comm.nccl_plan import ReductionPlan
-from threadpar.comm.nccl_work import Described, NcclWork
+from threadpar.comm.nccl_work import NcclWork
 from threadpar.comm.process_check import ProcessCheck
 from threadpar.comm.rendezvous import Call, Slot
 from threadpar.errors import NcclError
@@ -164,17 +164,10 @@ class NcclSpanningGroup(NcclGroup):
         """Run a hierarchical-backend op after the host has waited for this member's current stream (`sync`:
         its tensors are final); it has finished when it returns, so its Work is complete."""
         self._check_devices(member, call.op, _tensors(payload))
-        cuda, device = self._cuda, self.devices[member]
         if sync:
-            cuda.current_stream(device).synchronize()
+            self._cuda.current_stream(self.devices[member]).synchronize()
         run()
-        return NcclWork(
-            Described(call, seq, self.name, self.ranks[member]),
-            cuda=cuda,
-            device=device,
-            abort=self._abort,
-            timeout=self._timeout,
-        )
+        return self._work(member, seq, call)
 
     def scatter(self, member, seq, call, tensor, chunks, src) -> NcclWork:
         run = lambda: self._host.scatter(member, seq, call, tensor, chunks, src)  # noqa: E731
