@@ -127,8 +127,8 @@ def test_batches_are_a_function_of_seed_and_step():
 
 def test_fewer_gpus_than_ranks_says_what_it_does(monkeypatch):
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 2)
-    backend, _devices, line = placement(DemoConfig(gpus=8))
-    assert backend == "threads" and "ranks share GPUs" in line and "--gpus 2" in line
+    backend, devices, line = placement(DemoConfig(gpus=8))  # ranks must not share a GPU (issue 14, defect 4)
+    assert (backend, devices) == ("threads", "cpu") and "hang in backward" in line and "--gpus 2" in line
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 0)
     assert placement(DemoConfig(gpus=8))[1] == "cpu"
 

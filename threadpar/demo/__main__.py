@@ -42,12 +42,12 @@ def placement(cfg: DemoConfig, env: ProcessEnv | None = None) -> tuple[str, str 
         return _placement_across_processes(cfg, env or ProcessEnv(), n_cuda)
     if n_cuda == 0:
         return "threads", "cpu", f"no CUDA devices: running {cfg.gpus} ranks as CPU threads"
-    if n_cuda < cfg.gpus:
+    if n_cuda < cfg.gpus:  # ranks cannot share a GPU (they would hang in backward: devices.SHARED_GPU_HINT)
         return (
             "threads",
-            None,
-            f"{cfg.gpus} ranks but {n_cuda} GPU(s): ranks share GPUs on the 'threads' backend "
-            f"(pass --gpus {n_cuda} to give each rank its own GPU with NCCL)",
+            "cpu",
+            f"{cfg.gpus} ranks but {n_cuda} GPU(s): running the ranks as CPU threads, since ranks sharing a GPU "
+            f"would hang in backward (pass --gpus {n_cuda} to give each rank its own GPU with NCCL)",
         )
     return "nccl", None, f"{cfg.gpus} ranks on {cfg.gpus} GPUs (NCCL)"
 
