@@ -30,7 +30,7 @@ from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
 from threadpar.pipeline import PipelineParallel, get_stage_info
-from threadpar.runtime.context import get_coords, get_group, get_layout
+from threadpar.runtime.context import get_coords, get_device, get_group, get_layout
 
 
 @dataclass(eq=False)
@@ -146,6 +146,10 @@ def parallelize_gpt(
         GPTChunk(config, range(start, end), first=chunk == 0, last=chunk == last_chunk, **options)
         for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk)
     ]
+    device = get_device()
+    chunks = [
+        c.to(device) for c in chunks
+    ]  # this rank's GPU (a no-op on CPU threads); then the weights load there
     load_model_state(chunks, dense_state)
     modules: list[nn.Module] = list(chunks)
     if layout.dp * layout.cp > 1:  # DDP's default group: DP, or DP x CP under context parallelism
