@@ -21,6 +21,7 @@ except AVG and the model steps (a stated tolerance). Exit status 1 on a failed c
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -264,16 +265,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = n_gpus
         print(f"threadpar selftest: {n} GPU(s), NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
               f"torch {torch.__version__}; nccl backend vs threads backend (CPU) on the same inputs")  # fmt: skip
-        subject = lambda fn, **kw: threadpar.launch(fn, world_size=n, backend="nccl", **kw)  # noqa: E731
-        reference = lambda fn, **kw: threadpar.launch(
-            fn, world_size=n, devices="cpu", backend="threads", **kw
-        )  # noqa: E731
+        subject: Runner = functools.partial(threadpar.launch, world_size=n, backend="nccl")
+        reference: Runner | None = functools.partial(
+            threadpar.launch, world_size=n, devices="cpu", backend="threads"
+        )
     else:
         n = 3  # odd: AVG's 1/n is inexact, and the last rank is not the middle one
         why = "no CUDA devices are visible" if n_gpus == 0 else "this torch build has no NCCL"
         print(f"threadpar selftest: {why} (torch {torch.__version__}), so the NCCL checks are skipped; "
               f"running the CPU checks: the threads backend on {n} CPU threads vs results computed directly")  # fmt: skip
-        subject = lambda fn, **kw: threadpar.launch(fn, world_size=n, devices="cpu", backend="threads", **kw)  # noqa: E731
+        subject = functools.partial(threadpar.launch, world_size=n, devices="cpu", backend="threads")
         reference = None
     print(f"{available_cores()} CPU cores; {iters} timed runs per case and size", flush=True)
     rows = check(subject, reference, n, sizes, iters) + check_models(subject, reference, n)
