@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from threadpar import ReduceOp
-from threadpar.comm.nccl_plan import as_bytes, has_native_avg, joined, reduction_plan, wire
+from threadpar.comm.nccl.plan import as_bytes, has_native_avg, joined, reduction_plan, wire
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.common.worker import CommWorker
 from threadpar.comm.work import CompletedWork, Work
-from threadpar.comm.worker import CommWorker
 from threadpar.errors import ConfigError
 
 SUPPORTED_DTYPES = {

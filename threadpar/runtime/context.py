@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.common.worker import CommWorker
 from threadpar.comm.group import GroupState, ProcessGroup
-from threadpar.comm.worker import CommWorker
 from threadpar.errors import NotInRankError
 from threadpar.runtime.rng import derive_seed, make_generator
 from threadpar.runtime.world import World

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.abort import AbortSignal
+from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.registry import GroupRegistry
 from threadpar.errors import ConfigError
 from threadpar.topology import Axis, Layout
@@ -42,7 +42,7 @@ class World:
         self.timeout = float(timeout)
         self.seed = seed
         self.intraop_threads = intraop_threads
-        # The CUDA/NCCL API the backends call (threadpar.comm.cuda_api); None: torch.cuda. Tests pass a double,
+        # The CUDA/NCCL API the backends call (threadpar.comm.nccl.cuda_api); None: torch.cuda. Tests pass a double,
         # whose devices then stand in for GPUs.
         self.cuda = cuda
         self.processes = processes  # threadpar.runtime.processes.Processes, or None in a one-process launch
@@ -62,7 +62,7 @@ class World:
     def cuda_api(self) -> Any:
         if self.cuda is not None:
             return self.cuda
-        from threadpar.comm.cuda_api import torch_cuda
+        from threadpar.comm.nccl.cuda_api import torch_cuda
 
         return torch_cuda()
 
@@ -71,16 +71,16 @@ class World:
         if 0 < here < len(ranks):
             return self._spanning_backend(name, ranks)
         if self.backend == "threads" or here == 0:  # (no member here: a stand-in that is never used)
-            from threadpar.comm.threads import ThreadsGroup
+            from threadpar.comm.threads.group import ThreadsGroup
 
             order = None
             if self.cuda is not None or any(self.devices[r].type == "cuda" for r in ranks):
-                from threadpar.comm.stream_order import StreamOrder
+                from threadpar.comm.threads.stream_order import StreamOrder
 
                 order = StreamOrder(self.cuda_api(), [self.devices[r] for r in ranks])
             return ThreadsGroup(name, ranks, self.abort, self.timeout, order)
         if self.backend == "nccl":
-            from threadpar.comm.nccl import NcclGroup
+            from threadpar.comm.nccl.group import NcclGroup
 
             return NcclGroup(name, ranks, self)
         raise ConfigError(f"unknown backend {self.backend!r}")
@@ -97,9 +97,9 @@ class World:
     def _spanning_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
         """A group with members in this process and in others."""
         if self.backend == "nccl":
-            from threadpar.comm.nccl_spanning import NcclSpanningGroup
+            from threadpar.comm.nccl.spanning import NcclSpanningGroup
 
             return NcclSpanningGroup(name, ranks, self)
-        from threadpar.comm.hierarchical import HierarchicalGroup
+        from threadpar.comm.hierarchical.group import HierarchicalGroup
 
         return HierarchicalGroup(name, ranks, self.processes, self.abort, self.timeout)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from threadpar.comm.abort import AbortSignal
+from threadpar.comm.common.abort import AbortSignal
 from threadpar.errors import CollectiveTimeoutError
 
 # How often a waiting leader looks at the stop signal.

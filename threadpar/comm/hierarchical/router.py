@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
-from threadpar.comm.mailbox import Mailboxes
+from threadpar.comm.common.abort import POLL_INTERVAL_S, AbortSignal
+from threadpar.comm.common.mailbox import Mailboxes
 from threadpar.errors import CollectiveTimeoutError, ConfigError, ThreadparError
 
 HEADER_LEN = 32

@@ -29,9 +29,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.mailbox import Mailboxes
-from threadpar.comm.nccl_copies import CopyOps
-from threadpar.comm.nccl_plan import (
+from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
+from threadpar.comm.nccl.copies import CopyOps
+from threadpar.comm.nccl.plan import (
     ReductionPlan,
     as_bytes,
     flat,
@@ -41,9 +42,8 @@ from threadpar.comm.nccl_plan import (
     reduction_plan,
     wire,
 )
-from threadpar.comm.nccl_work import Described, NcclWork
+from threadpar.comm.nccl.work import Described, NcclWork
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
-from threadpar.comm.rendezvous import Call, Rendezvous, Slot
 from threadpar.errors import ConfigError, NcclError
 
 # Launch = what the leader enqueues: f(payloads in group-rank order, comm streams in group-rank order).

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from threadpar.comm.nccl_work import NcclWork
-from threadpar.comm.rendezvous import Call
+from threadpar.comm.common.rendezvous import Call
+from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import ConfigError
 
 

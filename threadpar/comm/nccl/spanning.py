@@ -44,13 +44,13 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.hierarchical import HierarchicalGroup, group_key
-from threadpar.comm.nccl import NcclGroup, _tensors
-from threadpar.comm.nccl_bootstrap import join_nccl_group
-from threadpar.comm.nccl_plan import ReductionPlan
-from threadpar.comm.nccl_work import NcclWork
-from threadpar.comm.process_check import ProcessCheck
-from threadpar.comm.rendezvous import Call, Slot
+from threadpar.comm.common.rendezvous import Call, Slot
+from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
+from threadpar.comm.nccl.bootstrap import join_nccl_group
+from threadpar.comm.nccl.group import NcclGroup, _tensors
+from threadpar.comm.nccl.plan import ReductionPlan
+from threadpar.comm.nccl.process_check import ProcessCheck
+from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import NcclError
 
 

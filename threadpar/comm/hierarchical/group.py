@@ -27,15 +27,16 @@ from typing import Any
 
 import torch
 
-from threadpar.comm import call_check, gloo_ops
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.fastcopy import copy_into
-from threadpar.comm.hierarchical_copies import CopyOps, byte_size, joined
-from threadpar.comm.mailbox import Mailboxes
+from threadpar.comm.common import call_check
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
+from threadpar.comm.hierarchical import gloo_ops
+from threadpar.comm.hierarchical.copies import CopyOps, byte_size, joined
+from threadpar.comm.hierarchical.router import as_bytes
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
-from threadpar.comm.rendezvous import Call, Rendezvous, Slot
-from threadpar.comm.router import as_bytes
-from threadpar.comm.threads import pieces, split_range
+from threadpar.comm.threads.group import pieces, split_range
 from threadpar.errors import RankAborted
 
 # A lane gets at least this many bytes: below it, one more gloo call costs more than it saves.

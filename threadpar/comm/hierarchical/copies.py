@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from threadpar.comm import gloo_ops
-from threadpar.comm.call_check import INLINE_BYTES
-from threadpar.comm.fastcopy import copy_into
-from threadpar.comm.rendezvous import Call, Slot
-from threadpar.comm.router import as_bytes
-from threadpar.comm.threads import split_range
+from threadpar.comm.common.call_check import INLINE_BYTES
+from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.common.rendezvous import Call, Slot
+from threadpar.comm.hierarchical import gloo_ops
+from threadpar.comm.hierarchical.router import as_bytes
+from threadpar.comm.threads.group import split_range
 
 
 def byte_size(t: torch.Tensor) -> int:

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.fastcopy import copy_into
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.hierarchical.router import as_bytes
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
-from threadpar.comm.router import as_bytes
 from threadpar.errors import CollectiveTimeoutError
 
 # How often a waiter looks at the stop signal (completion wakes it at once).

@@ -24,12 +24,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.fastcopy import copy_into
-from threadpar.comm.mailbox import Mailboxes
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
-from threadpar.comm.rendezvous import Call, Rendezvous, Slot
-from threadpar.comm.stream_order import Fences, StreamOrder
+from threadpar.comm.threads.stream_order import Fences, StreamOrder
 from threadpar.errors import ConfigError
 
 # Below this many bytes in a collective (all members together), one thread doing everything beats P
