@@ -20,7 +20,7 @@ from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import ConfigError
 
 
-class CopyOps:
+class NcclCopyCollectives:
     """Mixed into NcclGroup, whose members it uses: _post, _stream, _on, _check_devices, _cuda, devices,
     ranks, size, name, mailboxes."""
 
