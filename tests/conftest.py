@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-
-def visible_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+from helpers.gpus import gpu_count
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpus = visible_gpus()
-    if gpus:
+    if gpu_count():
         return
     why = f"needs a CUDA GPU; this machine has none (torch {torch.__version__}); run `pytest -m cuda` on a GPU node"
     skip = pytest.mark.skip(reason=why)

@@ -48,11 +48,13 @@ def hybrid_step(ref, schedule, microbatches, **options):
     model = parallelize_gpt(
         ref.config, ref.dense, schedule=schedule, num_microbatches=microbatches, **options
     )
-    x = dp_slice(ref.inputs, coords.dp, layout.dp)
-    y = dp_slice(ref.targets, coords.dp, layout.dp)
+    device = threadpar.get_device()  # a GPU in the cuda tier (tests/cuda/); results come back on the CPU
+    x = dp_slice(ref.inputs, coords.dp, layout.dp).to(device)
+    y = dp_slice(ref.targets, coords.dp, layout.dp).to(device)
     loss = model.train_step(x, y)
     threadpar.all_reduce(loss, op="avg", group="DP")
-    return loss, model.dense_grads()
+    grads = {name: None if g is None else g.cpu() for name, g in model.dense_grads().items()}
+    return loss.cpu(), grads
 
 
 def check_against(ref, results, *, rtol=1e-4, atol=1e-6):
