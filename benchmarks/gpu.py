@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,18 +42,15 @@ from threadpar.parallel import DistributedDataParallel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def threadpar_side(sizes: list[int], repeats: int, steps: int, cpu: bool) -> dict:
+def threadpar_side(sizes: list[int], gpt: GptShape, repeats: int, steps: int, cpu: bool) -> dict:
     def body() -> dict:
-        api, device = threadpar, threadpar.get_device()
-        n = threadpar.get_world_size()
+        api, device, rank = threadpar, threadpar.get_device(), threadpar.get_rank()
         return {
-            "all_reduce": all_reduce_times(api, device, n, sizes, repeats),
-            "ddp_step": ddp_gpt_step_time(
-                DistributedDataParallel, api, threadpar.get_rank(), device, steps, repeats
-            ),
+            "all_reduce": all_reduce_times(api, device, threadpar.get_world_size(), sizes, repeats),
+            "ddp_step": ddp_gpt_step_time(DistributedDataParallel, api, gpt, rank, device, steps, repeats),
         }
 
-    options = {"devices": "cpu", "backend": "threads"} if cpu else {"backend": "nccl"}
+    options: dict[str, Any] = {"devices": "cpu", "backend": "threads"} if cpu else {"backend": "nccl"}
     return threadpar.launch(body, world_size=world_size(cpu), **options)[0]
 
 
@@ -70,7 +68,7 @@ def torchrun(n: int, module_args: list[str]) -> None:
         raise SystemExit(f"torchrun {' '.join(module_args)} failed:\n{proc.stderr[-3000:]}")
 
 
-def torch_side(sizes: list[int], repeats: int, steps: int, cpu: bool, tmp: Path) -> dict:
+def torch_side(sizes: list[int], gpt: GptShape, repeats: int, steps: int, cpu: bool, tmp: Path) -> dict:
     out = tmp / "torch.json"
     args = [
         "-m",
@@ -82,7 +80,8 @@ def torch_side(sizes: list[int], repeats: int, steps: int, cpu: bool, tmp: Path)
         "--steps",
         str(steps),
     ]
-    torchrun(world_size(cpu), [*args, "--sizes", *map(str, sizes), *(["--cpu"] if cpu else [])])
+    args += ["--gpt", gpt.as_arg(), "--sizes", *map(str, sizes), *(["--cpu"] if cpu else [])]
+    torchrun(world_size(cpu), args)
     return json.loads(out.read_text())
 
 

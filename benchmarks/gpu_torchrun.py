@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ def main() -> None:
     dist.init_process_group("gloo" if args.cpu else "nccl", device_id=None if args.cpu else device)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        ddp_options = {} if args.cpu else {"device_ids": [local_rank]}
+        ddp_options: dict[str, Any] = {} if args.cpu else {"device_ids": [local_rank]}
         result = {
             "all_reduce": all_reduce_times(dist, device, world, args.sizes, args.repeats),
             "ddp_step": ddp_gpt_step_time(

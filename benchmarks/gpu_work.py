@@ -3,6 +3,7 @@ processes call the same functions with their own `api` (the module whose all_red
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -80,7 +81,7 @@ def all_reduce_times(
         if t[0].item() != world:
             raise RuntimeError(f"all_reduce of ones over {world} ranks gave {t[0].item()}")
         iters = 20 if nbytes <= 16 * MIB else 5
-        out[str(nbytes)] = timed(lambda t=t: api.all_reduce(t), device, api.barrier, iters, repeats)
+        out[str(nbytes)] = timed(functools.partial(api.all_reduce, t), device, api.barrier, iters, repeats)
     return out
 
 

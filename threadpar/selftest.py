@@ -54,7 +54,7 @@ LABELS = {
 }
 # AVG is the one case where exact equality is wrong: NCCL multiplies each input by 1/n before summing
 # (issue 14, defect 9), the threads backend sums and then divides; both round differently by a few ulp.
-AVG_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+AVG_TOLERANCE = (1e-5, 1e-5)  # rtol, atol as torch.allclose takes them
 GPU_SIZES = (4 << 10, 1 << 20, 64 << 20)
 CPU_SIZES = (4 << 10, 256 << 10)
 Runner = Callable[..., list[Any]]  # runner(fn, **layout): runs fn on every rank, returns the per-rank results
@@ -138,11 +138,14 @@ def case_op(name: str, nbytes: int, n: int, device: torch.device, groups: dict[t
         if rank not in (0, last) or n < 2:
             return (lambda: None), (lambda: [])
         peer = last if rank == 0 else 0
-        return (lambda: (threadpar.send(x, dst=peer), threadpar.recv(got, src=peer))), (lambda: [got])
-    return (  # send_recv: a ring
-        lambda: (threadpar.send(x, dst=(rank + 1) % n), threadpar.recv(got, src=(rank - 1) % n)),
-        lambda: [got],
-    )
+        return functools.partial(_exchange, x, got, peer, peer), (lambda: [got])
+    ring = functools.partial(_exchange, x, got, (rank + 1) % n, (rank - 1) % n)  # send_recv: a ring
+    return ring, (lambda: [got])
+
+
+def _exchange(x: torch.Tensor, got: torch.Tensor, dst: int, src: int) -> None:
+    threadpar.send(x, dst=dst)
+    threadpar.recv(got, src=src)
 
 
 def expected(name: str, nbytes: int, n: int) -> list[list[torch.Tensor]]:
@@ -182,7 +185,8 @@ def measure(todo: list[tuple[str, int]], iters: int) -> dict:
     """On each rank: every case once for its outputs (on CPU), then `iters` timed runs (0: none)."""
     device, n = threadpar.get_device(), threadpar.get_world_size()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    results, groups = {}, {}
+    results: dict[tuple[str, int], tuple[list[torch.Tensor], float | None]] = {}
+    groups: dict[tuple[int, ...], Any] = {}
     for name, nbytes in todo:
         run, outputs = case_op(name, nbytes, n, device, groups)
         run()
@@ -202,12 +206,14 @@ def measure(todo: list[tuple[str, int]], iters: int) -> dict:
     return results
 
 
-def compare(got: list[torch.Tensor], want: list[torch.Tensor], tolerance: dict | None = None) -> str:
-    """ "pass" when equal (exactly, or within `tolerance` as torch.allclose takes it), else what differs."""
+def compare(
+    got: list[torch.Tensor], want: list[torch.Tensor], tolerance: tuple[float, float] | None = None
+) -> str:
+    """The verdict: "pass" when equal (exactly, or within `tolerance`: torch.allclose's rtol, atol)."""
     if len(got) != len(want):
         return f"FAIL ({len(got)} outputs, expected {len(want)})"
     for g, w in zip(got, want):
-        same = g.shape == w.shape and (torch.allclose(g, w, **tolerance) if tolerance else torch.equal(g, w))
+        same = g.shape == w.shape and (torch.allclose(g, w, *tolerance) if tolerance else torch.equal(g, w))
         if not same:
             diff = (g - w).abs().max().item() if g.shape == w.shape else "shape"
             return f"FAIL (max |diff| {diff})"

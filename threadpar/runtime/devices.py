@@ -148,11 +148,11 @@ def resolve_placement(
                     "use backend='threads' (or 'auto'), or install a torch built with NCCL"
                 )
             if len(ids) == world_size:  # "auto" on a CUDA build without NCCL
-                note = (
+                fallback = (
                     f"this torch build ({torch.__version__}) has no NCCL: {world_size} ranks on {world_size} "
                     "GPU(s) use backend 'threads' (collectives through shared memory, not NCCL)"
                 )
-                return Placement(world_size, "threads", tuple(torch.device("cuda", i) for i in ids), note)
+                return Placement(world_size, "threads", tuple(torch.device("cuda", i) for i in ids), fallback)
         if len(ids) == world_size:
             devs = tuple(torch.device("cuda", i) for i in ids)
             return Placement(world_size, "threads" if backend == "threads" else "nccl", devs)
