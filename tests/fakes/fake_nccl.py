@@ -35,6 +35,8 @@ INIT_TIMEOUT_S = 5.0
 # How long an issued part waits for the rest of its clique (a real device would wait for ever).
 OP_TIMEOUT_S = 10.0
 SUM = 0
+# The root torch.cuda.nccl.broadcast passes to ncclBcast, whatever root its caller gave (see broadcast).
+NCCL_BCAST_ROOT = 0
 
 
 class FakeComm(NamedTuple):
@@ -250,11 +252,19 @@ class FakeNccl:
         )
 
     def broadcast(self, inputs, root=0, streams=None, comms=None) -> None:
+        # torch 2.13 checks `root` against the LOCAL list and then drops it: THCPModule_nccl_broadcast
+        # (torch/csrc/cuda/python_nccl.cpp) asserts 0 <= root < len(inputs) ("invalid root") and calls
+        # torch::cuda::nccl::broadcast(tensors, streams, comms), which has no root parameter
+        # (torch/csrc/cuda/nccl.h) and passes root 0 to ncclBcast (torch/csrc/cuda/nccl.cpp, broadcast).
+        # So every broadcast through torch.cuda.nccl comes from NCCL rank 0, whatever `root` says.
+        if not 0 <= root < len(inputs):
+            raise RuntimeError("invalid root")
         self._check("broadcast", inputs, None, streams, comms)
         parts = [Part(t, t) for t in inputs]
         self._issue(
-            "broadcast", (inputs[0].numel(), inputs[0].dtype, None, root), parts, streams, comms, root=root
-        )
+            "broadcast", (inputs[0].numel(), inputs[0].dtype, None, NCCL_BCAST_ROOT), parts, streams, comms,
+            root=root,
+        )  # fmt: skip
 
     def all_gather(self, inputs, outputs, streams=None, comms=None) -> None:
         self._check("all_gather", inputs, outputs, streams, comms, out_factor=len(inputs))

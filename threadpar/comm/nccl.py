@@ -32,6 +32,7 @@ import torch
 from threadpar.comm.mailbox import Mailboxes
 from threadpar.comm.nccl_copies import CopyOps
 from threadpar.comm.nccl_plan import (
+    NCCL_OPS,
     ReductionPlan,
     as_bytes,
     flat,
@@ -45,6 +46,12 @@ from threadpar.comm.nccl_work import Described, NcclWork
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.rendezvous import Call, Rendezvous, Slot
 from threadpar.errors import ConfigError, NcclError
+
+# The NCCL rank torch.cuda.nccl.broadcast broadcasts from, whatever `root` it is given: torch 2.13's
+# torch::cuda::nccl::broadcast (torch/csrc/cuda/nccl.h, nccl.cpp) has no root and calls ncclBcast(..., 0, ...);
+# the Python binding only range-checks `root` against the local list. (A torch that honours `root` as the
+# NCCL rank gives the same result for root 0, so this stays right if torch changes.)
+BROADCAST_ROOT = 0
 
 # Launch = what the leader enqueues: f(payloads in group-rank order, comm streams in group-rank order).
 Launch = Callable[[list[Any], list[Any]], None]
@@ -342,9 +349,27 @@ class NcclGroup(CopyOps):
     def broadcast(self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int) -> NcclWork:
         def launch(payloads: list[torch.Tensor], streams) -> None:
             if payloads[0].numel():
-                self._nccl("broadcast", [as_bytes(t) for t in payloads], root=src, streams=streams)
+                self._broadcast_bytes([as_bytes(t) for t in payloads], src, streams)
 
         return self._post(member, seq, call, tensor, launch)
+
+    def _broadcast_bytes(self, data: list[torch.Tensor], src: int, streams) -> None:
+        """Every local member's `data` (uint8, one per local member) <- member `src`'s.
+
+        torch.cuda.nccl.broadcast always broadcasts from NCCL rank 0 (torch 2.13 checks `root` and then
+        drops it; see BROADCAST_ROOT), and NCCL rank = group index. So a broadcast from member 0 is NCCL's
+        own; from any other member it is an all-reduce (SUM of bytes) in which every member but the source
+        contributes zeros: x + 0 + ... + 0 = x exactly, in any dtype's bytes. It moves 2x the bytes of a
+        broadcast (ring all-reduce) but spreads them over every link, unlike device copies from the source
+        (P-1 x the bytes through the source's links), and it works across processes as it is."""
+        if src == BROADCAST_ROOT:
+            self._nccl("broadcast", data, root=BROADCAST_ROOT, streams=streams)
+            return
+        for i, m in enumerate(self.local):
+            if m != src:
+                with self._on(streams[i]):  # (a receiver's old bytes are overwritten by the broadcast anyway)
+                    data[i].zero_()
+        self._nccl("all_reduce", data, op=NCCL_OPS[ReduceOp.SUM], streams=streams)
 
     def all_gather(
         self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], tensor: torch.Tensor

@@ -1,0 +1,106 @@
+"""The nccl backend under torch.cuda.nccl's and NCCL's own rules, as the double now models them (issue 14).
+
+Each test here failed against the faithful double before the fix it names: broadcast from a member other
+than NCCL rank 0 (torch.cuda.nccl.broadcast drops `root`), the cross-process all-gather that broadcast
+with roots torch rejects, NCCL's pre-multiplied AVG.
+"""
+
+import pytest
+import torch
+from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_processes, run_fake_gpus
+
+import threadpar
+
+
+def _broadcast_from_everyone(groups):
+    """Every member of every group broadcasts once; returns {(group, src): what this rank got}."""
+    rank, got = threadpar.get_rank(), {}
+    for name in groups:
+        g = threadpar.get_group(name)
+        for src in g.ranks:
+            t = torch.full((3,), float(rank) + 0.5) if rank == src else torch.full((3,), -1.0)
+            threadpar.broadcast(t, src=src, group=name)
+            got[str(name), src] = t
+            b = torch.tensor([rank == src, rank != src])  # bytes of another dtype
+            threadpar.broadcast(b, src=src, group=name)
+            got[str(name), src, "bool"] = b
+    return got
+
+
+def _assert_broadcasts(results, expect_groups):
+    for rank, got in enumerate(results):
+        for (group, src, *kind), t in got.items():
+            if kind:
+                assert t.tolist() == [True, False], f"rank {rank}: bool broadcast from {src} in {group}"
+            else:
+                assert torch.equal(t, torch.full((3,), src + 0.5)), (
+                    f"rank {rank}: broadcast from {src} in {group}"
+                )
+        assert {k[0] for k in got} == expect_groups
+
+
+def test_broadcast_from_every_member_of_the_world_and_of_sub_groups():
+    fake = FakeCuda()
+    results = run_fake_gpus(lambda: _broadcast_from_everyone([None, "TP", "DP"]), 4, fake, tp=2)
+    _assert_broadcasts(results, {"None", "TP", "DP"})
+    # torch.cuda.nccl.broadcast is only asked for what it does: broadcast from NCCL rank 0
+    assert all(c.extra["root"] == 0 for c in fake.calls_named("broadcast"))
+
+
+@pytest.mark.parametrize("processes,threads", [(2, 1), (2, 2), (3, 1)])
+def test_broadcast_from_every_member_across_processes(processes, threads):
+    fakes = fake_gpu_processes(processes)
+    results = run_fake_gpu_processes(lambda: _broadcast_from_everyone([None]), fakes, threads)
+    _assert_broadcasts([r for per in results for r in per], {"None"})
+
+
+@pytest.mark.parametrize("processes,threads", [(2, 1), (3, 1), (2, 2)])
+def test_all_gather_and_byte_gather_reductions_across_processes(processes, threads):
+    # one GPU per process is the case where every root >= 1 was "invalid root" for torch
+    def body():
+        rank, world = threadpar.get_rank(), threadpar.get_world_size()
+        out = [torch.empty(2) for _ in range(world)]
+        threadpar.all_gather(out, torch.full((2,), float(rank)))
+        whole = torch.empty(world, 2)
+        threadpar.all_gather_into_tensor(whole, torch.full((2,), float(rank) * 2))
+        inplace = torch.full((world, 2), -1.0)
+        inplace[rank] = rank * 3.0
+        threadpar.all_gather_into_tensor(inplace, inplace[rank])
+        flags = torch.tensor([rank % 2 == 0, True, rank == 0])
+        threadpar.all_reduce(flags, op="MIN")  # bool: NCCL cannot reduce it, gathered as bytes
+        shorts = torch.tensor([rank + 1, -rank], dtype=torch.int16)
+        threadpar.all_reduce(shorts, op="PRODUCT")
+        return out, whole, inplace, flags, shorts
+
+    fakes = fake_gpu_processes(processes)
+    world = processes * threads
+    for out, whole, inplace, flags, shorts in (
+        r for per in run_fake_gpu_processes(body, fakes, threads) for r in per
+    ):
+        ranks = torch.arange(world, dtype=torch.float32)
+        assert torch.equal(torch.stack(out), ranks[:, None].expand(world, 2))
+        assert torch.equal(whole, 2 * ranks[:, None].expand(world, 2))
+        assert torch.equal(inplace, 3 * ranks[:, None].expand(world, 2))
+        assert flags.tolist() == [world == 1, True, world == 1]
+        prod = torch.ones(2, dtype=torch.int16)
+        for r in range(world):
+            prod *= torch.tensor([r + 1, -r], dtype=torch.int16)
+        assert torch.equal(shorts, prod)
+
+
+def test_pipeline_loss_is_the_last_stages_on_every_stage():
+    from test_pipeline_executor import lm_loss, make_batch, make_model, my_chunks, reference
+
+    from threadpar.pipeline import PipelineParallel
+
+    def body():
+        inputs, targets = make_batch(8)
+        model = make_model(4)
+        pipe = PipelineParallel(my_chunks(model, 1), loss_fn=lm_loss, schedule="1f1b", num_microbatches=4)
+        return pipe.train_step(inputs, targets)
+
+    losses = run_fake_gpus(body, 2, FakeCuda(), pp=2)
+    inputs, targets = make_batch(8)
+    ref_loss, _ = reference(4, inputs, targets)
+    for loss in losses:
+        torch.testing.assert_close(loss, ref_loss)
