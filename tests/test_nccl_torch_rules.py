@@ -10,6 +10,7 @@ import torch
 from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_processes, run_fake_gpus
 
 import threadpar
+from threadpar.testing import run_ranks
 
 
 def _broadcast_from_everyone(groups):
@@ -104,3 +105,51 @@ def test_pipeline_loss_is_the_last_stages_on_every_stage():
     ref_loss, _ = reference(4, inputs, targets)
     for loss in losses:
         torch.testing.assert_close(loss, ref_loss)
+
+
+def _scale_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """The least-squares gain of `got` over `exact`, minus 1: a bias of one sign on every element."""
+    got, exact = got.double(), exact.double()
+    return ((got * exact).sum() / (exact * exact).sum()).item() - 1
+
+
+@pytest.mark.parametrize("world", [3, 6])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_avg_has_no_systematic_bias_from_a_rounded_one_over_n(dtype, world):
+    # NCCL's ncclAvg pre-multiplies by 1/n rounded to the dtype (1/3 in bf16 is +0.2%, in fp16 -0.02%):
+    # every averaged gradient would be scaled by that. The threads backend sums then divides: unbiased.
+    def inputs(rank):
+        g = torch.Generator().manual_seed(rank)
+        return (torch.rand(20000, generator=g, dtype=torch.float64) + 1).to(dtype)  # [1, 2): no cancellation
+
+    def body():
+        t = inputs(threadpar.get_rank())
+        threadpar.all_reduce(t, op="AVG")
+        return t
+
+    exact = sum(inputs(r).double() for r in range(world)) / world
+    nccl = run_fake_gpus(body, world, FakeCuda())
+    threads = run_ranks(body, world)
+    bound = 1e-4  # the threads backend's scale error here is ~1e-5 (rounding, both signs)
+    assert abs(_scale_error(threads[0], exact)) < bound
+    for rank in range(world):
+        assert abs(_scale_error(nccl[rank], exact)) < bound, f"rank {rank}: AVG is scaled"
+        torch.testing.assert_close(nccl[rank], threads[rank], rtol=0, atol=0)  # same arithmetic, same order
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_avg_matches_the_threads_backend_within_one_rounding_of_the_dtype(dtype, world):
+    # The tolerance, stated honestly: where NCCL's own AVG is used (fp32/fp64, and any float type when n is
+    # a power of two, where 1/n is exact), it differs from sum-then-divide by the rounding of each
+    # pre-multiplied input and of 1/n: at most (n + 1) units in the last place of |mean| for inputs in [1, 2).
+    def body():
+        g = torch.Generator().manual_seed(threadpar.get_rank())
+        t = (torch.rand(4096, generator=g, dtype=torch.float64) + 1).to(dtype)
+        threadpar.all_reduce(t, op="AVG")
+        return t
+
+    nccl, threads = run_fake_gpus(body, world, FakeCuda()), run_ranks(body, world)
+    ulp = torch.finfo(dtype).eps * 2  # mean in [1, 2): one unit in the last place is eps
+    for rank in range(world):
+        torch.testing.assert_close(nccl[rank], threads[rank], rtol=0, atol=(world + 1) * ulp / 2)

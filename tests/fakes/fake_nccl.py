@@ -143,6 +143,8 @@ class FakeFabric:
 
 
 def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
+    if op == 4 and inputs[0].dtype.is_floating_point:
+        return _pre_mul_sum(inputs)
     result = inputs[0].clone()
     for t in inputs[1:]:
         if op in (0, 4):
@@ -152,9 +154,28 @@ def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
         else:
             (torch.maximum if op == 2 else torch.minimum)(result, t, out=result)
     if op == 4:
-        if not result.dtype.is_floating_point:
-            return result.div_(len(inputs), rounding_mode="trunc")
-        result.div_(len(inputs))
+        # ncclAvg on integers: hostToDevRedOp (src/enqueue.cc) picks ncclDevSumPostDiv, FuncSumPostDiv
+        # (src/device/reduce_kernel.h) divides the sum by nRanks with C's integer division (towards zero).
+        return result.div_(len(inputs), rounding_mode="trunc")
+    return result
+
+
+def _pre_mul_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """ncclAvg on floating types, as NCCL computes it: hostToDevRedOp (src/enqueue.cc) turns it into
+    ncclDevPreMulSum with the scalar 1/nRanks held IN THE DATA TYPE (f16 = __float2half(float(1.0/n)),
+    bf16 = __float2bfloat16(float(1.0/n)), f32 = float(1.0/n), f64 = 1.0/n), and FuncPreMulSum
+    (src/device/reduce_kernel.h) multiplies every input by it (rounded to the type) before the sum, which
+    adds in the type. So for n not a power of two the fp16/bf16 average carries the rounding of 1/n: a
+    bias of the same sign on every element (1/3 in bf16 is 0.333984375, +0.2%). (The sum runs in rank order
+    here; NCCL's ring adds in ring order per chunk: a rounding-level difference the double does not model.)"""
+    dtype, n = inputs[0].dtype, len(inputs)
+    exact = 1.0 / n
+    single = float(torch.tensor(exact, dtype=torch.float32))  # float(1.0/n)
+    scale = torch.tensor(exact if dtype == torch.float64 else single, dtype=torch.float64)
+    scale = scale.to(dtype)  # float -> half/bfloat16 rounds to nearest, as __float2half/__float2bfloat16
+    result = inputs[0] * scale
+    for t in inputs[1:]:
+        result.add_(t * scale)
     return result
 
 

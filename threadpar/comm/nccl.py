@@ -234,7 +234,7 @@ class NcclGroup(CopyOps):
     ):
         """The reduction core. kind "all": outs[i] = reduce(ins); "root": the root's out = reduce(ins);
         "scatter": outs[i] = reduce(ins)[member's 1/size]. Every tensor is contiguous and 1-D."""
-        plan = reduction_plan(ins[0].dtype, op, self._native_avg)
+        plan = reduction_plan(ins[0].dtype, op, self._native_avg, self.size)
         if ins[0].numel() == 0:
             return
         if plan.gather:
