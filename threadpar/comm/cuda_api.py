@@ -26,8 +26,29 @@ import torch
 COMM_STREAM_PRIORITY = -1
 
 
+class CliqueHealth:
+    """Whether a group's communicators may serve another launch: not once any of its operations failed,
+    timed out or saw an asynchronous NCCL error (they may hold half-done work, and torch can neither
+    abort nor destroy them). Set by the group's Works; read when the group hands its clique back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spoiled: str | None = None
+
+    def spoil(self, reason: str) -> None:
+        with self._lock:
+            if self._spoiled is None:
+                self._spoiled = reason
+
+    @property
+    def spoiled(self) -> str | None:
+        with self._lock:
+            return self._spoiled
+
+
 class CliquePool:
-    """NCCL communicators (one clique per group) left by finished launches, keyed by the members' devices."""
+    """NCCL communicators (one clique per group) left by finished launches, keyed by the members' devices.
+    Only cliques of groups that never saw trouble, in launches that were not stopped, come back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -38,9 +59,17 @@ class CliquePool:
             free = self._free.get(devices)
             return free.pop() if free else None
 
-    def give_back(self, devices: tuple[str, ...], comms: list[Any]) -> None:
+    def give_back(
+        self,
+        devices: tuple[str, ...],
+        comms: list[Any],
+        health: CliqueHealth | None = None,
+        abort: Any = None,
+    ) -> None:
         if any(c is None for c in comms):
             return  # a member never made its communicator: not a usable clique
+        if (health is not None and health.spoiled) or (abort is not None and abort.is_set):
+            return  # failed, timed out, async error, or its launch was stopped: never reused (leaked)
         with self._lock:
             self._free.setdefault(devices, []).append(list(comms))
 

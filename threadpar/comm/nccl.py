@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from threadpar.comm.cuda_api import CliqueHealth
 from threadpar.comm.mailbox import Mailboxes
 from threadpar.comm.nccl_copies import CopyOps
 from threadpar.comm.nccl_plan import (
@@ -103,6 +104,9 @@ class NcclGroup(CopyOps):
         self._comms: list[Any] = [None] * self.size
         self._clique_key = tuple(str(d) for d in self.devices)
         self._native_avg = has_native_avg(self._cuda.nccl.version())
+        self._health = (
+            CliqueHealth()
+        )  # spoiled by any failure of this group's operations (pool: never reused)
 
     # setup ------------------------------------------------------------------------------------------------------
     def _stream(self, member: int) -> Any:
@@ -125,7 +129,9 @@ class NcclGroup(CopyOps):
             # A clique a finished launch left on these devices, or a fresh unique id for a new one. The
             # clique goes back to the pool when this group is dropped (the members fill self._comms).
             slot.result = cuda.cliques.take(self._clique_key) or cuda.nccl.unique_id()
-            weakref.finalize(self, cuda.cliques.give_back, self._clique_key, self._comms)
+            weakref.finalize(
+                self, cuda.cliques.give_back, self._clique_key, self._comms, self._health, self._abort
+            )
             return False
 
         # Sequence number 0 is never a collective's (ProcessGroup counts from 1): the members meet there
@@ -185,6 +191,7 @@ class NcclGroup(CopyOps):
             device=self.devices[member],
             abort=self._abort,
             timeout=self._timeout,
+            health=self._health,
             **state,
         )
 
