@@ -153,3 +153,34 @@ def test_avg_matches_the_threads_backend_within_one_rounding_of_the_dtype(dtype,
     ulp = torch.finfo(dtype).eps * 2  # mean in [1, 2): one unit in the last place is eps
     for rank in range(world):
         torch.testing.assert_close(nccl[rank], threads[rank], rtol=0, atol=(world + 1) * ulp / 2)
+
+
+def test_no_collective_runs_while_a_communicator_of_another_group_is_being_created():
+    # Ranks 0 and 1 create the communicators of a new group while ranks 2 and 3 keep all-reducing on their
+    # TP group, whose launches must wait: NCCL forbids operations of other communicators on the same device
+    # during ncclCommInitRank (the double's devices are all one device).
+    import threading
+
+    fake = FakeCuda()
+    fake.nccl.init_seconds = 0.3
+    created = threading.Event()
+
+    def body():
+        rank = threadpar.get_rank()
+        t = torch.ones(2)
+        threadpar.all_reduce(t, group="TP")  # both TP cliques exist
+        threadpar.barrier()
+        pair = threadpar.new_group([0, 1], name="pair")
+        if rank < 2:
+            pair.all_reduce(t)  # creates the pair's clique (0.3 s)
+            created.set()
+        else:
+            for _ in range(10000):  # until the pair's clique exists (both TP ranks agree when: MAX)
+                done = torch.tensor([float(created.is_set())])
+                threadpar.all_reduce(done, op="MAX", group="TP")
+                if done.item():
+                    break
+        return t
+
+    run_fake_gpus(body, 4, fake, tp=2, timeout=20)
+    assert fake.nccl.violations == []

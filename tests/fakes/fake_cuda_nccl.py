@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.cuda_api import CliquePool
+from threadpar.comm.cuda_api import CliquePool, DeviceInits
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
 from threadpar.runtime.process_env import ProcessEnv
@@ -139,6 +139,7 @@ class FakeCuda:
         self.nccl = FakeNccl(self, nccl_version, fabric)
         self.launch_lock = OwnedLock()
         self.cliques = CliquePool()  # threadpar's own pool: plain Python, nothing to fake
+        self.inits = DeviceInits()  # threadpar's own bookkeeping, likewise
         self.calls: list[FakeCall] = []
         self.copies: list[FakeCopy] = []
         self.comm_streams: list[FakeStream] = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -234,6 +235,11 @@ class FakeNccl:
         self.process = self.fabric.new_process()
         self.fail_next: dict[str, str] = {}  # function name -> message of the error its next call raises
         self.init_calls: list[FakeComm] = []
+        # How long ncclCommInitRank works after the clique has joined (a real one takes 0.1-1 s: topology,
+        # buffers, connections); tests raise it to widen the window in which the init rule can be broken.
+        self.init_seconds = 0.0
+        self._initialising: dict[bytes, int] = {}  # clique -> threads of this process inside init_rank
+        self.violations: list[str] = []  # NCCL thread-safety rules broken (also raised to the caller)
 
     def version(self) -> tuple[int, ...]:
         return self._version
@@ -242,7 +248,15 @@ class FakeNccl:
         return self.fabric.unique_id()
 
     def init_rank(self, num_ranks: int, uid: bytes, rank: int) -> FakeComm:
-        self.fabric.join(num_ranks, uid, rank, self.process)
+        with self.fake.lock:
+            self._initialising[uid] = self._initialising.get(uid, 0) + 1
+        try:
+            self.fabric.join(num_ranks, uid, rank, self.process)
+            if self.init_seconds:
+                time.sleep(self.init_seconds)
+        finally:
+            with self.fake.lock:
+                self._initialising[uid] -= 1
         comm = FakeComm(uid, rank, num_ranks, threading.current_thread().name, self.process)
         with self.fake.lock:
             self.init_calls.append(comm)
@@ -336,6 +350,24 @@ class FakeNccl:
                     f"{inputs[0].numel()}), got {[o.numel() for o in outputs]}"
                 )
 
+    def _check_not_during_init(self, name: str, uid: bytes) -> None:
+        """NCCL's thread-safety rule (docs: usage/threadsafety.html, "Thread Safety"; usage/communicators.html,
+        "Using multiple NCCL communicators concurrently"): NCCL operations on independent communicators of one
+        device must not be issued in parallel from several threads, and creating a communicator is such an
+        operation. Every device of the double is the one CPU device, so: no collective on one clique while a
+        thread of this process is inside init_rank of another. (Concurrent inits of the SAME clique from its
+        members' threads are how ncclCommInitRank is meant to be used: allowed.)"""
+        with self.fake.lock:
+            busy = [u for u, n in self._initialising.items() if n and u != uid]
+        if busy:
+            message = (
+                f"NCCL thread-safety: {name} issued on clique {uid[:8]!r} while another thread of this process "
+                f"is creating a communicator of clique {busy[0][:8]!r} on the same device"
+            )
+            self.violations.append(message)
+            raise RuntimeError(message)
+
     def _issue(self, name, args, parts, streams, comms, **extra) -> None:
+        self._check_not_during_init(name, comms[0].uid)
         self.fake.log_nccl(name, [p.input for p in parts], [p.output for p in parts], streams, comms, extra)
         self.fabric.issue(name, args, list(comms), parts, self.fake.released_launch_lock)

@@ -4,9 +4,9 @@ The nccl backend and the `threads` backend on CUDA tensors never call torch.cuda
 `CudaApi` (the launch's `World.cuda`, else `torch_cuda()`), so that tests on a machine without a GPU can pass
 tests/fakes/fake_cuda_nccl.py, which records the calls and computes the collectives on CPU tensors.
 
-Two things here are process-wide on purpose, because what they guard is: the launch lock (NCCL calls are not
-thread-safe across communicators that share a device, whichever launch they belong to) and the pool of
-NCCL communicators (torch never destroys the ones `init_rank` creates, so a finished launch hands its
+Three things here are process-wide on purpose, because what they guard is: the launch lock (NCCL calls are not
+thread-safe across communicators that share a device, whichever launch they belong to), the devices whose
+communicators are being created (no launch on them meanwhile), and the pool of NCCL communicators (torch never destroys the ones `init_rank` creates, so a finished launch hands its
 cliques back for the next launch on the same devices instead of leaking them).
 """
 
@@ -16,10 +16,13 @@ import contextlib
 import ctypes
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from threadpar.errors import CollectiveTimeoutError
 
 # Streams of higher priority are scheduled first when compute and communication kernels compete;
 # torch maps an out-of-range value to the nearest valid priority.
@@ -44,6 +47,48 @@ class CliqueHealth:
     def spoiled(self) -> str | None:
         with self._lock:
             return self._spoiled
+
+
+class DeviceInits:
+    """Which devices of this process are inside ncclCommInitRank right now.
+
+    NCCL forbids issuing operations on other communicators of a device from other threads while one is
+    being created there (NCCL docs, "Thread Safety"; communicator creation counts as an operation). A member
+    marks its device under the launch lock (so no launch is issuing at that moment) and unmarks it when its
+    init returns; a launch that finds one of its devices marked lets go of the lock and waits. Nobody waits
+    while holding the launch lock: an init across processes may wait for other processes' members, which
+    must not be kept from marking their own devices (that could form a cycle through two launch locks)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count: dict[str, int] = {}
+
+    def enter(self, device: torch.device) -> None:
+        with self._cond:
+            self._count[str(device)] = self._count.get(str(device), 0) + 1
+
+    def leave(self, device: torch.device) -> None:
+        with self._cond:
+            self._count[str(device)] -= 1
+            self._cond.notify_all()
+
+    def busy(self, devices: Iterable[torch.device]) -> bool:
+        with self._cond:
+            return any(self._count.get(str(d), 0) for d in devices)
+
+    def wait_idle(self, devices: Iterable[torch.device], abort: Any, timeout: float) -> None:
+        """Until none of `devices` is in an init (bounded; a stop of the launch ends it)."""
+        devices = list(devices)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(self._count.get(str(d), 0) for d in devices):
+                abort.raise_if_set()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeoutError(
+                        f"waited {timeout:g} s for NCCL communicators being created on {[str(d) for d in devices]}"
+                    )
+                self._cond.wait(min(remaining, 0.05))
 
 
 class CliquePool:
@@ -77,12 +122,13 @@ class CliquePool:
 class TorchCuda:
     """The real thing: torch.cuda streams and events, torch.cuda.nccl, and NCCL's async-error query."""
 
-    def __init__(self, launch_lock: threading.Lock, cliques: CliquePool) -> None:
+    def __init__(self, launch_lock: threading.Lock, cliques: CliquePool, inits: DeviceInits) -> None:
         import torch.cuda.nccl as nccl
 
         self.nccl = nccl
         self.launch_lock = launch_lock
         self.cliques = cliques
+        self.inits = inits
 
     def nccl_available(self) -> bool:
         """False on torch builds without NCCL (CPU-only builds), where torch.cuda.nccl cannot run."""
@@ -179,6 +225,7 @@ def _make_async_error_query():
 
 _LAUNCH_LOCK = threading.Lock()
 _CLIQUES = CliquePool()
+_INITS = DeviceInits()
 _default: list[TorchCuda] = []
 _default_lock = threading.Lock()
 
@@ -187,5 +234,5 @@ def torch_cuda() -> TorchCuda:
     """The process's real CudaApi (created on first use; importing it needs no GPU)."""
     with _default_lock:
         if not _default:
-            _default.append(TorchCuda(_LAUNCH_LOCK, _CLIQUES))
+            _default.append(TorchCuda(_LAUNCH_LOCK, _CLIQUES, _INITS))
         return _default[0]

@@ -22,9 +22,10 @@ nccl_plan.py describes. Inputs reach this module validated by ProcessGroup.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -141,7 +142,7 @@ class NcclGroup(CopyOps):
         slot = self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=choose, final=True)
         if isinstance(slot.result, bytes):
             try:
-                with cuda.device_guard(self.devices[member]):
+                with self._initialising(member):
                     comm = cuda.nccl.init_rank(self.size, slot.result, member)
             except RuntimeError as error:
                 raise NcclError(
@@ -152,6 +153,19 @@ class NcclGroup(CopyOps):
             comm = slot.result[member]
         self._comms[member] = comm
         return comm
+
+    @contextlib.contextmanager
+    def _initialising(self, member: int) -> Iterator[None]:
+        """Around this member's ncclCommInitRank: its device is marked (taken under the launch lock, so that
+        no launch is issuing then), and launches on it wait until the init returns (DeviceInits)."""
+        cuda, device = self._cuda, self.devices[member]
+        with cuda.launch_lock:
+            cuda.inits.enter(device)
+        try:
+            with cuda.device_guard(device):
+                yield
+        finally:
+            cuda.inits.leave(device)
 
     def _check_devices(self, member: int, op: str, tensors: Sequence[torch.Tensor]) -> None:
         device = self.devices[member]
@@ -208,15 +222,19 @@ class NcclGroup(CopyOps):
         posted: list[_Posted] = slot.payloads
         streams = [self._stream(m) for m in self.local]
         cuda = self._cuda
-        with cuda.launch_lock:
-            for p, stream in zip(posted, streams):
-                stream.wait_event(p.ready)
-            launch([p.payload for p in posted], streams)
-            for p, stream in zip(posted, streams):
-                p.done.record(stream)
-                for t in p.tensors:
-                    cuda.record_stream(t, stream)
-        return True
+        while True:
+            with cuda.launch_lock:
+                if not cuda.inits.busy(self.local_devices):
+                    for p, stream in zip(posted, streams):
+                        stream.wait_event(p.ready)
+                    launch([p.payload for p in posted], streams)
+                    for p, stream in zip(posted, streams):
+                        p.done.record(stream)
+                        for t in p.tensors:
+                            cuda.record_stream(t, stream)
+                    return True
+            # a communicator of another group is being created on one of these devices: wait, unlocked
+            cuda.inits.wait_idle(self.local_devices, self._abort, self._timeout)
 
     def _nccl(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Call torch.cuda.nccl.<name> with every local member's communicator; failures become NcclError."""

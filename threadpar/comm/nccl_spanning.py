@@ -109,7 +109,7 @@ class NcclSpanningGroup(NcclGroup):
         self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=meet, final=True)
         cuda = self._cuda
         try:
-            with cuda.device_guard(self.devices[member]):
+            with self._initialising(member):
                 comm = join_nccl_group(
                     self._processes.store_client(),
                     f"{self.key:x}",
