@@ -184,3 +184,48 @@ def test_no_collective_runs_while_a_communicator_of_another_group_is_being_creat
 
     run_fake_gpus(body, 4, fake, tp=2, timeout=20)
     assert fake.nccl.violations == []
+
+
+def test_two_processes_launching_two_groups_first_collectives_in_opposite_orders_do_not_deadlock(monkeypatch):
+    # NCCL >= 2.22 connects peers on an algorithm's first use inside ncclGroupEnd, blocking on the other
+    # processes while the launching thread holds its process's launch lock. Process 0 launches group
+    # [0, 2]'s first broadcast, process 1 group [1, 3]'s; each then needs the other's lock for the second
+    # group. threadpar connects eagerly at communicator creation instead (NCCL_RUNTIME_CONNECT=0).
+    import time
+
+    from fakes.fake_nccl import FakeFabric
+
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "unset by the test")  # restored afterwards
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT")
+    fakes = fake_gpu_processes(2, FakeFabric(op_timeout=3.0))
+
+    def body():
+        rank = threadpar.get_rank()
+        one, two = threadpar.new_group([0, 2], name="one"), threadpar.new_group([1, 3], name="two")
+        mine = one if rank in (0, 2) else two
+        t = torch.full((2,), float(rank))
+        for group in (one, two):  # communicators, one group after the other everywhere
+            threadpar.barrier()
+            if mine is group:
+                group.all_reduce(t)
+        threadpar.barrier()
+        if rank in (1, 2):
+            time.sleep(0.3)  # the other group's first broadcast is launched (and stuck, if lazy) by then
+        b = torch.full((2,), float(rank))
+        mine.broadcast(b, src=mine.ranks[0])
+        return b
+
+    results = [r for per in run_fake_gpu_processes(body, fakes, 2, timeout=20) for r in per]
+    assert [b[0].item() for b in results] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_lazy_connection_setting_is_refused_for_groups_that_span_processes(monkeypatch):
+    from threadpar.comm.nccl_bootstrap import connect_eagerly
+    from threadpar.errors import ConfigError
+
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")
+    with pytest.raises(ConfigError, match="unset NCCL_RUNTIME_CONNECT or set it to 0"):
+        connect_eagerly()
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT")
+    connect_eagerly()
+    assert __import__("os").environ["NCCL_RUNTIME_CONNECT"] == "0"

@@ -134,7 +134,7 @@ class FakeCopy:
 class FakeCuda:
     """Stands in for threadpar.comm.cuda_api.TorchCuda (pass it as World(cuda=...))."""
 
-    def __init__(self, nccl_version: tuple[int, ...] = (2, 21, 5), fabric: FakeFabric | None = None) -> None:
+    def __init__(self, nccl_version: tuple[int, ...] = (2, 27, 3), fabric: FakeFabric | None = None) -> None:
         self.lock = threading.RLock()  # guards the fake's own records
         self.nccl = FakeNccl(self, nccl_version, fabric)
         self.launch_lock = OwnedLock()

@@ -21,7 +21,9 @@ launches in that process go on, as they would on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ class FakeComm(NamedTuple):
     size: int
     thread: str
     process: int  # which FakeNccl (simulated process) created it
+    lazy: bool = False  # NCCL >= 2.22 with NCCL_RUNTIME_CONNECT=1: connects peers on first use (see FakeNccl)
 
 
 class Part(NamedTuple):
@@ -107,7 +110,8 @@ class FakeFabric:
 
     def issue(self, name: str, args: tuple, comms: list[FakeComm], parts: list[Part], release: Any) -> None:
         """Add this process's parts of a collective; compute it once every rank has; wait until then.
-        `release` is a context manager that lets go of the caller's launch lock while it waits."""
+        `release` is a context manager that lets go of the caller's launch lock while it waits (None: the
+        caller keeps it: the real call blocks, connecting to its peers)."""
         uid, size = comms[0].uid, comms[0].size
         with self.cond:
             indices = {self._issued.get((uid, c.rank), 0) for c in comms}
@@ -131,7 +135,7 @@ class FakeFabric:
                 self.cond.notify_all()
         if not op.done:
             # (the launch lock is let go of outside the fabric's lock: launches take them in the other order)
-            with release(), self.cond:
+            with release() if release is not None else contextlib.nullcontext(), self.cond:
                 finished = self.cond.wait_for(lambda: op.done, self.op_timeout)
             if not finished:
                 missing = sorted(set(range(size)) - set(op.parts))
@@ -239,6 +243,8 @@ class FakeNccl:
         # buffers, connections); tests raise it to widen the window in which the init rule can be broken.
         self.init_seconds = 0.0
         self._initialising: dict[bytes, int] = {}  # clique -> threads of this process inside init_rank
+        self._runtime_connect: bool | None = None  # NCCL_RUNTIME_CONNECT as NCCL read it (once per process)
+        self._connected: set[tuple[bytes, str]] = set()  # (clique, collective) this process has connected
         self.violations: list[str] = []  # NCCL thread-safety rules broken (also raised to the caller)
 
     def version(self) -> tuple[int, ...]:
@@ -257,7 +263,7 @@ class FakeNccl:
         finally:
             with self.fake.lock:
                 self._initialising[uid] -= 1
-        comm = FakeComm(uid, rank, num_ranks, threading.current_thread().name, self.process)
+        comm = FakeComm(uid, rank, num_ranks, threading.current_thread().name, self.process, self._lazy())
         with self.fake.lock:
             self.init_calls.append(comm)
         return comm
@@ -350,6 +356,17 @@ class FakeNccl:
                     f"{inputs[0].numel()}), got {[o.numel() for o in outputs]}"
                 )
 
+    def _lazy(self) -> bool:
+        """Whether a communicator made now connects its peers lazily: src/init.cc sets comm->runtimeConn from
+        ncclParamRuntimeConnect() (NCCL_PARAM(RuntimeConnect, "RUNTIME_CONNECT", 1), NCCL >= 2.22), a value
+        NCCL reads from the environment once per process and caches, hence read once here."""
+        with self.fake.lock:
+            if self._runtime_connect is None:
+                self._runtime_connect = self._version[:2] >= (2, 22) and os.environ.get(
+                    "NCCL_RUNTIME_CONNECT", "1"
+                ).strip() not in ("0", "")
+            return self._runtime_connect
+
     def _check_not_during_init(self, name: str, uid: bytes) -> None:
         """NCCL's thread-safety rule (docs: usage/threadsafety.html, "Thread Safety"; usage/communicators.html,
         "Using multiple NCCL communicators concurrently"): NCCL operations on independent communicators of one
@@ -370,4 +387,14 @@ class FakeNccl:
     def _issue(self, name, args, parts, streams, comms, **extra) -> None:
         self._check_not_during_init(name, comms[0].uid)
         self.fake.log_nccl(name, [p.input for p in parts], [p.output for p in parts], streams, comms, extra)
-        self.fabric.issue(name, args, list(comms), parts, self.fake.released_launch_lock)
+        # With runtime connection, the first use of an algorithm connects the peers inside ncclGroupEnd
+        # (src/enqueue.cc marks algoNeedConnect when !comm->initAlgoChannels[algorithm]; the group's end
+        # sets the connections up, a handshake with the peer processes): the calling thread blocks there,
+        # holding whatever it holds. The double keys "algorithm" by collective (an approximation: NCCL picks
+        # ring/tree/NVLS per call). Otherwise the call returns at once (the device waits), so the double's
+        # wait for the other processes lets go of the launch lock, as a real launch would not be holding it.
+        key = (comms[0].uid, name)
+        connecting = comms[0].lazy and key not in self._connected
+        self._connected.add(key)
+        release = None if connecting else self.fake.released_launch_lock
+        self.fabric.issue(name, args, list(comms), parts, release)

@@ -52,6 +52,10 @@ class World:
         self.check_collectives = check_collectives
         self.abort = AbortSignal()
         self.groups = GroupRegistry(self.world_size, self._make_backend)
+        if processes is not None and backend == "nccl":
+            from threadpar.comm.nccl_bootstrap import connect_eagerly
+
+            connect_eagerly()  # before any communicator exists (NCCL reads it once per process)
 
     @property
     def local_ranks(self) -> range:
