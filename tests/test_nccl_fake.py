@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes
+from fakes.fake_cuda_nccl import FakeCuda, FakeStream, fake_gpu_processes
 
 
 def clique(fakes, held):
@@ -48,7 +48,7 @@ def in_processes(fakes, comms, call):
 
 
 def streams(fake, n):
-    return [fake.comm_stream(torch.device("cpu")) for _ in range(n)]
+    return [FakeStream(fake, f"s{i}", torch.device("cpu"), -1) for i in range(n)]
 
 
 def test_reduce_root_must_index_the_local_inputs():

@@ -229,3 +229,41 @@ def test_a_lazy_connection_setting_is_refused_for_groups_that_span_processes(mon
     monkeypatch.delenv("NCCL_RUNTIME_CONNECT")
     connect_eagerly()
     assert __import__("os").environ["NCCL_RUNTIME_CONNECT"] == "0"
+
+
+def test_live_groups_never_share_a_comm_stream_on_a_device():
+    # torch.cuda.Stream(priority=-1) hands out 32 pooled streams per device, round-robin; the double's ranks
+    # share one device, so here the 33rd (group, member) would get the 1st one's stream. Groups on one stream
+    # run one after the other; across processes, in opposite orders, that is a cycle.
+    import itertools
+
+    fake = FakeCuda()
+    tuples = list(itertools.permutations(range(4), 2)) + list(itertools.permutations(range(4), 3))[:6]
+
+    def body():
+        groups = [threadpar.new_group(list(ranks)) for ranks in tuples]  # 12 pairs, 6 triples: 42 members
+        for g in groups:
+            if g.is_member():
+                g.all_reduce(torch.ones(1))
+        return groups  # alive until every rank has used all of them
+
+    run_fake_gpus(body, 4, fake)
+    per_group: dict = {}
+    for call in fake.calls_named("all_reduce"):
+        per_group.setdefault(call.comms[0].uid, call.streams)
+    streams = [id(s) for ss in per_group.values() for s in ss]
+    assert len(per_group) == len(tuples) and len(streams) == 42
+    assert len(set(streams)) == 42, "two live groups share a comm stream"
+
+
+def test_comm_streams_run_out_with_a_clear_error_and_come_back_when_groups_go():
+    from threadpar.comm.cuda_api import CommStreams
+    from threadpar.errors import ConfigError
+
+    fake, registry, cpu = FakeCuda(), CommStreams(), torch.device("cpu")
+    taken = [registry.acquire(fake, cpu) for _ in range(64)]  # 32 high-priority, then 32 normal-priority
+    assert len({id(s) for s in taken}) == 64 and [s.priority for s in taken[:32]] == [-1] * 32
+    with pytest.raises(ConfigError, match="64 communication streams"):
+        registry.acquire(fake, cpu)
+    registry.release([cpu], [taken[5]])
+    assert registry.acquire(fake, cpu) is taken[5]

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.cuda_api import CliquePool, DeviceInits
+from threadpar.comm.cuda_api import CliquePool, CommStreams, DeviceInits
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
 from threadpar.runtime.process_env import ProcessEnv
@@ -39,6 +39,9 @@ __all__ = [
     "FakeComm", "FakeCuda", "FakeFabric", "FakeNccl", "fake_gpu_processes", "launch_fake_gpu_processes",
     "run_fake_gpu_processes", "run_fake_gpus",
 ]  # fmt: skip
+
+
+STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp: kStreamsPerPool = 1 << kStreamsPerPoolBits (5)
 
 
 class Node(NamedTuple):
@@ -140,6 +143,9 @@ class FakeCuda:
         self.launch_lock = OwnedLock()
         self.cliques = CliquePool()  # threadpar's own pool: plain Python, nothing to fake
         self.inits = DeviceInits()  # threadpar's own bookkeeping, likewise
+        self.streams = CommStreams()  # likewise
+        self._pools: dict[tuple[torch.device, int], list[FakeStream]] = {}
+        self._pool_counters: dict[tuple[torch.device, int], int] = {}
         self.calls: list[FakeCall] = []
         self.copies: list[FakeCopy] = []
         self.comm_streams: list[FakeStream] = []
@@ -155,9 +161,23 @@ class FakeCuda:
     def nccl_available(self) -> bool:
         return True
 
-    def comm_stream(self, device: torch.device) -> FakeStream:
-        stream = FakeStream(self, f"comm{next(self._ids)}", device, priority=-1)
+    def pool_stream(self, device: torch.device, priority: int) -> FakeStream:
+        """torch.cuda.Stream(device, priority): c10/cuda/CUDAStream.cpp, getStreamFromPool, hands out one of
+        kStreamsPerPool = 32 streams per device and priority level, round-robin (get_idx: counter++ % 32), made
+        once per device and never destroyed: the 33rd request gets the 1st stream again. Priorities outside
+        the device's range are clamped (torch.cuda.Stream's docs); the double's range is [-1, 0]."""
+        level = min(max(priority, -1), 0)
         with self.lock:
+            pool = self._pools.get((device, level))
+            if pool is None:
+                pool = [
+                    FakeStream(self, f"pool{level}.{i}", device, priority=level)
+                    for i in range(STREAMS_PER_POOL)
+                ]
+                self._pools[device, level] = pool
+            index = self._pool_counters.get((device, level), 0)
+            self._pool_counters[device, level] = index + 1
+            stream = pool[index % STREAMS_PER_POOL]
             self.comm_streams.append(stream)
         return stream
 

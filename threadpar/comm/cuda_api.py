@@ -22,11 +22,53 @@ from typing import Any
 
 import torch
 
-from threadpar.errors import CollectiveTimeoutError
+from threadpar.errors import CollectiveTimeoutError, ConfigError
 
 # Streams of higher priority are scheduled first when compute and communication kernels compete;
 # torch maps an out-of-range value to the nearest valid priority.
 COMM_STREAM_PRIORITY = -1
+
+
+class CommStreams:
+    """The comm streams live groups hold, per device: no two groups ever share one.
+
+    torch.cuda.Stream(device, priority) does not create a stream: it hands out one of 32 pooled streams per
+    device and priority level, round-robin (c10/cuda/CUDAStream.cpp, getStreamFromPool, kStreamsPerPool), so
+    past 32 groups on a device two groups would silently get the same stream. Their kernels would then run
+    one after the other in the order each process launched them; across processes those orders differ and
+    two groups on shared streams can wait on each other in a cycle. So a group asks the pool until it gets a
+    stream no live group holds: the high-priority pool first, then the normal one (where communication no
+    longer preempts compute); past 64 live groups on a device it is refused with a clear error. A group hands
+    its streams back when it is dropped. (Other code drawing from torch's pool may still get one of these
+    streams: its work then waits behind ours, which delays it but closes no cycle.)"""
+
+    PRIORITIES = (COMM_STREAM_PRIORITY, 0)
+    STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp: kStreamsPerPool
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: set[tuple[str, Any]] = set()
+
+    def acquire(self, cuda: Any, device: torch.device) -> Any:
+        with self._lock:
+            for priority in self.PRIORITIES:
+                for _ in range(self.STREAMS_PER_POOL):
+                    stream = cuda.pool_stream(device, priority)
+                    if (str(device), stream) not in self._held:
+                        self._held.add((str(device), stream))
+                        return stream
+        limit = len(self.PRIORITIES) * self.STREAMS_PER_POOL
+        raise ConfigError(
+            f"{device} already has {limit} communication streams held by live NCCL groups (torch's stream pool "
+            f"has {self.STREAMS_PER_POOL} per priority and device): use fewer groups per device, or drop groups "
+            "no longer needed (a group's streams come back when it is garbage-collected)"
+        )
+
+    def release(self, devices: Iterable[torch.device], streams: Iterable[Any]) -> None:
+        with self._lock:
+            for device, stream in zip(devices, streams):
+                if stream is not None:
+                    self._held.discard((str(device), stream))
 
 
 class CliqueHealth:
@@ -122,20 +164,24 @@ class CliquePool:
 class TorchCuda:
     """The real thing: torch.cuda streams and events, torch.cuda.nccl, and NCCL's async-error query."""
 
-    def __init__(self, launch_lock: threading.Lock, cliques: CliquePool, inits: DeviceInits) -> None:
+    def __init__(
+        self, launch_lock: threading.Lock, cliques: CliquePool, inits: DeviceInits, streams: CommStreams
+    ) -> None:
         import torch.cuda.nccl as nccl
 
         self.nccl = nccl
         self.launch_lock = launch_lock
         self.cliques = cliques
         self.inits = inits
+        self.streams = streams
 
     def nccl_available(self) -> bool:
         """False on torch builds without NCCL (CPU-only builds), where torch.cuda.nccl cannot run."""
         return hasattr(torch._C, "_nccl_all_reduce") and hasattr(torch._C, "_nccl_init_rank")
 
-    def comm_stream(self, device: torch.device) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=device, priority=COMM_STREAM_PRIORITY)
+    def pool_stream(self, device: torch.device, priority: int) -> torch.cuda.Stream:
+        """One of torch's pooled streams (shared round-robin: use through CommStreams)."""
+        return torch.cuda.Stream(device=device, priority=priority)
 
     def current_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
@@ -226,6 +272,7 @@ def _make_async_error_query():
 _LAUNCH_LOCK = threading.Lock()
 _CLIQUES = CliquePool()
 _INITS = DeviceInits()
+_STREAMS = CommStreams()
 _default: list[TorchCuda] = []
 _default_lock = threading.Lock()
 
@@ -234,5 +281,5 @@ def torch_cuda() -> TorchCuda:
     """The process's real CudaApi (created on first use; importing it needs no GPU)."""
     with _default_lock:
         if not _default:
-            _default.append(TorchCuda(_LAUNCH_LOCK, _CLIQUES, _INITS))
+            _default.append(TorchCuda(_LAUNCH_LOCK, _CLIQUES, _INITS, _STREAMS))
         return _default[0]

@@ -9,7 +9,8 @@ and records each member's *done* event on its comm stream. Each member gets an `
 
 Communicators: one clique per group (sub-groups get their own), made on the group's first collective by
 every member thread calling `init_rank` concurrently, as NCCL requires (ncclCommInitAll-style within one
-process), then reused. Comm streams: one high-priority stream per member and group.
+process), then reused. Comm streams: one per member and group, never shared with another live group
+(cuda_api.CommStreams: torch's pool would hand the same stream to every 32nd group).
 
 A group whose members live in several processes (nccl_spanning.py) is this class with `local` = the
 members in this process: its rendezvous, launch and grouped calls cover those members only (NCCL ranks are
@@ -105,17 +106,17 @@ class NcclGroup(CopyOps):
         self._comms: list[Any] = [None] * self.size
         self._clique_key = tuple(str(d) for d in self.devices)
         self._native_avg = has_native_avg(self._cuda.nccl.version())
-        self._health = (
-            CliqueHealth()
-        )  # spoiled by any failure of this group's operations (pool: never reused)
+        weakref.finalize(self, self._cuda.streams.release, self.devices, self._streams)
+        # Spoiled by any failure of this group's operations: its clique is then never pooled.
+        self._health = CliqueHealth()
 
     # setup ------------------------------------------------------------------------------------------------------
     def _stream(self, member: int) -> Any:
         stream = self._streams[member]
         if stream is None:
             with self._lock:
-                if self._streams[member] is None:
-                    self._streams[member] = self._cuda.comm_stream(self.devices[member])
+                if self._streams[member] is None:  # (one no other live group holds: CommStreams)
+                    self._streams[member] = self._cuda.streams.acquire(self._cuda, self.devices[member])
                 stream = self._streams[member]
         return stream
 
