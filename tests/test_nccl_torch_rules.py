@@ -220,7 +220,7 @@ def test_two_processes_launching_two_groups_first_collectives_in_opposite_orders
 
 
 def test_a_lazy_connection_setting_is_refused_for_groups_that_span_processes(monkeypatch):
-    from threadpar.comm.nccl_bootstrap import connect_eagerly
+    from threadpar.comm.nccl.bootstrap import connect_eagerly
     from threadpar.errors import ConfigError
 
     monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")
@@ -257,7 +257,7 @@ def test_live_groups_never_share_a_comm_stream_on_a_device():
 
 
 def test_comm_streams_run_out_with_a_clear_error_and_come_back_when_groups_go():
-    from threadpar.comm.cuda_api import CommStreams
+    from threadpar.comm.nccl.cuda_api import CommStreams
     from threadpar.errors import ConfigError
 
     fake, registry, cpu = FakeCuda(), CommStreams(), torch.device("cpu")

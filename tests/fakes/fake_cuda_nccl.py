@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.cuda_api import CliquePool, CommStreams, DeviceInits
+from threadpar.comm.nccl.cuda_api import CliquePool, CommStreams, DeviceInits
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
 from threadpar.runtime.process_env import ProcessEnv
@@ -135,7 +135,7 @@ class FakeCopy:
 
 
 class FakeCuda:
-    """Stands in for threadpar.comm.cuda_api.TorchCuda (pass it as World(cuda=...))."""
+    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (pass it as World(cuda=...))."""
 
     def __init__(self, nccl_version: tuple[int, ...] = (2, 27, 3), fabric: FakeFabric | None = None) -> None:
         self.lock = threading.RLock()  # guards the fake's own records

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.cuda_api import CliqueHealth
-from threadpar.comm.rendezvous import Arrival
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.rendezvous import Arrival
+from threadpar.comm.nccl.cuda_api import CliqueHealth
 from threadpar.comm.work import Work
 from threadpar.errors import CollectiveTimeoutError, NcclError
 
