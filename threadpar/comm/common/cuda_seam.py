@@ -32,9 +32,18 @@ class CudaApi(Protocol):
     def cliques(self) -> Any:
         """The process's pool of communicator cliques (threadpar.comm.nccl.cuda_api.CliquePool)."""
 
+    @property
+    def inits(self) -> Any:
+        """The devices whose communicators are being created (threadpar.comm.nccl.cuda_api.DeviceInits)."""
+
+    @property
+    def streams(self) -> Any:
+        """The comm streams live groups hold (threadpar.comm.nccl.cuda_api.CommStreams)."""
+
     def nccl_available(self) -> bool: ...
 
-    def comm_stream(self, device: torch.device) -> Stream: ...
+    def pool_stream(self, device: torch.device, priority: int) -> Stream:
+        """torch.cuda.Stream(device, priority): one of torch's 32 pooled streams (use through `streams`)."""
 
     def current_stream(self, device: torch.device) -> Stream: ...
 
