@@ -266,8 +266,8 @@ def test_scatter_gather_all_to_all_are_copies_between_the_members_comm_streams()
 
     assert [t[0].item() for t in run_fake_gpus(body, 3, fake)] == [0.0, 1.0, 2.0]
     assert not fake.calls and not fake.nccl.init_calls  # no NCCL, so no communicators either
-    src_streams = {id(c.src_stream) for c in fake.copies}
-    assert len(fake.copies) == 3 and len(src_streams) == 1 and all(c.lock_held for c in fake.copies)
+    src_streams = {id(c.src_stream) for c in fake.copies}  # the root's copy lanes (and its comm stream)
+    assert len(fake.copies) == 3 and len(src_streams) == 3 and all(c.lock_held for c in fake.copies)
     assert len({id(c.dst_stream) for c in fake.copies}) == 3
 
 

@@ -267,3 +267,40 @@ def test_comm_streams_run_out_with_a_clear_error_and_come_back_when_groups_go():
         registry.acquire(fake, cpu)
     registry.release([cpu], [taken[5]])
     assert registry.acquire(fake, cpu) is taken[5]
+
+
+def test_copies_to_different_destinations_run_concurrently_and_stay_ordered_with_the_callers():
+    # torch's cross-device copy (aten/src/ATen/native/cuda/Copy.cu, copy_device_to_device) runs on the
+    # source device's current stream and fences it both ways with the destination's current stream: issued
+    # one after another on the comm streams, P^2 all_to_all copies would run one after another.
+    fake = FakeCuda()
+
+    def body():
+        rank, world = threadpar.get_rank(), threadpar.get_world_size()
+        mine = fake.current_stream(threadpar.get_device())
+        before = fake.mark(mine, "produce")
+        t = torch.empty(2)
+        threadpar.scatter(t, [torch.full((2,), float(i)) for i in range(world)] if rank == 0 else None, src=0)
+        outs = [torch.empty(1) for _ in range(world)]
+        threadpar.all_to_all(outs, [torch.full((1,), 10.0 * rank + m) for m in range(world)])
+        after = fake.mark(mine, "consume")
+        return t, outs, before, after
+
+    results = run_fake_gpus(body, 4, fake)
+    for rank, (t, outs, _, _) in enumerate(results):
+        assert torch.equal(t, torch.full((2,), float(rank)))
+        assert [o.item() for o in outs] == [10.0 * s + rank for s in range(4)]
+    scatter, a2a = fake.copies[:4], fake.copies[4:]
+    assert len(a2a) == 16
+    # who copied to whom, read from the values: scatter sends i to rank i; all_to_all 10 s + m from s to m
+    ends = {id(c): (0, int(c.dst[0].item())) for c in scatter}
+    ends.update({id(c): divmod(int(c.dst[0].item()), 10) for c in a2a})
+    for copies in (scatter, a2a):
+        for a in copies:
+            for b in copies:
+                (sa, da), (sb, db) = ends[id(a)], ends[id(b)]
+                if a is not b and sa == sb and da != db and da != sa and db != sb:
+                    assert not fake.ordered(a.node, b.node), f"copies {sa}->{da} and {sb}->{db} serialised"
+        for c in copies:  # still after each side's earlier work and before its later work
+            for side in ends[id(c)]:
+                assert fake.ordered(results[side][2], c.node) and fake.ordered(c.node, results[side][3])

@@ -215,7 +215,10 @@ class FakeCuda:
     def copy_(
         self, dst: torch.Tensor, src: torch.Tensor, src_stream: FakeStream, dst_stream: FakeStream
     ) -> None:
-        # As torch does across devices: on the source's stream, fenced both ways with the destination's.
+        # As torch does across devices (aten/src/ATen/native/cuda/Copy.cu, copy_device_to_device): the copy
+        # runs on the source device's current stream, which first waits for an event recorded on the
+        # destination device's current stream; then the destination's stream waits for the copy. (The
+        # double's devices are all one device: distinct streams stand for distinct devices here.)
         if src_stream is not dst_stream:
             before = FakeEvent(self)
             before.record(dst_stream)

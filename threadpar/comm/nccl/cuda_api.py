@@ -48,15 +48,29 @@ class CommStreams:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: set[tuple[str, Any]] = set()
+        self._lanes: dict[tuple[str, int], Any] = {}
 
     def acquire(self, cuda: Any, device: torch.device) -> Any:
         with self._lock:
-            for priority in self.PRIORITIES:
-                for _ in range(self.STREAMS_PER_POOL):
-                    stream = cuda.pool_stream(device, priority)
-                    if (str(device), stream) not in self._held:
-                        self._held.add((str(device), stream))
-                        return stream
+            return self._take(cuda, device)
+
+    def lane(self, cuda: Any, device: torch.device, index: int) -> Any:
+        """Copy lane `index` of `device`: a stream of its own, kept for the process, shared by every group.
+        Copies from one device to different destinations go on different lanes, so that they run at the
+        same time (nccl/copies.py); they are fenced with events at both ends of each collective."""
+        with self._lock:
+            lane = self._lanes.get((str(device), index))
+            if lane is None:
+                lane = self._lanes[str(device), index] = self._take(cuda, device)
+            return lane
+
+    def _take(self, cuda: Any, device: torch.device) -> Any:
+        for priority in self.PRIORITIES:
+            for _ in range(self.STREAMS_PER_POOL):
+                stream = cuda.pool_stream(device, priority)
+                if (str(device), stream) not in self._held:
+                    self._held.add((str(device), stream))
+                    return stream
         limit = len(self.PRIORITIES) * self.STREAMS_PER_POOL
         raise ConfigError(
             f"{device} already has {limit} communication streams held by live NCCL groups (torch's stream pool "
