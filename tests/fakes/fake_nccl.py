@@ -31,6 +31,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+# torch/csrc/cuda/nccl.cpp, to_nccl_data_type: the dtypes torch maps to an ncclDataType_t (bfloat16 only when
+# built with NCCL >= 2.10). torch also maps bool and the float8 types to ncclUint8; the double accepts bool
+# only for data movement (threadpar never reduces bool through NCCL: nccl/plan.py gathers it), stricter than
+# torch, which would let NCCL add the bytes.
 NCCL_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
 }  # fmt: skip
@@ -278,9 +282,9 @@ class FakeNccl:
         )
 
     def reduce(self, inputs, output=None, root=0, op=SUM, streams=None, comms=None) -> None:
-        if not 0 <= root < len(inputs):  # torch: "root" indexes the local inputs
+        if not 0 <= root < len(inputs):  # torch/csrc/cuda/nccl.cpp, reduce: TORCH_CHECK(..., "invalid root")
             raise RuntimeError(
-                f"torch.cuda.nccl.reduce: root {root} is not an index into {len(inputs)} inputs"
+                f"invalid root (torch.cuda.nccl.reduce: root {root} is not an index into {len(inputs)} inputs)"
             )
         output = inputs[root] if output is None else output
         self._check("reduce", inputs, None, streams, comms, reduces=True)
@@ -324,6 +328,12 @@ class FakeNccl:
         message = self.fail_next.pop(name, None)
         if message is not None:
             raise RuntimeError(f"NCCL Error 3: {message}")
+        # Sources: torch/csrc/cuda/python_nccl.cpp (unpack_streams, unpack_comms: one stream and one
+        # communicator per input), torch/csrc/cuda/nccl.cpp (check_inputs / check_tensor: one dtype, contiguous,
+        # equal sizes, output size = input x multiplier; to_nccl_data_type: the dtypes below), NCCL's docs
+        # (usage/groups.html: a grouped call must include every communicator this thread drives for the
+        # collective, else ncclGroupEnd waits for the missing ones). torch raises RuntimeError; the double
+        # raises AssertionError for what threadpar can never pass (a bug in threadpar, not bad user input).
         n = len(inputs)
         assert n > 0 and comms is not None and len(comms) == n, f"{name}: one communicator per input"
         assert all(isinstance(c, FakeComm) for c in comms), f"{name}: not communicators: {comms}"
