@@ -14,6 +14,8 @@ different destinations run at the same time, see `_copies`) and the destination'
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from threadpar.comm.common.rendezvous import Call
@@ -90,7 +92,9 @@ class NcclCopyCollectives:
         one after another (its comm stream fences each: its links are the bottleneck anyway). s's comm
         stream waits for its lanes at the end, so the op's done event and the caching allocator (tensors are
         recorded on the comm streams) cover the copies."""
-        cuda, start, lanes = self._cuda, {}, {}
+        cuda = self._cuda
+        start: dict[int, Any] = {}  # member -> event on its comm stream before any copy
+        lanes: dict[tuple[int, int], Any] = {}  # (source, destination) -> the lane its copies run on
         for s in sorted({s for _, _, s, m in pairs if s != m}):  # before any copy fences a comm stream
             start[s] = cuda.event()
             start[s].record(streams[s])
