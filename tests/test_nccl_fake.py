@@ -16,7 +16,8 @@ def clique(fakes, held):
     comms = [[None] * len(ranks) for ranks in held]
 
     def join(p, i, r):
-        comms[p][i] = fakes[p].nccl.init_rank(size, uid, r)
+        with fakes[p].device_guard(torch.device("cpu")):
+            comms[p][i] = fakes[p].nccl.init_rank(size, uid, r)
 
     threads = [
         threading.Thread(target=join, args=(p, i, r)) for p, rs in enumerate(held) for i, r in enumerate(rs)

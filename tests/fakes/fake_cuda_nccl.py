@@ -210,7 +210,16 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def device_guard(self, device: torch.device):
-        yield
+        saved = getattr(self._local, "device", None)
+        self._local.device = device
+        try:
+            yield
+        finally:
+            self._local.device = saved
+
+    def guarded_device(self) -> torch.device | None:
+        """The device a device_guard made current in this thread (None: none; CUDA's would be device 0)."""
+        return getattr(self._local, "device", None)
 
     def copy_(
         self, dst: torch.Tensor, src: torch.Tensor, src_stream: FakeStream, dst_stream: FakeStream

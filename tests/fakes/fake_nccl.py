@@ -258,6 +258,11 @@ class FakeNccl:
         return self.fabric.unique_id()
 
     def init_rank(self, num_ranks: int, uid: bytes, rank: int) -> FakeComm:
+        # torch.cuda.nccl.init_rank is ncclCommInitRank (torch/csrc/cuda/python_nccl.cpp), which binds the new
+        # communicator to the calling thread's CURRENT device (NCCL docs, usage/communicators.html: each
+        # communicator is associated to a fixed rank and CUDA device): without a device guard every rank
+        # thread would create its communicator on device 0.
+        assert self.fake.guarded_device() is not None, "init_rank called without a device guard (device 0)"
         with self.fake.lock:
             self._initialising[uid] = self._initialising.get(uid, 0) + 1
         try:
