@@ -304,3 +304,11 @@ def test_copies_to_different_destinations_run_concurrently_and_stay_ordered_with
         for c in copies:  # still after each side's earlier work and before its later work
             for side in ends[id(c)]:
                 assert fake.ordered(results[side][2], c.node) and fake.ordered(c.node, results[side][3])
+    # the longest chain of copies that must run one after another: one per source into a destination (4),
+    # not all 16 (issued on the comm streams, each copy waited for the one before: a chain of 16)
+    depth: dict = {}
+    for c in a2a:  # (issue order is a topological order: a copy waits only for earlier ones)
+        depth[id(c)] = 1 + max(
+            (depth[id(b)] for b in a2a if id(b) in depth and fake.ordered(b.node, c.node)), default=0
+        )
+    assert max(depth.values()) <= 4, f"a chain of {max(depth.values())} copies"
