@@ -409,7 +409,8 @@ class FakeNccl:
         # ring/tree/NVLS per call). Otherwise the call returns at once (the device waits), so the double's
         # wait for the other processes lets go of the launch lock, as a real launch would not be holding it.
         key = (comms[0].uid, name)
-        connecting = comms[0].lazy and key not in self._connected
-        self._connected.add(key)
+        with self.fake.lock:
+            connecting = comms[0].lazy and key not in self._connected
+            self._connected.add(key)
         release = None if connecting else self.fake.released_launch_lock
         self.fabric.issue(name, args, list(comms), parts, release)

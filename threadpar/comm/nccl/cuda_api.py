@@ -47,7 +47,7 @@ class CommStreams:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: set[tuple[str, Any]] = set()
+        self._held: set[tuple[str, Any]] = set()  # torch.cuda.Stream hashes and compares by the CUDA stream
         self._lanes: dict[tuple[str, int], Any] = {}
 
     def acquire(self, cuda: Any, device: torch.device) -> Any:
