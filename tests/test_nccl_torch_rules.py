@@ -257,7 +257,7 @@ def test_live_groups_never_share_a_comm_stream_on_a_device():
 
 
 def test_comm_streams_run_out_with_a_clear_error_and_come_back_when_groups_go():
-    from threadpar.comm.nccl.cuda_api import CommStreams
+    from threadpar.comm.nccl.resources import CommStreams
     from threadpar.errors import ConfigError
 
     fake, registry, cpu = FakeCuda(), CommStreams(), torch.device("cpu")

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.nccl.cuda_api import CliquePool, CommStreams, DeviceInits
+from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceInits
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
 from threadpar.runtime.process_env import ProcessEnv

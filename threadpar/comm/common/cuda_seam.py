@@ -30,15 +30,15 @@ class CudaApi(Protocol):
 
     @property
     def cliques(self) -> Any:
-        """The process's pool of communicator cliques (threadpar.comm.nccl.cuda_api.CliquePool)."""
+        """The process's pool of communicator cliques (threadpar.comm.nccl.resources.CliquePool)."""
 
     @property
     def inits(self) -> Any:
-        """The devices whose communicators are being created (threadpar.comm.nccl.cuda_api.DeviceInits)."""
+        """The devices whose communicators are being created (threadpar.comm.nccl.resources.DeviceInits)."""
 
     @property
     def streams(self) -> Any:
-        """The comm streams live groups hold (threadpar.comm.nccl.cuda_api.CommStreams)."""
+        """The comm streams live groups hold (threadpar.comm.nccl.resources.CommStreams)."""
 
     def nccl_available(self) -> bool: ...
 

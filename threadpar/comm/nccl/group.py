@@ -10,7 +10,7 @@ and records each member's *done* event on its comm stream. Each member gets an `
 Communicators: one clique per group (sub-groups get their own), made on the group's first collective by
 every member thread calling `init_rank` concurrently, as NCCL requires (ncclCommInitAll-style within one
 process), then reused. Comm streams: one per member and group, never shared with another live group
-(cuda_api.CommStreams: torch's pool would hand the same stream to every 32nd group).
+(resources.CommStreams: torch's pool would hand the same stream to every 32nd group).
 
 A group whose members live in several processes (spanning.py) is this class with `local` = the
 members in this process: its rendezvous, launch and grouped calls cover those members only (NCCL ranks are
@@ -36,7 +36,6 @@ from threadpar.comm.common.mailbox import Mailboxes
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.nccl.copies import NcclCopyCollectives
-from threadpar.comm.nccl.cuda_api import CliqueHealth
 from threadpar.comm.nccl.plan import (
     NCCL_OPS,
     ReductionPlan,
@@ -46,6 +45,7 @@ from threadpar.comm.nccl.plan import (
     reduction_plan,
     wire,
 )
+from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.nccl.work import Described, NcclWork
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.errors import ConfigError, NcclError

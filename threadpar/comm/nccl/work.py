@@ -20,7 +20,7 @@ import torch
 
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.rendezvous import Arrival
-from threadpar.comm.nccl.cuda_api import CliqueHealth
+from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.work import Work
 from threadpar.errors import CollectiveTimeoutError, NcclError
 
