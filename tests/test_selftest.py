@@ -44,8 +44,16 @@ def test_the_nccl_backend_agrees_with_the_threads_backend_and_a_wrong_result_fai
     broken.nccl.all_reduce = off_by_one
     rows = selftest.check(fake_gpus(3, broken), threads(3), 3, [4096], 0)
     verdicts = {r[0]: r[2] for r in rows}
-    assert verdicts.pop("all_reduce") == "rank 1: FAIL (max |diff| 1.0)"
-    assert verdicts.pop("broadcast") == "pass" and verdicts.pop("send_recv_ends") == "pass"
+    assert verdicts["all_reduce"] == "rank 1: FAIL (max |diff| 1.0)"
+    # Broadcasts are all-reduces of a buffer zeroed off the source (issue 14, defect 1), so they fail too; the
+    # copies and the other NCCL calls do not, and only rank 1 (whose result was corrupted) is named.
+    assert {name for name, v in verdicts.items() if v != "pass"} <= {
+        "all_reduce", "avg_3_ranks", "broadcast", "subgroup_bcast"
+    }  # fmt: skip
+    assert all(
+        v.startswith("rank 1: ") for name, v in verdicts.items() if v != "pass" and "bcast" not in name
+    )
+    assert verdicts["send_recv_ends"] == verdicts["scatter"] == verdicts["reduce_scatter"] == "pass"
 
 
 def test_a_broadcast_that_ignores_its_root_fails_both_broadcast_rows(monkeypatch):
