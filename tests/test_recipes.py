@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.gpt_reference import train_losses
 
 from threadpar.models.gpt import GPT
 
@@ -23,15 +24,7 @@ def single_thread_losses(recipe, steps: int) -> list[float]:
     dense, batches = recipe.start()
     model = GPT(recipe.CONFIG)
     model.load_state_dict(dense)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.LR)
-    losses = []
-    for step in range(steps):
-        loss = model.loss(*batches.batch(step))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, torch.optim.AdamW(model.parameters(), lr=recipe.LR), batches, steps)
 
 
 @pytest.mark.timeout(180)  # 8 rank threads of the 3D recipe take ~45 s on a shared 2-core machine

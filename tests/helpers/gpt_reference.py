@@ -67,3 +67,17 @@ def check_against(ref, results, *, rtol=1e-4, atol=1e-6):
             )
             covered.add(name)
     assert covered == set(ref.grads), "every parameter's gradient must be checked on some rank"
+
+
+def train_losses(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int
+) -> list[float]:
+    """Train `model` (a plain GPT) on this thread on batches.batch(step) for each step; the loss of each."""
+    losses = []
+    for step in range(steps):
+        loss = model.loss(*batches.batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
