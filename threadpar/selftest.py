@@ -248,12 +248,11 @@ def check(subject: Runner, reference: Runner | None, n: int, sizes: Sequence[int
 
 
 def print_table(rows: list[tuple]) -> None:
-    print(f"{'collective':<30}{'size':>10}  {'check':<28}{'time':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}")
+    print(f"{'collective':<30}{'size':>12}  {'check':<28}{'time':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}")
     for name, size, verdict, seconds, algbw, busbw in rows:
         when = f"{seconds * 1e6:9.1f}us" if seconds else "-"
-        print(
-            f"{(LABELS | MODEL_LABELS).get(name, name):<30}{size:>10}  {verdict:<28}{when:>11}{algbw:12.2f}{busbw:12.2f}"
-        )
+        bw = f"{algbw:12.2f}{busbw:12.2f}" if seconds else f"{'-':>12}{'-':>12}"  # the model steps: not timed
+        print(f"{(LABELS | MODEL_LABELS).get(name, name):<30}{size:>12}  {verdict:<28}{when:>11}{bw}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
