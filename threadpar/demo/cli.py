@@ -10,6 +10,7 @@ from pathlib import Path
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import MODEL_SIZES
 from threadpar.parallel.context_parallel import padding_multiple
+from threadpar.topology import Layout
 
 SCHEDULES = ("afab", "1f1b", "interleaved")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -86,32 +87,21 @@ class DemoConfig:
         self._check_experts()
 
     def _derive_layout(self) -> None:
-        """dp, tp, pp from the flags given: all three left out -> default_layout of the ranks per CP rank."""
-        ranks, total = self.world_size, self._ranks_text()
+        """dp, tp, pp from the flags given: all three left out -> default_layout of the ranks per CP rank;
+        otherwise the library's Layout.build derives dp and checks the sizes."""
+        ranks = self.world_size
         if not isinstance(self.cp, int) or self.cp < 1 or ranks % self.cp:
-            raise ConfigError(f"--cp {self.cp}: must be a positive divisor of {total}")
-        model, names = (self.cp, "cp*tp*pp") if self.cp > 1 else (1, "tp*pp")
+            raise ConfigError(f"--cp {self.cp}: must be a positive divisor of {self._ranks_text()}")
         if all(s is None for s in (self.dp, self.tp, self.pp)):
             self.dp, self.tp, self.pp = default_layout(ranks // self.cp, self.ep if self.moe_experts else 1)
-        else:
-            self.tp = self.tp or 1
-            self.pp = self.pp or 1
-            model *= self.tp * self.pp
-            if self.dp is None:
-                if ranks % model:
-                    raise ConfigError(
-                        f"{total} is not divisible by {names} = {model}; "
-                        f"choose --{names.replace('*', '/--')} whose product divides {ranks}"
-                    )
-                self.dp = ranks // model
-        if self.dp * self.cp * self.tp * self.pp != ranks:
-            sizes = [("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)]
-            sizes = [(n, v) for n, v in sizes if n != "cp" or self.cp > 1]
-            raise ConfigError(
-                f"{'*'.join(n for n, _ in sizes)} = {'*'.join(str(v) for _, v in sizes)} = "
-                f"{self.dp * self.cp * self.tp * self.pp} but {total}; make the product equal "
-                f"{'--gpus' if self.processes == 1 else ranks} (or leave --dp out to derive it)"
-            )
+            return
+        try:
+            layout = Layout.build(ranks, dp=self.dp, tp=self.tp or 1, pp=self.pp or 1, cp=self.cp)
+        except ConfigError as error:
+            sizes = {"dp": self.dp, "cp": self.cp if self.cp > 1 else None, "tp": self.tp, "pp": self.pp}
+            given = [f"--{name} {size}" for name, size in sizes.items() if size is not None]
+            raise ConfigError(f"{self._ranks_text()} with {' '.join(given)}: {error}") from None
+        self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
 
     def _check_sequence_split(self) -> None:
         """Context (and sequence) parallelism split each sequence into equal parts."""
