@@ -12,7 +12,7 @@ from threadpar.errors import ConfigError
 from threadpar.parallel import (
     ColumnParallelLinear,
     ColwiseParallel,
-    ParallelDropout,
+    TrackedDropout,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
     gather_dense_grads,
@@ -162,7 +162,7 @@ def test_dropout_in_the_plan_draws_masks_that_fit_the_activation(sp):
         train_loss = model(idx, targets)
         train_loss.backward()
         model.eval()
-        flags = [m.in_tp_region for m in model.modules() if isinstance(m, ParallelDropout)]
+        flags = [m.in_tp_region for m in model.modules() if isinstance(m, TrackedDropout)]
         return train_loss.detach(), model(idx, targets).detach(), seen[0], flags
 
     results = run_ranks(body, 2, tp=2, kwargs={"plan": right})
