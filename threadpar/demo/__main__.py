@@ -79,10 +79,10 @@ def launch_config(cfg: DemoConfig, backend: str, devices: str | None) -> LaunchC
     """The launch options of a demo run: its layout over all processes, placed by `placement`."""
     return LaunchConfig(
         world_size=cfg.world_size,
-        dp=cfg.dp,
-        cp=cfg.cp,
-        tp=cfg.tp,
-        pp=cfg.pp,
+        dp=cfg.layout.dp,
+        cp=cfg.layout.cp,
+        tp=cfg.layout.tp,
+        pp=cfg.layout.pp,
         backend=backend,
         devices=devices,
         seed=cfg.seed,

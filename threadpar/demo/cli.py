@@ -4,7 +4,7 @@ fail before any thread starts, with a message that says what to pass instead."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from threadpar.errors import ConfigError
@@ -54,6 +54,8 @@ class DemoConfig:
     recompute: bool = False
     sequence_parallel: bool = False
     log_every: int = 1
+    # The library's Layout of the sizes above (dp, tp, pp derived when not given), over all ranks.
+    layout: Layout = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -94,13 +96,13 @@ class DemoConfig:
             raise ConfigError(f"--cp {self.cp}: must be a positive divisor of {self._ranks_text()}")
         if all(s is None for s in (self.dp, self.tp, self.pp)):
             self.dp, self.tp, self.pp = default_layout(ranks // self.cp, self.ep if self.moe_experts else 1)
-            return
         try:
             layout = Layout.build(ranks, dp=self.dp, tp=self.tp or 1, pp=self.pp or 1, cp=self.cp)
         except ConfigError as error:
             sizes = {"dp": self.dp, "cp": self.cp if self.cp > 1 else None, "tp": self.tp, "pp": self.pp}
             given = [f"--{name} {size}" for name, size in sizes.items() if size is not None]
             raise ConfigError(f"{self._ranks_text()} with {' '.join(given)}: {error}") from None
+        self.layout = layout
         self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
 
     def _check_sequence_split(self) -> None:
