@@ -84,6 +84,7 @@ class _Launch:
         self.failures: list[_Failure] = []
         self.contexts = [RankContext(world, r) for r in ranks]
         self.running = [False] * n  # inside the user's function: only then may an abort be injected
+        # Guards running, failures and finished (DESIGN.md rule 10); results[i] is written by rank i alone.
         self.lock = threading.Lock()
         self.finished = 0
         self.all_done = threading.Event()
@@ -96,11 +97,13 @@ class _Launch:
         ctx = self.contexts[i]
         try:
             ctx.enter()
-            self.running[i] = True
+            with self.lock:
+                self.running[i] = True
             try:
-                self.results[i] = self.fn(*self.args, **self.kwargs)
+                self.results[i] = self.fn(*self.args, **self.kwargs)  # read after all_done: ordered by it
             finally:
-                self.running[i] = False
+                with self.lock:
+                    self.running[i] = False
         except BaseException as error:
             self._record(ctx.rank, error)
         finally:
@@ -167,9 +170,10 @@ class _Launch:
         stop waiting for any stuck in native code (they are daemon threads and exit with their op)."""
         if self.all_done.wait(ABORT_GRACE_S):
             return
-        for rank, thread in enumerate(self.threads):
-            if thread.is_alive() and self.running[rank]:
-                _inject(thread)
+        with self.lock:  # (a rank cannot leave its function between the check and the injection's request)
+            for rank, thread in enumerate(self.threads):
+                if thread.is_alive() and self.running[rank]:
+                    _inject(thread)
         self.all_done.wait(INJECT_GRACE_S)
 
 
