@@ -1,7 +1,7 @@
 """Random streams for tensor parallelism: which ranks share a dropout mask, and weight init.
 
 torch.nn.functional.dropout draws from the process-wide default generator, which all rank threads share
-(rule 3 of DESIGN.md), and Megatron's trick of swapping that generator's state per region is not
+(DESIGN.md rule 3), and Megatron's trick of swapping that generator's state per region is not
 thread-safe. So each rank has an RNGTracker of named torch.Generators, and TrackedDropout draws its
 mask from one of them explicitly:
 
