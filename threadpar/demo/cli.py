@@ -70,15 +70,16 @@ class DemoConfig:
         if self.model not in MODEL_SIZES:
             raise ConfigError(f"--model {self.model!r}: choose one of {', '.join(MODEL_SIZES)}")
         if self.microbatches is None:
-            self.microbatches = 2 * self.pp if self.pp > 1 else 1
-        per_replica = self.batch_size // self.dp if self.batch_size % self.dp == 0 else None
+            self.microbatches = 2 * self.layout.pp if self.layout.pp > 1 else 1
+        dp = self.layout.dp
+        per_replica = self.batch_size // dp if self.batch_size % dp == 0 else None
         if per_replica is None:
-            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by dp={self.dp}")
+            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by dp={dp}")
         if per_replica % self.microbatches:
             raise ConfigError(
                 f"each data-parallel replica gets {per_replica} sequences, which do not split into "
                 f"--microbatches {self.microbatches}; choose a batch size divisible by dp*microbatches = "
-                f"{self.dp * self.microbatches}"
+                f"{dp * self.microbatches}"
             )
         for name in ("steps", "seq_len", "batch_size", "log_every"):
             if getattr(self, name) < 1:
@@ -107,11 +108,12 @@ class DemoConfig:
 
     def _check_sequence_split(self) -> None:
         """Context (and sequence) parallelism split each sequence into equal parts."""
-        multiple = padding_multiple(self.cp, self.tp, self.sequence_parallel)
+        tp = self.layout.tp
+        multiple = padding_multiple(self.cp, tp, self.sequence_parallel)
         if self.seq_len % multiple:
             parts = [f"cp={self.cp} (two chunks per CP rank)"] if self.cp > 1 else []
-            if self.sequence_parallel and self.tp > 1:
-                parts.append(f"tp={self.tp} (--sequence-parallel)")
+            if self.sequence_parallel and tp > 1:
+                parts.append(f"tp={tp} (--sequence-parallel)")
             raise ConfigError(
                 f"--seq-len {self.seq_len} does not split over {' x '.join(parts)}: it must be a multiple of "
                 f"{multiple}; choose --seq-len {multiple * max(1, round(self.seq_len / multiple))}"
@@ -135,7 +137,7 @@ class DemoConfig:
                 f"--moe-top-k {self.moe_top_k}: each token goes to between 1 and --moe-experts "
                 f"{self.moe_experts} experts"
             )
-        if self.dp % self.ep:
+        if self.layout.dp % self.ep:
             raise ConfigError(
                 f"--ep {self.ep} must divide dp={self.dp}: the experts are split over ep of the data-parallel "
                 f"replicas; choose a layout whose dp is a multiple of {self.ep} (e.g. --dp {self.ep})"
