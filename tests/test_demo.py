@@ -79,6 +79,7 @@ def test_placement_across_processes(monkeypatch):
         "no CUDA devices: 2 processes x 2 ranks = 4 ranks, as CPU threads",
     )
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 4)
+    monkeypatch.setattr("threadpar.runtime.devices.nccl_built", lambda: True)  # a CUDA torch with NCCL
     backend, devices, line = placement(cfg, env)  # a GPU per rank: NCCL across processes, launch's GPUs
     assert (backend, devices, line) == (
         "nccl",

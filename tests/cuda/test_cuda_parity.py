@@ -87,7 +87,7 @@ def test_gpt_step_under_tp_and_pp_matches_the_single_thread_model(ref, which):
 def test_the_sequence_parallel_gpt_step_matches_the_single_thread_model(ref):
     n = gpus_or_skip(2)
     tp = max(t for t in (2, 4, 8) if n % t == 0 and SMALL.n_head % t == 0)
-    results = run_gpus(hybrid_step, n, ref, "1f1b", 2, sequence_parallel=True, dp=n // tp, tp=tp)
+    results = run_gpus(hybrid_step, n, ref, "1f1b", 2, kwargs={"sequence_parallel": True}, dp=n // tp, tp=tp)
     check_against(ref, results, rtol=1e-3, atol=1e-5)
 
 

@@ -18,9 +18,10 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_gpus(fn: Callable[..., Any], world_size: int, *args: Any, **layout: Any) -> list[Any]:
-    """`fn` on `world_size` GPUs (one rank thread each) with the nccl backend; a rank's error re-raised."""
-    return run_ranks(fn, world_size, *args, devices=None, backend="nccl", timeout=GPU_TIMEOUT_S, **layout)
+def run_gpus(fn: Callable[..., Any], world_size: int, *args: Any, **options: Any) -> list[Any]:
+    """`fn` on `world_size` GPUs (one rank thread each) with the nccl backend; `options` are launch options
+    (layout, kwargs={...} for fn); a rank's error re-raised."""
+    return run_ranks(fn, world_size, *args, devices=None, backend="nccl", timeout=GPU_TIMEOUT_S, **options)
 
 
 def gpus_or_skip(at_least: int) -> int:

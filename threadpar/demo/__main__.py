@@ -79,7 +79,8 @@ def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -
         ) from None
     # One GPU per rank: NCCL, also for the groups that span processes (threadpar.comm.nccl.spanning).
     placed = resolve_placement(cfg.gpus, local, 1, None, "auto", n_cuda=n_cuda)
-    return placed.backend, None, f"{ranks} on {cfg.world_size} GPUs (NCCL, also between processes)"
+    how = "NCCL, also between processes" if placed.backend == "nccl" else "no NCCL in this torch: threads"
+    return placed.backend, None, f"{ranks} on {cfg.world_size} GPUs ({how})"
 
 
 def launch_config(cfg: DemoConfig, backend: str, devices: str | None) -> LaunchConfig:
