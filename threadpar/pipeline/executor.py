@@ -15,9 +15,11 @@ detached tensors do not), and a chunk may leave any of them unused. The first st
 stage's targets may be such structures too: every tensor in them is split along dim 0, and `loss_fn` gets
 the last chunk's output as it returned it.
 
-Each microbatch's saved activations are released as soon as its backward has run. A chunk that has a
-`no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its last of the step
-inside `no_sync()`, so its gradients are synchronized once per step, after the last microbatch.
+Each microbatch's saved activations are released as soon as its backward has run (for a split backward:
+its W). A chunk that has a `no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its
+last of the step inside `no_sync()`, so its gradients are synchronized once per step, after the last
+microbatch; with a split backward that last one is the chunk's last W (split_backward.py: W accumulates
+through the parameters' AccumulateGrad nodes, where the reducer's hooks are).
 """
 
 from __future__ import annotations
@@ -47,9 +49,20 @@ from threadpar.pipeline.p2p import (
 )
 from threadpar.pipeline.schedule import Action, Plan, build_plan
 from threadpar.pipeline.simulator import Simulation, simulate
+from threadpar.pipeline.split_backward import (
+    PendingWeights,
+    backward_input,
+    backward_weight,
+    loss_gradient,
+    receive_output_gradients,
+)
 from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
 from threadpar.runtime.context import get_group
+
+
+_CATEGORY = {"F": "forward", "B": "backward", "W": "weight"}  # timeline categories
+_DESCRIPTION = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
@@ -121,8 +134,11 @@ class PipelineParallel:
         self._from_prev = Link(channel, ranks[(self.stage - 1) % self.pp], self.device, self.timeline)
         self._to_next = Link(channel, ranks[(self.stage + 1) % self.pp], self.device, self.timeline)
         self._anchor = gradient_anchor(self.device)
-        # Gradient sync (DDP chunks): only the last backward of each chunk runs outside no_sync().
-        last_backward = {a.chunk: i for i, a in enumerate(self.actions) if not a.forward}
+        self._trainable = [[p for p in c.parameters() if p.requires_grad] for c in chunk_list]
+        self._check_weight_actions()
+        # Gradient sync (DDP chunks): only the last action of each chunk that accumulates weight gradients
+        # (a fused backward or a W) runs outside no_sync().
+        last_backward = {a.chunk: i for i, a in enumerate(self.actions) if self._accumulates(a)}
         self._sync_indices = frozenset(last_backward.values())
         self._forward_plan: tuple[Plan, Simulation] | None = None
         self._check_agreement()
@@ -145,6 +161,22 @@ class PipelineParallel:
                 f"{self.num_microbatches} and {v} chunks on this rank; pass a training plan of those sizes"
             )
         return schedule, simulate(schedule)
+
+    def _accumulates(self, action: Action) -> bool:
+        """Whether `action` accumulates weight gradients: a W, or a backward that is not split."""
+        return action.weight or (not action.forward and action.key not in self.plan.split)
+
+    def _check_weight_actions(self) -> None:
+        """W actions need weights: a chunk without trainable parameters has no weight gradient to defer."""
+        for local, params in enumerate(self._trainable):
+            chunk = local * self.pp + self.stage
+            if not params and any(c == chunk for c, _ in self.plan.split):
+                raise ConfigError(
+                    f"PipelineParallel: schedule {self.plan.name!r} has W actions (weight gradients) for chunk "
+                    f"{chunk} on stage {self.stage}, but that chunk has no parameter that requires grad; use "
+                    "a schedule without W actions (e.g. '1f1b' or 'interleaved'), or a plan whose backwards "
+                    "of that chunk are fused (a B with no W)"
+                )
 
     def _check_agreement(self) -> None:
         """Every stage must run the same plan with the same chunk count: check once, instead of hanging."""
@@ -178,12 +210,19 @@ class PipelineParallel:
         input_mbs = self._split("inputs", inputs) if self.is_first_stage else None
         target_mbs = self._split("targets", targets) if self.is_last_stage else None
         saved: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk, microbatch) -> backward root
+        pending: dict[tuple[int, int], PendingWeights] = {}  # split B's waiting for their W
         losses: list[torch.Tensor] = []
         peak = 0
 
         def run(index: int, action: Action) -> None:
             nonlocal peak
-            if action.forward:
+            if action.weight:
+                # W: the weight gradients; then the graph (kept by `saved` until here) is freed.
+                self._backward_weight(action, index, pending.pop(action.key))
+                del saved[action.key]
+            elif not action.forward and action.key in self.plan.split:
+                pending[action.key] = self._backward_input(action, saved[action.key])
+            elif action.forward:
                 output = self._forward(action, input_mbs)
                 if action.chunk == self.plan.num_chunks - 1:
                     loss = self._loss(output, target_mbs[action.microbatch])
@@ -243,13 +282,13 @@ class PipelineParallel:
             except Exception as error:
                 add_note(error, self._failure_report(simulation, index, action))
                 raise
-            record(str(action), "forward" if action.forward else "backward", t0, time.perf_counter())
+            record(str(action), _CATEGORY[action.kind], t0, time.perf_counter())
 
     def _failure_report(self, simulation: Simulation, index: int, action: Action) -> str:
         grid = simulation.grid(mark=[(self.stage, index)], legend="[x] = the failing action (unit-cost grid)")
         return (
             f"pipeline schedule {simulation.plan.name!r} failed on rank {self.group.global_rank} "
-            f"(stage {self.stage}) in action {action} ({'forward' if action.forward else 'backward'} of "
+            f"(stage {self.stage}) in action {action} ({_DESCRIPTION[action.kind]} of "
             f"microbatch {action.microbatch} through chunk {action.chunk}), its action #{index}:\n{grid}"
         )
 
@@ -262,12 +301,7 @@ class PipelineParallel:
         return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
 
     def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
-        module = self.chunks[action.local_chunk(self.pp)]
-        no_sync = getattr(module, "no_sync", None)
-        sync_guard = (
-            no_sync() if callable(no_sync) and index not in self._sync_indices else contextlib.nullcontext()
-        )
-        with sync_guard:
+        with self._sync_guard(self.chunks[action.local_chunk(self.pp)], index):
             if action.chunk == self.plan.num_chunks - 1:
                 if root is not None and root.requires_grad:
                     root.backward()
@@ -277,6 +311,35 @@ class PipelineParallel:
                 run_backward(root)
         if action.chunk > 0:  # sends dL/d(input) back, or "none" if this backward never reached the input
             settle_gradient(self._from_prev, chunk=action.chunk, microbatch=action.microbatch)
+
+    def _sync_guard(self, module: nn.Module, index: int) -> contextlib.AbstractContextManager:
+        """no_sync() for a DDP chunk, except in the chunk's last gradient-accumulating action of the step."""
+        no_sync = getattr(module, "no_sync", None)
+        if callable(no_sync) and index not in self._sync_indices:
+            return no_sync()
+        return contextlib.nullcontext()
+
+    def _backward_input(self, action: Action, root: torch.Tensor | None) -> PendingWeights:
+        """B of a split backward: dL/d(input) only, sent upstream at once; returns what its W needs."""
+        local = action.local_chunk(self.pp)
+        edges, grads = [], []
+        if root is not None:
+            if action.chunk == self.plan.num_chunks - 1:
+                edges, grads = loss_gradient(root)
+            else:
+                edges, grads = receive_output_gradients(root, self._anchor)
+        # No weight gradient is accumulated here, so no DDP hook fires; no_sync() only for clarity.
+        with self._sync_guard(self.chunks[local], -1):
+            weights = backward_input(edges, grads, self._anchor, self._trainable[local])
+        if action.chunk > 0:
+            settle_gradient(self._from_prev, chunk=action.chunk, microbatch=action.microbatch)
+        return weights
+
+    def _backward_weight(self, action: Action, index: int, weights: PendingWeights) -> None:
+        """W of a split backward: the weight gradients from what its B kept."""
+        local = action.local_chunk(self.pp)
+        with self._sync_guard(self.chunks[local], index):
+            backward_weight(weights)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self.loss_fn(output, target)

@@ -1,16 +1,25 @@
 """Pipeline schedules as data (pure: no torch, no threads): actions, plans, their text form, generators.
 
-An `Action` is one unit of work on one rank: the forward or backward of one microbatch through one chunk.
+An `Action` is one unit of work on one rank: the forward (F), backward (B) or weight-gradient (W) pass of one
+microbatch through one chunk.
 Chunks are numbered globally (virtual stages): chunk c runs on rank c % pp as local chunk c // pp, so the
 forward of chunk c feeds chunk c + 1, which runs on the next rank (wrapping from the last rank to rank 0
 when a rank holds several chunks). Its short form is torch.distributed.pipelining's: "1F3" is chunk 1,
 forward, microbatch 3.
+
+Zero-bubble schedules split a backward in two (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): B
+computes the gradient of the chunk's input only and sends it upstream at once; W computes the gradient of
+the chunk's weights later, from what B kept, filling what would be a bubble. A plan says which backwards are
+split by containing a W: "0B3" is the input-gradient half when the plan also holds "0W3", and the whole
+(fused) backward when it does not. So every existing plan means what it meant.
 
 A `Plan` is every rank's ordered action list. The generators build the classic schedules:
 
 - afab / gpipe: all forwards, then all backwards (InfiniTrain's GPipe table, chunks in step order).
 - 1f1b: pp - rank - 1 warm-up forwards, then one forward one backward, then the remaining backwards.
 - interleaved: Megatron's interleaved 1F1B over v chunks per rank (needs n to be a multiple of pp).
+- zbh1: ZB-H1, 1F1B's order with every backward split and the W's deferred to fill the bubbles.
+- zb_interleaved: the same on interleaved 1F1B's order (torch's ScheduleInterleavedZeroBubble).
 
 `simulator.simulate` runs a plan to prove it cannot deadlock and to predict its timing.
 """
@@ -30,15 +39,27 @@ class ScheduleError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """The forward or backward of `microbatch` through global chunk `chunk`, on `rank`."""
+    """The forward, backward or (`weight`) weight-gradient pass of `microbatch` through global chunk `chunk`,
+    on `rank`. A W has forward=False and weight=True."""
 
     rank: int
     chunk: int
     microbatch: int
     forward: bool
+    weight: bool = False
+
+    @property
+    def kind(self) -> str:
+        """"F", "B" or "W"."""
+        return "F" if self.forward else "W" if self.weight else "B"
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(chunk, microbatch): what the F, B and W of one microbatch through one chunk share."""
+        return (self.chunk, self.microbatch)
 
     def __str__(self) -> str:
-        return f"{self.chunk}{'F' if self.forward else 'B'}{self.microbatch}"
+        return f"{self.chunk}{self.kind}{self.microbatch}"
 
     def local_chunk(self, pp: int) -> int:
         """Index of the chunk among the rank's own chunks."""
@@ -50,13 +71,14 @@ class Action:
         match = _ACTION_RE.fullmatch(text.strip())
         if match is None:
             raise ScheduleError(
-                f"cannot parse action {text!r}: write chunk, F or B, microbatch, e.g. '0F1' or '3B0'"
+                f"cannot parse action {text!r}: write chunk, F, B or W, microbatch, e.g. '0F1', '3B0', '3W0'"
             )
         chunk, kind, microbatch = match.groups()
-        return cls(rank, int(chunk), int(microbatch), kind.upper() == "F")
+        kind = kind.upper()
+        return cls(rank, int(chunk), int(microbatch), kind == "F", kind == "W")
 
 
-_ACTION_RE = re.compile(r"(\d+)([FBfb])(\d+)")
+_ACTION_RE = re.compile(r"(\d+)([FBWfbw])(\d+)")
 
 
 @dataclass(frozen=True)
@@ -69,11 +91,14 @@ class Plan:
     v: int
     actions: tuple[tuple[Action, ...], ...]  # actions[rank], in execution order
     forward_only: bool = field(init=False)
+    # (chunk, microbatch) whose backward is split: its B computes the input gradient only, its W the rest
+    split: frozenset[tuple[int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
         actions = [a for row in self.actions for a in row]
         object.__setattr__(self, "forward_only", bool(actions) and all(a.forward for a in actions))
+        object.__setattr__(self, "split", frozenset(a.key for a in actions if a.weight))
         _validate(self)
 
     @property
@@ -112,14 +137,15 @@ class Plan:
 
 def _validate(plan: Plan) -> None:
     """Structural checks: every (chunk, microbatch) forward, and backward unless forward-only, exactly
-    once on its rank, each backward after its forward. Whether the plan deadlocks is the simulator's job."""
+    once on its rank, each backward after its forward, each W (optional) after its B. Whether the plan
+    deadlocks is the simulator's job."""
     for name in ("pp", "n", "v"):
         value = getattr(plan, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"plan {plan.name!r}: {name} must be a positive int, got {value!r}")
     if len(plan.actions) != plan.pp:
         raise ScheduleError(f"plan {plan.name!r} has {len(plan.actions)} rank rows for pp={plan.pp}")
-    seen: dict[tuple[int, int, bool], int] = {}
+    seen: dict[tuple[int, int, str], int] = {}
     for rank, row in enumerate(plan.actions):
         for index, a in enumerate(row):
             where = f"plan {plan.name!r}, rank {rank}, action {index} ({a})"
@@ -129,21 +155,21 @@ def _validate(plan: Plan) -> None:
                 raise ScheduleError(
                     f"{where}: chunk must be in 0..{plan.num_chunks - 1}, microbatch in 0..{plan.n - 1}"
                 )
-            key = (a.chunk, a.microbatch, a.forward)
+            key = (a.chunk, a.microbatch, a.kind)
             if key in seen:
                 raise ScheduleError(f"{where}: {a} appears twice")
-            if not a.forward and (a.chunk, a.microbatch, True) not in seen:
-                raise ScheduleError(
-                    f"{where}: the backward comes before its forward {a.chunk}F{a.microbatch}"
-                )
+            before = {"B": "F", "W": "B"}.get(a.kind)
+            if before is not None and (a.chunk, a.microbatch, before) not in seen:
+                what = "the backward comes before its forward" if before == "F" else "the W comes before its B"
+                raise ScheduleError(f"{where}: {what} {a.chunk}{before}{a.microbatch}")
             seen[key] = index
-    kinds = (True,) if plan.forward_only else (True, False)
+    kinds = ("F",) if plan.forward_only else ("F", "B")
     missing = [
-        Action(c % plan.pp, c, m, f)
+        Action(c % plan.pp, c, m, k == "F")
         for c in range(plan.num_chunks)
         for m in range(plan.n)
-        for f in kinds
-        if (c, m, f) not in seen
+        for k in kinds
+        if (c, m, k) not in seen
     ]
     if missing:
         shown = ", ".join(f"r{a.rank}:{a}" for a in missing[:8]) + (" ..." if len(missing) > 8 else "")
@@ -227,6 +253,62 @@ def interleaved_1f1b(pp: int, n: int, v: int = 2) -> Plan:
     return Plan("interleaved", pp, n, v, tuple(tuple(row) for row in rows))
 
 
+def _split_backwards(base: Plan, name: str) -> Plan:
+    """The zero-bubble form of a 1F1B-ordered plan: every backward becomes a B (input gradient only, sent
+    upstream at once), and rank r keeps its first r W's for later (the order of torch's
+    ScheduleInterleavedZeroBubble): after each further B it runs the W of its oldest pending B, and the W's
+    still pending run at the end, where 1F1B's ranks wait for the last gradients. Ranks nearer the end of
+    the pipeline defer more W's, because their cool-down bubble is the longest."""
+    rows = []
+    for r, row in enumerate(base.actions):
+        out: list[Action] = []
+        pending: list[Action] = []
+        backwards = 0
+        for a in row:
+            out.append(a)
+            if a.forward:
+                continue
+            pending.append(a)
+            if backwards >= r:
+                w = pending.pop(0)
+                out.append(Action(r, w.chunk, w.microbatch, False, True))
+            backwards += 1
+        out += [Action(r, w.chunk, w.microbatch, False, True) for w in pending]
+        rows.append(out)
+    return Plan(name, base.pp, base.n, base.v, tuple(tuple(row) for row in rows))
+
+
+def zbh1(pp: int, n: int, v: int = 1) -> Plan:
+    """ZB-H1 (Qi et al. 2023): 1F1B's forwards and backwards, every backward split into B and W, the W's
+    deferred into what 1F1B leaves idle. With F = B = W its idle time is about a third of 1F1B's, and at most
+    pp microbatches are in flight on any rank (1F1B's peak, on its first rank)."""
+    _check_sizes("zbh1", pp, n, v)
+    if v != 1:
+        raise ConfigError(
+            f"schedule 'zbh1' runs one chunk per rank, but this rank has {v}; use "
+            "schedule='zb_interleaved' for several chunks per rank"
+        )
+    return _split_backwards(one_f_one_b(pp, n), "zbh1")
+
+
+def zb_interleaved(pp: int, n: int, v: int = 2) -> Plan:
+    """Interleaved zero bubble: interleaved 1F1B's order (v >= 2 chunks per rank, n a multiple of pp) with
+    every backward split into B and W as in `zbh1` (torch's ScheduleInterleavedZeroBubble)."""
+    _check_sizes("zb_interleaved", pp, n, v)
+    if v < 2:
+        raise ConfigError(
+            "schedule 'zb_interleaved' needs at least 2 chunks per rank; with one chunk per rank use "
+            "schedule='zbh1'"
+        )
+    if n % pp:
+        raise ConfigError(
+            f"schedule 'zb_interleaved' sends microbatches through the chunks in groups of pp={pp}, so "
+            f"num_microbatches must be a multiple of {pp}; got {n}: use {max(pp, n - n % pp)} or "
+            f"{n - n % pp + pp}, or schedule='zbh1'"
+        )
+    return _split_backwards(interleaved_1f1b(pp, n, v), "zb_interleaved")
+
+
 SCHEDULES: dict[str, Callable[[int, int, int], Plan]] = {
     "afab": afab,
     "gpipe": afab,
@@ -234,16 +316,20 @@ SCHEDULES: dict[str, Callable[[int, int, int], Plan]] = {
     "interleaved": interleaved_1f1b,
     "interleaved_1f1b": interleaved_1f1b,
     "interleaved1f1b": interleaved_1f1b,
+    "zbh1": zbh1,
+    "zb_h1": zbh1,
+    "zb_interleaved": zb_interleaved,
+    "interleaved_zb": zb_interleaved,
 }
 
 
 def build_plan(schedule: str, pp: int, n: int, v: int = 1) -> Plan:
-    """The plan of a named schedule ("afab"/"gpipe", "1f1b", "interleaved") for pp ranks, n microbatches
+    """The plan of a named schedule ("afab"/"gpipe", "1f1b", "interleaved", "zbh1", "zb_interleaved") for pp ranks, n microbatches
     and v chunks per rank; raises ConfigError at once for sizes the schedule cannot run."""
     key = schedule.lower().replace("-", "_") if isinstance(schedule, str) else None
     if key not in SCHEDULES:
         raise ConfigError(
             f"unknown pipeline schedule {schedule!r}; use one of 'afab' (alias 'gpipe'), '1f1b', "
-            "'interleaved', or pass a Plan"
+            "'interleaved', 'zbh1', 'zb_interleaved', or pass a Plan"
         )
     return SCHEDULES[key](pp, n, v)

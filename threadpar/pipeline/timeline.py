@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from threadpar.errors import ConfigError
 
-ACTION_CATEGORIES = ("forward", "backward")
+ACTION_CATEGORIES = ("forward", "backward", "weight")
 COMM_CATEGORIES = ("send", "recv")
 
 
