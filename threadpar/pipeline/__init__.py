@@ -30,8 +30,10 @@ from threadpar.pipeline.schedule import (
     build_plan,
     interleaved_1f1b,
     one_f_one_b,
+    zb_interleaved,
+    zbh1,
 )
-from threadpar.pipeline.simulator import Simulation, in_flight_peaks, simulate
+from threadpar.pipeline.simulator import Simulation, awaiting_weight_peaks, in_flight_peaks, simulate
 from threadpar.pipeline.stage import build_chunks
 from threadpar.pipeline.timeline import (
     Event,
@@ -54,6 +56,7 @@ __all__ = [
     "StageInfo",
     "Timeline",
     "afab",
+    "awaiting_weight_peaks",
     "build_chunks",
     "build_plan",
     "chrome_trace",
@@ -71,4 +74,6 @@ __all__ = [
     "simulate",
     "step_time",
     "write_chrome_trace",
+    "zb_interleaved",
+    "zbh1",
 ]

@@ -60,7 +60,6 @@ from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_
 from threadpar.pipeline.timeline import Timeline
 from threadpar.runtime.context import get_group
 
-
 _CATEGORY = {"F": "forward", "B": "backward", "W": "weight"}  # timeline categories
 _DESCRIPTION = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
@@ -322,7 +321,8 @@ class PipelineParallel:
     def _backward_input(self, action: Action, root: torch.Tensor | None) -> PendingWeights:
         """B of a split backward: dL/d(input) only, sent upstream at once; returns what its W needs."""
         local = action.local_chunk(self.pp)
-        edges, grads = [], []
+        edges: list = []
+        grads: list[torch.Tensor] = []
         if root is not None:
             if action.chunk == self.plan.num_chunks - 1:
                 edges, grads = loss_gradient(root)

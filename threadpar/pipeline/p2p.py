@@ -148,6 +148,7 @@ class _SendActivation(torch.autograd.Function):
     def forward(ctx, activation: torch.Tensor, link: Link, forward_tag: int, backward_tag: int):
         link.send(activation, forward_tag)
         ctx.link, ctx.backward_tag = link, backward_tag
+        ctx.tensor_inputs = (0,)  # see output_gradients
         return activation.new_empty(0)
 
     @staticmethod
@@ -163,6 +164,7 @@ class _DropGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, link: Link, backward_tag: int):
         ctx.link, ctx.backward_tag = link, backward_tag
+        ctx.tensor_inputs = (0,)
         return anchor.new_empty(0)
 
     @staticmethod
@@ -179,6 +181,7 @@ class _SendLeaves(torch.autograd.Function):
     def forward(ctx, link: Link, message: torch.Tensor, forward_tag: int, backward_tag: int, metas, *flagged):
         link.send(message, forward_tag)
         ctx.link, ctx.backward_tag, ctx.metas = link, backward_tag, metas
+        ctx.tensor_inputs = (1, *range(5, 5 + len(flagged)))  # message, flagged
         return torch.empty(0, device=message.device)
 
     @staticmethod
@@ -285,6 +288,22 @@ def settle_gradient(link: Link, *, chunk: int, microbatch: int) -> None:
     tag = message_tag(microbatch, chunk - 1, backward=True)
     if tag in link.owed:
         link.pay(_no_gradient(link.device), tag)
+
+
+def output_gradients(token: torch.Tensor) -> list[tuple[Any, int, torch.Tensor]]:
+    """Receive dL/d(output) for the token of a send, without running anything else: each gradient that
+    arrived with the graph edge (node, output number) it continues on. The token's node is called directly,
+    not through the engine: asked for its inputs' edges, the engine would also run the nodes between them
+    (an output computed from another one) and sum their gradients in. A custom Function node has one edge
+    per tensor argument of its forward, in order; `tensor_inputs` says which arguments those were."""
+    node: Any = token.grad_fn  # a custom Function's node: it has apply() and what its forward put in ctx
+    grads = node.apply(token.new_empty(0))
+    pairs = []
+    for (child, nr), position in zip(node.next_functions, node.tensor_inputs):
+        grad = grads[position]
+        if child is not None and grad is not None:
+            pairs.append((child, nr, grad))
+    return pairs
 
 
 def run_backward(token: torch.Tensor) -> None:

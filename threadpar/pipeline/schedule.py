@@ -50,7 +50,7 @@ class Action:
 
     @property
     def kind(self) -> str:
-        """"F", "B" or "W"."""
+        """ "F", "B" or "W"."""
         return "F" if self.forward else "W" if self.weight else "B"
 
     @property
@@ -160,7 +160,9 @@ def _validate(plan: Plan) -> None:
                 raise ScheduleError(f"{where}: {a} appears twice")
             before = {"B": "F", "W": "B"}.get(a.kind)
             if before is not None and (a.chunk, a.microbatch, before) not in seen:
-                what = "the backward comes before its forward" if before == "F" else "the W comes before its B"
+                what = (
+                    "the backward comes before its forward" if before == "F" else "the W comes before its B"
+                )
                 raise ScheduleError(f"{where}: {what} {a.chunk}{before}{a.microbatch}")
             seen[key] = index
     kinds = ("F",) if plan.forward_only else ("F", "B")

@@ -100,9 +100,7 @@ def _cost_function(
             raise ConfigError(f"{name} cost must be a non-negative number, got {value!r}")
     fused = backward + weight
     split = plan.split
-    return lambda a: (
-        forward if a.forward else weight if a.weight else backward if a.key in split else fused
-    )
+    return lambda a: forward if a.forward else weight if a.weight else backward if a.key in split else fused
 
 
 def simulate(

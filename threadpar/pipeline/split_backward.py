@@ -25,9 +25,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from threadpar.pipeline.p2p import output_gradients
 
 Captured = tuple[torch.Tensor | None, ...]  # the gradients a node received, one per output of its forward
 
@@ -39,7 +42,8 @@ def grad_node(tensor: torch.Tensor) -> Node | None:
     if not tensor.requires_grad:
         return None
     # A leaf's AccumulateGrad node exists while a graph refers to it; a view reaches it (as torch does).
-    return tensor.view_as(tensor).grad_fn.next_functions[0][0]
+    view_node: Any = tensor.view_as(tensor).grad_fn
+    return view_node.next_functions[0][0]
 
 
 @dataclass
@@ -150,6 +154,13 @@ def _recorder(store: dict[Node, Captured], node: Node):
     return hook
 
 
+def _replacer(captured: Captured):
+    def hook(_grad_outputs: Captured) -> Captured:
+        return captured
+
+    return hook
+
+
 def backward_weight(pending: PendingWeights) -> None:
     """W: the weight gradients from what B recorded, accumulated into .grad in one backward (hooks fire)."""
     totals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, gradient)
@@ -172,14 +183,12 @@ def backward_weight(pending: PendingWeights) -> None:
         # Several boundary nodes of one group may lie on one path (a weight used twice): the recorded
         # gradient already holds what flows between them, so each takes exactly what B recorded.
         handles = (
-            [n.register_prehook(lambda _g, c=group.captured.get(n, ()): c) for n in group.boundary]
+            [n.register_prehook(_replacer(group.captured.get(n, ()))) for n in group.boundary]
             if len(group.boundary) > 1
             else []
         )
         try:
-            grads = torch.autograd.grad(
-                roots, group.params, root_grads, retain_graph=True, allow_unused=True
-            )
+            grads = torch.autograd.grad(roots, group.params, root_grads, retain_graph=True, allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
@@ -208,17 +217,12 @@ def loss_gradient(loss: torch.Tensor) -> tuple[list[GradientEdge], list[torch.Te
 def receive_output_gradients(
     token: torch.Tensor, anchor: torch.Tensor
 ) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-    """Run only the token's own node (p2p's send Function: it receives dL/d(output) from the next stage)
-    and return the edges into the chunk's graph with the gradients that arrived (those that did). A token
-    that only drops an unwanted gradient (its edge leads to the `anchor`) leaves nothing to do."""
+    """dL/d(output) from the next stage (p2p.output_gradients: the token's own node only), as the edges into
+    the chunk's graph and their gradients, one per edge (summed where two outputs share one). A token that
+    only drops an unwanted gradient (its edge leads to the `anchor`) leaves nothing to do."""
     anchor_node = grad_node(anchor)
-    edges, seen = [], set()
-    for node, nr in token.grad_fn.next_functions:
-        if node is not None and (node, nr) not in seen:  # one edge once: its gradient is the sum
-            seen.add((node, nr))
-            edges.append(GradientEdge(node, nr))
-    if not edges:
-        return [], []
-    grads = torch.autograd.grad(token, edges, token.new_empty(0), retain_graph=True, allow_unused=True)
-    kept = [(e, g) for e, g in zip(edges, grads) if g is not None and e.node is not anchor_node]
-    return [e for e, _ in kept], [g for _, g in kept]
+    summed: dict[tuple[Node, int], torch.Tensor] = {}
+    for node, nr, grad in output_gradients(token):
+        if node is not anchor_node:
+            summed[(node, nr)] = grad if (node, nr) not in summed else summed[(node, nr)] + grad
+    return [GradientEdge(n, nr) for n, nr in summed], list(summed.values())
