@@ -67,6 +67,10 @@ class Timeline:
         comm = sum(e.duration for e in self.events if e.category in COMM_CATEGORIES)
         return actions - comm
 
+    def waiting_time(self) -> float:
+        """Seconds spent in receives: mostly waiting for the peer's message to arrive."""
+        return sum(e.duration for e in self.events if e.category == "recv")
+
     def __repr__(self) -> str:
         return f"Timeline(rank={self.rank}, stage={self.stage}, {len(self.events)} events)"
 
