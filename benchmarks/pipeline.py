@@ -43,6 +43,7 @@ from threadpar.pipeline import (
     step_time,
     write_chrome_trace,
 )
+from threadpar.pipeline.wire import WireClock, install_wire
 
 SCHEDULES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zb_interleaved", 2)]
 
@@ -107,12 +108,19 @@ def sleep_costs(plan, forward_s: float, backward_s: float, weight_s: float):
     return cost
 
 
-def worker(schedule: str, v: int, n: int, costs: tuple[float, float, float], repeats: int, prefetch: bool):
-    """On every rank: a warm-up step, then `repeats` timed steps; return their timelines and the peak."""
+def worker(
+    schedule: str, v: int, n: int, costs: tuple[float, float, float], repeats: int, wire: tuple | None
+):
+    """On every rank: a warm-up step, then `repeats` timed steps; return their timelines and the peak.
+    `wire`: (prefetch, latency, clock) to run over a WireChannel, or None for the threads backend as it is."""
     forward_s, backward_s, weight_s = costs
     chunks = [SleepChunk(16, forward_s / v, backward_s / v, weight_s / v) for _ in range(v)]
     loss_fn = lambda y, t: (y - t).square().mean()  # noqa: E731
-    pipe = PipelineParallel(chunks, loss_fn=loss_fn, schedule=schedule, num_microbatches=n)
+    pipe = PipelineParallel(
+        chunks, loss_fn=loss_fn, schedule=schedule, num_microbatches=n, prefetch=wire is None or wire[0]
+    )
+    if wire is not None:
+        install_wire(pipe, wire[1], wire[2])
     inputs, targets = torch.randn(4 * n, 16), torch.zeros(4 * n, 16)
     pp_group = threadpar.get_group("PP")
     pipe.train_step(inputs, targets)
@@ -124,11 +132,13 @@ def worker(schedule: str, v: int, n: int, costs: tuple[float, float, float], rep
     return timelines, pipe.peak_saved_activations
 
 
-def measure(schedule: str, v: int, args, prefetch: bool = True) -> dict:
+def measure(schedule: str, v: int, args, prefetch: bool | None = None) -> dict:
+    """prefetch=None: the threads backend as it is; True/False: over a WireChannel of args.wire_ms."""
     pp, n = args.pp, args.microbatches
     costs = (args.forward_ms / 1e3, args.backward_ms / 1e3, args.weight_ms / 1e3)
+    wire = None if prefetch is None else (prefetch, args.wire_ms / 1e3, WireClock())
     per_rank = threadpar.launch(
-        worker, schedule, v, n, costs, args.repeats, prefetch, world_size=pp, pp=pp, devices="cpu"
+        worker, schedule, v, n, costs, args.repeats, wire, world_size=pp, pp=pp, devices="cpu"
     )
     # steps[i]: every rank's timeline of the i-th timed step
     steps = [[rank[0][i] for rank in per_rank] for i in range(args.repeats)]
@@ -174,6 +184,7 @@ def main() -> None:
         "--backward-ms", type=float, default=20.0, help="input-gradient cost (B) of one stage"
     )
     parser.add_argument("--weight-ms", type=float, default=20.0, help="weight-gradient cost (W) of one stage")
+    parser.add_argument("--wire-ms", type=float, default=5.0, help="transfer time of the modelled link")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="3 repeats")
     parser.add_argument("--trace", metavar="DIR", help="write a Chrome trace per schedule into DIR")
@@ -196,6 +207,28 @@ def main() -> None:
         f"{zb['predicted_bubble'] / base['predicted_bubble']:.3f}), its idle time / 1F1B's: "
         f"{zb['idle'] / base['idle']:.3f} (in theory {zb['predicted_idle'] / base['predicted_idle']:.3f})"
     )
+    print(
+        f"\n# receives posted ahead: each message over a modelled link (WireChannel) whose {args.wire_ms:g} ms "
+        "transfer starts once the receive is posted; waiting = seconds in receives, summed over ranks\n"
+    )
+    rows = []
+    for schedule, v in SCHEDULES:
+        off, on = (measure(schedule, v, args, prefetch=flag) for flag in (False, True))
+        rows.append([
+            schedule, f"{off['waiting'] * 1e3:.1f} ms", f"{on['waiting'] * 1e3:.1f} ms",
+            f"{on['waiting'] / off['waiting']:.2f}", fmt_time(off["step"]), fmt_time(on["step"]),
+            f"{on['step'] / off['step']:.3f}",
+        ])  # fmt: skip
+    headers = [
+        "schedule",
+        "waiting, prefetch off",
+        "prefetch on",
+        "on/off",
+        "step, off",
+        "step, on",
+        "on/off",
+    ]
+    print(table(headers, rows))
 
 
 def schedule_table(results: dict) -> str:

@@ -42,6 +42,7 @@ from threadpar.pipeline.p2p import (
     add_note,
     check_tag_range,
     gradient_anchor,
+    message_tag,
     recv_activation,
     run_backward,
     send_activation,
@@ -101,6 +102,7 @@ class PipelineParallel:
         num_microbatches: int,
         group: ProcessGroup | str | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        prefetch: bool = True,
     ) -> None:
         chunk_list = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         if not chunk_list or not all(isinstance(c, nn.Module) for c in chunk_list):
@@ -113,6 +115,7 @@ class PipelineParallel:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"PipelineParallel: num_microbatches must be a positive int, got {n!r}")
         self.chunks = chunk_list
+        self.prefetch = bool(prefetch)  # post the next action's receive before the current compute
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.num_microbatches = n
@@ -140,6 +143,7 @@ class PipelineParallel:
         last_backward = {a.chunk: i for i, a in enumerate(self.actions) if self._accumulates(a)}
         self._sync_indices = frozenset(last_backward.values())
         self._forward_plan: tuple[Plan, Simulation] | None = None
+        self._saved: dict[tuple[int, int], torch.Tensor | None] = {}
         self._check_agreement()
 
     # construction helpers ---------------------------------------------------------------------------------------
@@ -210,6 +214,7 @@ class PipelineParallel:
         target_mbs = self._split("targets", targets) if self.is_last_stage else None
         saved: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk, microbatch) -> backward root
         pending: dict[tuple[int, int], PendingWeights] = {}  # split B's waiting for their W
+        self._saved = saved  # for _post_receive: whether a backward will get a gradient message
         losses: list[torch.Tensor] = []
         peak = 0
 
@@ -275,6 +280,8 @@ class PipelineParallel:
         for index, action in enumerate(actions):
             t0 = time.perf_counter()
             try:
+                if self.prefetch and index + 1 < len(actions):
+                    self._post_receive(actions[index + 1])
                 run(index, action)
             except RankAborted:
                 raise  # a consequence of another rank's failure, reported there
@@ -282,6 +289,19 @@ class PipelineParallel:
                 add_note(error, self._failure_report(simulation, index, action))
                 raise
             record(str(action), _CATEGORY[action.kind], t0, time.perf_counter())
+
+    def _post_receive(self, action: Action) -> None:
+        """Post the receive `action` will wait for (its input activation, or its output's gradient), so
+        that its transfer overlaps the current action's compute (see p2p.Channel)."""
+        if action.forward:
+            if action.chunk > 0:
+                self._from_prev.post(message_tag(action.microbatch, action.chunk - 1, backward=False))
+        elif (
+            not action.weight
+            and action.chunk < self.plan.num_chunks - 1
+            and self._saved.get(action.key) is not None  # None: no gradient comes back for this output
+        ):
+            self._to_next.post(message_tag(action.microbatch, action.chunk, backward=True))
 
     def _failure_report(self, simulation: Simulation, index: int, action: Action) -> str:
         grid = simulation.grid(mark=[(self.stage, index)], legend="[x] = the failing action (unit-cost grid)")

@@ -19,6 +19,7 @@ timeline: nothing is read from the rank's thread-local context (backward may run
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Protocol
 
@@ -62,11 +63,21 @@ def add_note(error: BaseException, text: str) -> None:
 
 
 class Channel(Protocol):
-    """What a link needs from a group: ProcessGroup has both methods."""
+    """What a link needs from a group: ProcessGroup has both methods.
+
+    A channel may also have `post_recv(src, tag) -> PostedReceive`: a receive posted ahead, whose transfer
+    may proceed while this rank computes. A transport where data moves only once the receive is posted
+    needs it (NCCL: ncclSend "is blocking for the GPU" until the peer's matching ncclRecv runs, per its
+    documentation of ncclSend/ncclRecv). threadpar's own backends buffer every send at once, so for them a
+    posted receive would change nothing and they have no post_recv."""
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None: ...
 
     def recv_tensor(self, src: int, tag: int = 0, timeout: float | None = None) -> torch.Tensor: ...
+
+
+class PostedReceive(Protocol):
+    def wait(self) -> torch.Tensor: ...
 
 
 class LocalChannel:
@@ -100,6 +111,18 @@ class Link:
         # Touched by the rank thread and by its backward (which may run on an engine thread, but while the
         # rank thread waits for it): set operations are atomic under the GIL.
         self.owed: set[int] = set()
+        # Receives posted ahead (prefetch), by tag; the lock because backward may run on another thread.
+        self._posted: dict[int, PostedReceive] = {}
+        self._lock = threading.Lock()
+
+    def post(self, tag: int) -> None:
+        """Post the receive of `tag` now, if the channel can (see Channel); `recv(tag)` then waits on it."""
+        post_recv = getattr(self.channel, "post_recv", None)
+        if post_recv is None:
+            return
+        with self._lock:
+            if tag not in self._posted:
+                self._posted[tag] = post_recv(self.peer, tag)
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         t0 = time.perf_counter()
@@ -117,8 +140,10 @@ class Link:
 
     def recv(self, tag: int) -> torch.Tensor:
         t0 = time.perf_counter()
+        with self._lock:
+            posted = self._posted.pop(tag, None)
         try:
-            tensor = self.channel.recv_tensor(self.peer, tag)
+            tensor = self.channel.recv_tensor(self.peer, tag) if posted is None else posted.wait()
         except CollectiveTimeoutError as error:
             what = "gradient" if (tag - TAG_BASE) & 1 else "activation"
             add_note(
