@@ -119,8 +119,7 @@ def worker(
     pipe = PipelineParallel(
         chunks, loss_fn=loss_fn, schedule=schedule, num_microbatches=n, prefetch=wire is None or wire[0]
     )
-    if wire is not None:
-        install_wire(pipe, wire[1], wire[2])
+    link = install_wire(pipe, wire[1], wire[2]) if wire is not None else None
     inputs, targets = torch.randn(4 * n, 16), torch.zeros(4 * n, 16)
     pp_group = threadpar.get_group("PP")
     pipe.train_step(inputs, targets)
@@ -129,7 +128,8 @@ def worker(
         pp_group.barrier()  # all stages start together
         pipe.train_step(inputs, targets)
         timelines.append(pipe.timeline.snapshot())
-    return timelines, pipe.peak_saved_activations
+    exposed = link.exposed / (repeats + 1) if link is not None else 0.0  # per step
+    return timelines, pipe.peak_saved_activations, exposed
 
 
 def measure(schedule: str, v: int, args, prefetch: bool | None = None) -> dict:
@@ -164,6 +164,7 @@ def measure(schedule: str, v: int, args, prefetch: bool | None = None) -> dict:
         # idle rank-seconds: what the bubble costs, whatever the step's length
         "idle": statistics.median(pp * step_time(s) - sum(t.compute_time() for t in s) for s in steps),
         "waiting": statistics.median(sum(t.waiting_time() for t in s) for s in steps),
+        "exposed": sum(rank[2] for rank in per_rank),  # transfer seconds waited out, all ranks, per step
         "predicted_idle": pp * sim.makespan - sum(sim.busy),
         "predicted_step": sim.makespan,
         "predicted_bubble": sim.bubble,

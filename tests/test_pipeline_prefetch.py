@@ -91,8 +91,8 @@ def test_each_receive_is_posted_during_the_action_before_the_one_that_needs_it(s
 def test_posted_receives_cut_the_wait_for_messages_over_a_slow_wire():
     """4 stages, 1F1B, stages sleeping 40 ms forward and 40 ms backward; every message takes 30 ms once
     both sides have posted. Without prefetch each receive pays the transfer after it is posted; with it the
-    transfer overlaps the previous action. Wide margin (sleeps on a loaded machine): the waiting must fall
-    by at least 10 ms per message received, of the up to 30 ms a posted receive can save."""
+    transfer overlaps the previous action. Measured: the transfer time each rank waits out (WireChannel's
+    `exposed`), which does not depend on how late the OS wakes the sleeping stages, with a wide margin."""
     pp, n = 4, 4
     lock = threading.Lock()
     clocks: dict[bool, WireClock] = {}
@@ -106,16 +106,18 @@ def test_posted_receives_cut_the_wait_for_messages_over_a_slow_wire():
         )
         with lock:
             clock = clocks.setdefault(prefetch, WireClock())
-        install_wire(pipe, 0.03, clock)
+        wire = install_wire(pipe, 0.03, clock)
         pipe.train_step(torch.zeros(n, 3), torch.ones(n, 3))
         events = pipe.timeline.events
-        return pipe.timeline.waiting_time(), sum(1 for e in events if e.category == "recv")
+        return wire.exposed, sum(1 for e in events if e.category == "recv")
 
     waits = {flag: run_ranks(body, pp, flag, pp=pp) for flag in (False, True)}
     off, on = (sum(w for w, _ in waits[flag]) for flag in (False, True))
     messages = sum(count for _, count in waits[True])
     assert messages == 2 * n * (pp - 1)  # every activation and every gradient crossed once
-    assert on < off - 0.010 * messages, (off, on, messages)
+    # off: every receive pays the whole transfer (24 x 30 ms); on: only those whose message was sent after
+    # the receive was posted (the pipeline's fill and drain), about 15 of 24 here
+    assert off > 0.5 * 0.03 * messages and on < 0.85 * off, (off, on, messages)
 
 
 def test_prefetch_is_a_no_op_on_the_threads_backend_and_keeps_parity():

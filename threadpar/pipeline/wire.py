@@ -26,6 +26,7 @@ class WireChannel:
 
     def __init__(self, channel: Channel, rank: int, latency: float, clock: WireClock) -> None:
         self.channel, self.rank, self.latency, self.clock = channel, rank, latency, clock
+        self.exposed = 0.0  # seconds this rank waited for transfers (after the message was sent)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.clock.sent(self.rank, dst, tag)  # before the message can be taken
@@ -48,6 +49,7 @@ class _Posted:
         sent_at = wire.clock.take(self.src, wire.rank, self.tag)
         delay = max(sent_at, self.posted_at) + wire.latency - time.perf_counter()
         if delay > 0:
+            wire.exposed += delay  # only this rank's thread waits on its own wire
             time.sleep(delay)
         return message
 
@@ -68,8 +70,9 @@ class WireClock:
             return self._sent[(src, dst, tag)].popleft()
 
 
-def install_wire(pipe, latency: float, clock: WireClock) -> None:
-    """Put a `WireChannel` under both links of a PipelineParallel (a pipeline of several ranks)."""
+def install_wire(pipe, latency: float, clock: WireClock) -> WireChannel:
+    """Put one `WireChannel` under both links of a PipelineParallel (a pipeline of several ranks)."""
+    wire = WireChannel(pipe._from_prev.channel, pipe.group.global_rank, latency, clock)
     for link in (pipe._from_prev, pipe._to_next):
-        if not isinstance(link.channel, WireChannel):
-            link.channel = WireChannel(link.channel, pipe.group.global_rank, latency, clock)
+        link.channel = wire
+    return wire
