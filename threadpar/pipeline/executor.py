@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError, RankAborted
 from threadpar.pipeline.p2p import (
@@ -59,7 +60,6 @@ from threadpar.pipeline.split_backward import (
 )
 from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
-from threadpar.runtime.context import get_group
 
 _CATEGORY = {"F": "forward", "B": "backward", "W": "weight"}  # timeline categories
 _DESCRIPTION = {"F": "forward", "B": "backward", "W": "weight gradients"}
