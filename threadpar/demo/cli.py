@@ -11,7 +11,7 @@ from threadpar.errors import ConfigError
 from threadpar.models.gpt import MODEL_SIZES
 from threadpar.parallel.context_parallel import padding_multiple
 
-SCHEDULES = ("afab", "1f1b", "interleaved")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zbh1", "zb_interleaved")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -165,7 +165,7 @@ class DemoConfig:
 
     @property
     def chunks_per_stage(self) -> int:
-        return 2 if self.schedule == "interleaved" else 1
+        return 2 if self.schedule in ("interleaved", "zb_interleaved") else 1
 
 
 def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
