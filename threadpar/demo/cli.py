@@ -10,6 +10,7 @@ from pathlib import Path
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import MODEL_SIZES
 from threadpar.parallel.context_parallel import padding_multiple
+from threadpar.pipeline.schedule import default_chunks_per_rank
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zbh1", "zb_interleaved")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -165,7 +166,7 @@ class DemoConfig:
 
     @property
     def chunks_per_stage(self) -> int:
-        return 2 if self.schedule in ("interleaved", "zb_interleaved") else 1
+        return default_chunks_per_rank(self.schedule)
 
 
 def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:

@@ -325,6 +325,12 @@ SCHEDULES: dict[str, Callable[[int, int, int], Plan]] = {
 }
 
 
+def default_chunks_per_rank(schedule: str) -> int:
+    """How many chunks per rank a named schedule runs by default: 2 for the interleaved ones, else 1."""
+    key = schedule.lower().replace("-", "_")
+    return 2 if SCHEDULES.get(key) in (interleaved_1f1b, zb_interleaved) else 1
+
+
 def build_plan(schedule: str, pp: int, n: int, v: int = 1) -> Plan:
     """The plan of a named schedule ("afab"/"gpipe", "1f1b", "interleaved", "zbh1", "zb_interleaved") for pp ranks, n microbatches
     and v chunks per rank; raises ConfigError at once for sizes the schedule cannot run."""
