@@ -146,3 +146,7 @@ def test_a_deadlocking_zero_bubble_plan_names_the_actions_that_wait_for_each_oth
     assert "rank 0: 0B1 waits for 1B1 on rank 1" in message
     assert "rank 1: 1F2 waits for 0F2 on rank 0" in message
     assert "[0B1]" in message and "[1F2]" in message
+    assert (
+        "they wait for each other: 0B1 waits for 1B1, which rank 1 runs after its blocked 1F2; "
+        "1F2 waits for 0F2, which rank 0 runs after its blocked 0B1"
+    ) in message

@@ -170,12 +170,35 @@ def _raise_deadlock(plan: Plan, start: list, pos: list[int], free: list[float], 
         # What ran, then the blocked action at the time the rank started waiting.
         shown.append([*start[r][: pos[r]], free[r]])
     grid = render_grid(plan, shown, marks, "[x] = blocked forever")
+    cycle = _wait_cycle(plan, pos, done)
     raise ScheduleError(
         f"plan {plan.name!r} (pp={plan.pp}, n={plan.n}, v={plan.v}) deadlocks: no rank can make progress\n"
         + "\n".join(lines)
+        + ("\n  they wait for each other: " + cycle if cycle else "")
         + "\n"
         + grid
     )
+
+
+def _wait_cycle(plan: Plan, pos: list[int], done: dict) -> str:
+    """The blocked actions that wait for each other, as a cycle: "0B0 waits for 1B0, which rank 1 runs after
+    its blocked 1F1; 1F1 waits for 0F1, which rank 0 runs after its blocked 0B0"."""
+    pp, last_chunk = plan.pp, plan.num_chunks - 1
+    order: list[int] = []  # ranks along the chain of waits
+    steps: list[str] = []
+    r = next(r for r in range(pp) if pos[r] < len(plan.actions[r]))
+    while r not in order:
+        order.append(r)
+        a = plan.actions[r][pos[r]]
+        c, m, k = next(d for d in _inputs(a, last_chunk) if d not in done)
+        q = c % pp  # the rank that would produce it is blocked itself (or it could run)
+        blocker = plan.actions[q][pos[q]]
+        if (blocker.chunk, blocker.microbatch, blocker.kind) == (c, m, k):
+            steps.append(f"{a} waits for {c}{k}{m} on rank {q}, blocked itself")
+        else:
+            steps.append(f"{a} waits for {c}{k}{m}, which rank {q} runs after its blocked {blocker}")
+        r = q
+    return "; ".join(steps[order.index(r) :])
 
 
 def render_grid(
