@@ -17,7 +17,8 @@ Anchors: the simulator's prediction for the same plan and costs, 1F1B's bubble i
 should be at most 0.4 of it; its idle time is a third of 1F1B's in theory), and the textbook bubble
 (pp - 1) / (n + pp - 1), divided by v for interleaved as the issue states it (Megatron's exact interleaved
 figure, (pp - 1) / (v n + pp - 1), is what the simulator gives). Step time is from the first action of any
-rank to the last (the timeline). "sleep overrun": how much longer the actions' compute took than asked (the OS wakes a sleeping
+rank to the last (the timeline). "bubble/replay": the measured bubble against the simulator's for the
+measured action costs, which takes the machine's late wake-ups out. "sleep overrun": how much longer the actions' compute took than asked (the OS wakes a sleeping
 thread late on a loaded machine). "vs replay": the measured step against the simulator fed with each
 action's measured compute time, i.e. the cost of threadpar's messages and bookkeeping alone. Medians over
 repeats.
@@ -147,18 +148,19 @@ def measure(schedule: str, v: int, args, prefetch: bool | None = None) -> dict:
     textbook = (pp - 1) / (n + pp - 1) / v
     work = n * sum(costs) * pp  # every schedule does the same work
 
-    def replay(step) -> float:
-        """The simulator's step time with the costs the actions really had (sleep overshoot included):
-        what is left between it and the measurement is threadpar's own overhead."""
+    def replay(step):
+        """The simulator run with the costs the actions really had (sleep overshoot included): what is left
+        between it and the measurement is threadpar's own overhead."""
         costs = {name: c for t in step for name, c in t.action_costs().items()}
-        return simulate(plan, cost=lambda a: costs[str(a)]).makespan
+        return simulate(plan, cost=lambda a: costs[str(a)])
 
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         write_chrome_trace(os.path.join(args.trace, f"pipeline_{schedule}.json"), steps[len(steps) // 2])
     return {
         "step": statistics.median(step_time(s) for s in steps),
-        "overhead": statistics.median(step_time(s) / replay(s) - 1 for s in steps),
+        "overhead": statistics.median(step_time(s) / replay(s).makespan - 1 for s in steps),
+        "replay_bubble": statistics.median(replay(s).bubble for s in steps),
         "overrun": statistics.median(sum(t.compute_time() for t in s) / work - 1 for s in steps),
         "bubble": statistics.median(measured_bubble(s) for s in steps),
         # idle rank-seconds: what the bubble costs, whatever the step's length
@@ -240,13 +242,14 @@ def schedule_table(results: dict) -> str:
             fmt_time(r["step"]), fmt_time(r["predicted_step"]), f"{r['step'] / r['predicted_step']:.3f}",
             f"{100 * r['overrun']:+.1f}%", f"{100 * r['overhead']:+.1f}%",
             f"{r['bubble']:.3f}", f"{r['predicted_bubble']:.3f}", f"{r['bubble'] / r['predicted_bubble']:.3f}",
+            f"{r['bubble'] / r['replay_bubble']:.3f}",
             f"{r['bubble'] / base['bubble']:.2f} ({r['predicted_bubble'] / base['predicted_bubble']:.2f})",
             f"{r['idle'] / base['idle']:.2f} ({r['predicted_idle'] / base['predicted_idle']:.2f})",
             "/".join(map(str, r["peaks"])) + (" (= sim)" if r["peaks"] == r["predicted_peaks"] else " (sim differs!)"),
         ])  # fmt: skip
     headers = [
         "schedule", "v", "step", "simulated", "step/sim", "sleep overrun", "vs replay",
-        "bubble", "bubble sim", "bubble/sim", "bubble / 1F1B's (sim)", "idle time / 1F1B's (sim)",
+        "bubble", "bubble sim", "bubble/sim", "bubble/replay", "bubble / 1F1B's (sim)", "idle time / 1F1B's (sim)",
         "peak saved activations per stage",
     ]  # fmt: skip
     return table(headers, rows)
