@@ -46,12 +46,12 @@ def make_batch(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(VOCAB, (batch, SEQ), generator=g), torch.randint(VOCAB, (batch, SEQ), generator=g)
 
 
-def my_chunks(model: nn.Sequential, v: int) -> list[nn.Sequential]:
+def my_chunks(model: nn.Sequential, v: int, placement: str = "loop") -> list[nn.Sequential]:
     layout = threadpar.get_layout()
     blocks = list(model)[1:-1]
     return build_chunks(
         blocks, pp_size=layout.pp, pp_rank=threadpar.get_coords().pp, chunks_per_stage=v,
-        first=model[0], last=model[-1],
+        first=model[0], last=model[-1], placement=placement,
     )  # fmt: skip
 
 

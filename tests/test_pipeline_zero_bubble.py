@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import threadpar
 from threadpar.errors import ConfigError
 from threadpar.parallel import DistributedDataParallel
-from threadpar.pipeline import PipelineParallel, Plan, build_chunks, build_plan, simulate
+from threadpar.pipeline import PipelineParallel, Plan, build_chunks, build_plan, schedule_placement, simulate
 from threadpar.testing import run_ranks
 
 CASES = [
@@ -35,6 +35,8 @@ CASES = [
     *[("zbh1", pp, 1, n) for pp, n in [(2, 1), (2, 2), (2, 8), (4, 2), (4, 4), (4, 16), (4, 5)]],
     *[("zb_interleaved", pp, 2, n) for pp, n in [(2, 2), (2, 8), (4, 4), (4, 8)]],
     ("zb_interleaved", 1, 3, 2),  # one rank, three chunks
+    # ZB-V: chunks in a V, n >= 2 pp - 1
+    *[("zbv", pp, 2, n) for pp, n in [(1, 1), (2, 3), (2, 8), (4, 7), (4, 16)]],
 ]
 
 
@@ -47,7 +49,7 @@ def test_zero_bubble_train_step_matches_the_whole_model_in_one_thread(schedule, 
 
     def body():
         model = make_model(num_layers)
-        chunks = my_chunks(model, v)
+        chunks = my_chunks(model, v, schedule_placement(schedule))
         pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule=schedule, num_microbatches=n)
         for _ in range(2):  # the second step accumulates onto the first: nothing left behind
             loss = pipe.train_step(inputs, targets)
@@ -131,12 +133,12 @@ def test_b_computes_input_gradients_only_and_sends_them_before_w_runs():
     assert results[0][0] == {"0B0": 0, "0B1": 0, "0W0": 2 * layers - 1, "0W1": 2 * layers - 1}
 
 
-@pytest.mark.parametrize("schedule,v", [("zbh1", 1), ("zb_interleaved", 2)])
+@pytest.mark.parametrize("schedule,v", [("zbh1", 1), ("zb_interleaved", 2), ("zbv", 2)])
 def test_ddp_chunks_sync_once_per_step_in_their_last_w(schedule, v):
     inputs, targets = make_batch(8)
 
     def body():
-        chunks = [CountingDDP(c) for c in my_chunks(make_model(6), v)]
+        chunks = [CountingDDP(c) for c in my_chunks(make_model(6), v, schedule_placement(schedule))]
         pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule=schedule, num_microbatches=4)
         last_w = {a.chunk: str(a) for a in pipe.actions if a.weight}
         for _ in range(2):
@@ -154,7 +156,7 @@ def test_ddp_chunks_sync_once_per_step_in_their_last_w(schedule, v):
     run_ranks(body, 2, pp=2)
 
 
-@pytest.mark.parametrize("schedule,v", [("zbh1", 1), ("zb_interleaved", 2)])
+@pytest.mark.parametrize("schedule,v", [("zbh1", 1), ("zb_interleaved", 2), ("zbv", 2)])
 def test_threadpar_ddp_chunks_in_a_dp_x_pp_zero_bubble_pipeline_match_one_thread(schedule, v):
     dp, pp, micro = 2, 2, 4
     g = torch.Generator().manual_seed(0)
@@ -172,7 +174,10 @@ def test_threadpar_ddp_chunks_in_a_dp_x_pp_zero_bubble_pipeline_match_one_thread
         c = threadpar.get_coords()
         model = copy.deepcopy(template)
         layers = list(model)
-        chunks = build_chunks(layers[:-1], pp_size=pp, pp_rank=c.pp, chunks_per_stage=v, last=layers[-1])
+        chunks = build_chunks(
+            layers[:-1], pp_size=pp, pp_rank=c.pp, chunks_per_stage=v, last=layers[-1],
+            placement=schedule_placement(schedule),
+        )  # fmt: skip
         wrapped = [DistributedDataParallel(chunk, bucket_cap_mb=0, first_bucket_cap_mb=0) for chunk in chunks]
         pipe = PipelineParallel(wrapped, loss_fn=F.mse_loss, schedule=schedule, num_microbatches=micro)
         pipe.train_step(rank_slice(x, c.dp, dp), rank_slice(y, c.dp, dp))
@@ -199,7 +204,7 @@ def test_structured_messages_through_zero_bubble_schedules_match(kind, schedule,
 
     def body():
         layers = make_layers(num_blocks)
-        chunks = structured_chunks(layers, v)
+        chunks = structured_chunks(layers, v, schedule_placement(schedule))
         pipe = PipelineParallel(chunks, loss_fn=loss_fn, schedule=schedule, num_microbatches=n)
         return {"loss": pipe.train_step(inputs, targets), "grads": structured_gradients(layers, chunks)}
 

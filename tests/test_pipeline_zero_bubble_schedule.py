@@ -14,6 +14,7 @@ from threadpar.pipeline import (
     simulate,
     zb_interleaved,
     zbh1,
+    zbv,
 )
 
 
@@ -24,6 +25,8 @@ def zero_bubble_plans(max_pp=6, max_v=3):
             if n % pp == 0:
                 for v in range(2, max_v + 1):
                     yield zb_interleaved(pp, n, v)
+            if n >= 2 * pp - 1:
+                yield zbv(pp, n)
 
 
 def test_w_actions_have_a_string_form_and_mark_their_backward_as_split():
@@ -40,6 +43,11 @@ GOLDEN = {
     ("zb_interleaved", 2, 2, 2): (
         "r0: 0F0 0F1 2F0 2F1 2B0 2W0 2B1 2W1 0B0 0W0 0B1 0W1\n"
         "r1: 1F0 1F1 3F0 3B0 3F1 3B1 3W0 1B0 3W1 1B1 1W0 1W1"
+    ),
+    # rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2: rank 1 passes 1F to 2F itself
+    ("zbv", 2, 3, 2): (
+        "r0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0B0 0W0 3F2 3B2 3W2 0B1 0W1 0B2 0W2\n"
+        "r1: 1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1B1 2B2 1B2 1W1 2W2 1W2"
     ),
 }
 
@@ -69,7 +77,7 @@ def test_every_zero_bubble_plan_is_deadlock_free_and_round_trips():
         assert plan.split == {(c, m) for c in range(plan.num_chunks) for m in range(plan.n)}  # all split
         assert Plan.parse(str(plan)).actions == plan.actions
         count += 1
-    assert count == 107  # 81 zbh1 + 26 zb_interleaved
+    assert count == 146  # 81 zbh1 + 26 zb_interleaved + 39 zbv
 
 
 def test_zbh1_idles_a_third_of_1f1b_with_at_most_its_memory():
@@ -98,6 +106,20 @@ def test_zb_interleaved_has_less_bubble_than_interleaved_with_its_peak_memory():
                 zb = simulate(zb_interleaved(pp, n, v), **costs)
                 assert zb.bubble < plain.bubble, (pp, v, n)
                 assert max(zb.peak_in_flight) == max(plain.peak_in_flight), (pp, v, n)
+
+
+def test_zbv_places_chunks_in_a_v_and_has_the_least_bubble():
+    plan = zbv(4, 8)
+    assert plan.placement == "v" and [plan.rank_of(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert Plan.parse(str(plan)).placement == "v"
+    for pp in range(2, 6):
+        for n in range(2 * pp - 1, 4 * pp):
+            chunk_costs = dict(forward=0.5, backward=0.5, weight=0.5)  # a chunk is half a stage
+            v_shape = simulate(zbv(pp, n), **chunk_costs)
+            h1 = simulate(zbh1(pp, n), forward=1, backward=1, weight=1)
+            assert v_shape.bubble < h1.bubble, (pp, n)
+            # 2 pp half-stage activations at most: 1F1B's pp stage activations
+            assert max(v_shape.peak_in_flight) == 2 * pp, (pp, n)
 
 
 def test_a_fused_backward_costs_b_plus_w_and_a_split_one_each_part():
@@ -133,6 +155,10 @@ def test_sizes_a_zero_bubble_schedule_cannot_run_raise_at_construction():
         build_plan("zb_interleaved", 4, 2, 2)
     with pytest.raises(ConfigError, match="num_microbatches must be a positive int"):
         build_plan("zbh1", 2, 0)
+    with pytest.raises(ConfigError, match=r"'zbv' needs num_microbatches >= 2 \* pp - 1 = 7 .*got 3"):
+        build_plan("zbv", 4, 3, 2)
+    with pytest.raises(ConfigError, match="'zbv' runs exactly 2 chunks per rank"):
+        build_plan("zbv", 4, 8, 1)
     assert build_plan("ZB-H1", 2, 2).actions == zbh1(2, 2).actions
 
 

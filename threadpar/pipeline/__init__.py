@@ -31,8 +31,10 @@ from threadpar.pipeline.schedule import (
     default_chunks_per_rank,
     interleaved_1f1b,
     one_f_one_b,
+    schedule_placement,
     zb_interleaved,
     zbh1,
+    zbv,
 )
 from threadpar.pipeline.simulator import Simulation, awaiting_weight_peaks, in_flight_peaks, simulate
 from threadpar.pipeline.stage import build_chunks
@@ -71,6 +73,7 @@ __all__ = [
     "message_tag",
     "one_f_one_b",
     "recv_activation",
+    "schedule_placement",
     "send_activation",
     "settle_gradient",
     "simulate",
@@ -78,4 +81,5 @@ __all__ = [
     "write_chrome_trace",
     "zb_interleaved",
     "zbh1",
+    "zbv",
 ]

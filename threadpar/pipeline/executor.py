@@ -125,16 +125,23 @@ class PipelineParallel:
         self.plan, self.simulation = self._make_plan(schedule, len(chunk_list))
         check_tag_range(self.plan.num_chunks, n)
         self.actions: tuple[Action, ...] = self.plan.actions[self.stage]
-        self.is_first_stage = self.stage == 0
-        self.is_last_stage = self.stage == self.pp - 1
+        self.is_first_stage = self.plan.rank_of(0) == self.stage
+        self.is_last_stage = self.plan.rank_of(self.plan.num_chunks - 1) == self.stage
         self.expected_peak_saved_activations = self.simulation.peak_in_flight[self.stage]
         self.peak_saved_activations = 0  # measured by the last train_step
         self.timeline = Timeline(self.group.global_rank, self.stage)
         self.device = _device_of(chunk_list)
-        channel = self.group if self.pp > 1 else LocalChannel()
+        # One link per neighbouring stage, and one to this stage itself for a chunk whose neighbour chunk is
+        # on this rank (pp = 1, or the bottom of ZB-V's V), which keeps its messages in a local channel.
         ranks = self.group.ranks
-        self._from_prev = Link(channel, ranks[(self.stage - 1) % self.pp], self.device, self.timeline)
-        self._to_next = Link(channel, ranks[(self.stage + 1) % self.pp], self.device, self.timeline)
+        self._links: dict[int, Link] = {
+            self.stage: Link(LocalChannel(), ranks[self.stage], self.device, self.timeline)
+        }
+        for peer in ((self.stage - 1) % self.pp, (self.stage + 1) % self.pp):
+            if peer not in self._links:
+                self._links[peer] = Link(self.group, ranks[peer], self.device, self.timeline)
+        self._from_prev = self._links[(self.stage - 1) % self.pp]  # the links of the loop placement
+        self._to_next = self._links[(self.stage + 1) % self.pp]
         self._anchor = gradient_anchor(self.device)
         self._trainable = [[p for p in c.parameters() if p.requires_grad] for c in chunk_list]
         self._check_weight_actions()
@@ -234,7 +241,10 @@ class PipelineParallel:
                     saved[(action.chunk, action.microbatch)] = loss / self.num_microbatches
                 else:
                     saved[(action.chunk, action.microbatch)] = send_activation(
-                        output, self._to_next, chunk=action.chunk, microbatch=action.microbatch
+                        output,
+                        self._link_to_next(action.chunk),
+                        chunk=action.chunk,
+                        microbatch=action.microbatch,
                     )
                 peak = max(peak, len(saved))
             else:
@@ -267,7 +277,9 @@ class PipelineParallel:
             if action.chunk == plan.num_chunks - 1:
                 outputs.append(output)
             else:
-                send_activation(output, self._to_next, chunk=action.chunk, microbatch=action.microbatch)
+                send_activation(
+                    output, self._link_to_next(action.chunk), chunk=action.chunk, microbatch=action.microbatch
+                )
 
         with torch.no_grad():
             self._run(plan.actions[self.stage], simulation, run)
@@ -290,18 +302,28 @@ class PipelineParallel:
                 raise
             record(str(action), _CATEGORY[action.kind], t0, time.perf_counter())
 
+    def _link_from_prev(self, chunk: int) -> Link:
+        """The link to the rank of chunk - 1 (where chunk's input comes from and its gradient goes)."""
+        return self._links[self.plan.rank_of(chunk - 1)]
+
+    def _link_to_next(self, chunk: int) -> Link:
+        """The link to the rank of chunk + 1 (where chunk's output goes and its gradient comes from)."""
+        return self._links[self.plan.rank_of(chunk + 1)]
+
     def _post_receive(self, action: Action) -> None:
         """Post the receive `action` will wait for (its input activation, or its output's gradient), so
         that its transfer overlaps the current action's compute (see p2p.Channel)."""
         if action.forward:
             if action.chunk > 0:
-                self._from_prev.post(message_tag(action.microbatch, action.chunk - 1, backward=False))
+                self._link_from_prev(action.chunk).post(
+                    message_tag(action.microbatch, action.chunk - 1, False)
+                )
         elif (
             not action.weight
             and action.chunk < self.plan.num_chunks - 1
             and self._saved.get(action.key) is not None  # None: no gradient comes back for this output
         ):
-            self._to_next.post(message_tag(action.microbatch, action.chunk, backward=True))
+            self._link_to_next(action.chunk).post(message_tag(action.microbatch, action.chunk, backward=True))
 
     def _failure_report(self, simulation: Simulation, index: int, action: Action) -> str:
         grid = simulation.grid(mark=[(self.stage, index)], legend="[x] = the failing action (unit-cost grid)")
@@ -316,7 +338,7 @@ class PipelineParallel:
         if chunk == 0:
             x = input_mbs[microbatch]
         else:
-            x = recv_activation(self._from_prev, self._anchor, chunk=chunk, microbatch=microbatch)
+            x = recv_activation(self._link_from_prev(chunk), self._anchor, chunk=chunk, microbatch=microbatch)
         return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
 
     def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
@@ -329,7 +351,9 @@ class PipelineParallel:
                 # (and drops it, for a frozen chunk whose output needs none).
                 run_backward(root)
         if action.chunk > 0:  # sends dL/d(input) back, or "none" if this backward never reached the input
-            settle_gradient(self._from_prev, chunk=action.chunk, microbatch=action.microbatch)
+            settle_gradient(
+                self._link_from_prev(action.chunk), chunk=action.chunk, microbatch=action.microbatch
+            )
 
     def _sync_guard(self, module: nn.Module, index: int) -> contextlib.AbstractContextManager:
         """no_sync() for a DDP chunk, except in the chunk's last gradient-accumulating action of the step."""
@@ -352,7 +376,9 @@ class PipelineParallel:
         with self._sync_guard(self.chunks[local], -1):
             weights = backward_input(edges, grads, self._anchor, self._trainable[local])
         if action.chunk > 0:
-            settle_gradient(self._from_prev, chunk=action.chunk, microbatch=action.microbatch)
+            settle_gradient(
+                self._link_from_prev(action.chunk), chunk=action.chunk, microbatch=action.microbatch
+            )
         return weights
 
     def _backward_weight(self, action: Action, index: int, weights: PendingWeights) -> None:
@@ -376,7 +402,7 @@ class PipelineParallel:
         if self.is_last_stage:
             mean = torch.stack(losses).to(torch.float64).mean()
         if self.pp > 1:
-            self.group.broadcast(mean, src=self.group.ranks[-1])
+            self.group.broadcast(mean, src=self.group.ranks[self.plan.rank_of(self.plan.num_chunks - 1)])
         return mean.to(torch.float32)
 
     def _split(self, what: str, batch: Any) -> list:

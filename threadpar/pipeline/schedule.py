@@ -2,7 +2,8 @@
 
 An `Action` is one unit of work on one rank: the forward (F), backward (B) or weight-gradient (W) pass of one
 microbatch through one chunk.
-Chunks are numbered globally (virtual stages): chunk c runs on rank c % pp as local chunk c // pp, so the
+Chunks are numbered globally (virtual stages): chunk c runs on rank c % pp as local chunk c // pp (the
+"loop" placement; ZB-V's "v" placement puts rank r's two chunks at r and 2 pp - 1 - r instead), so the
 forward of chunk c feeds chunk c + 1, which runs on the next rank (wrapping from the last rank to rank 0
 when a rank holds several chunks). Its short form is torch.distributed.pipelining's: "1F3" is chunk 1,
 forward, microbatch 3.
@@ -20,6 +21,7 @@ A `Plan` is every rank's ordered action list. The generators build the classic s
 - interleaved: Megatron's interleaved 1F1B over v chunks per rank (needs n to be a multiple of pp).
 - zbh1: ZB-H1, 1F1B's order with every backward split and the W's deferred to fill the bubbles.
 - zb_interleaved: the same on interleaved 1F1B's order (torch's ScheduleInterleavedZeroBubble).
+- zbv: ZB-V, two chunks per rank placed in a V (chunks r and 2 pp - 1 - r), every backward split.
 
 `simulator.simulate` runs a plan to prove it cannot deadlock and to predict its timing.
 """
@@ -90,6 +92,9 @@ class Plan:
     n: int
     v: int
     actions: tuple[tuple[Action, ...], ...]  # actions[rank], in execution order
+    placement: str = (
+        "loop"  # "loop": chunk c on rank c % pp; "v" (v = 2): chunks r and 2 pp - 1 - r on rank r
+    )
     forward_only: bool = field(init=False)
     # (chunk, microbatch) whose backward is split: its B computes the input gradient only, its W the rest
     split: frozenset[tuple[int, int]] = field(init=False)
@@ -104,6 +109,10 @@ class Plan:
     @property
     def num_chunks(self) -> int:
         return self.pp * self.v
+
+    def rank_of(self, chunk: int) -> int:
+        """The rank that runs global chunk `chunk`."""
+        return chunk_rank(chunk, self.pp, self.placement)
 
     def __str__(self) -> str:
         return "\n".join(f"r{r}: {' '.join(str(a) for a in row)}" for r, row in enumerate(self.actions))
@@ -127,12 +136,14 @@ class Plan:
         pp = len(rows)
         v = max(a.chunk for a in actions) // pp + 1
         n = max(a.microbatch for a in actions) + 1
-        return cls(name, pp, n, v, tuple(tuple(r) for r in rows))
+        # A chunk that is not on rank chunk % pp can only mean the V placement (validation checks the rest).
+        placement = "v" if v == 2 and any(a.chunk % pp != a.rank for a in actions) else "loop"
+        return cls(name, pp, n, v, tuple(tuple(r) for r in rows), placement)
 
     def forward_plan(self) -> Plan:
         """The forwards alone, in the same order: what an evaluation step runs."""
         rows = tuple(tuple(a for a in row if a.forward) for row in self.actions)
-        return Plan(f"{self.name} (forward only)", self.pp, self.n, self.v, rows)
+        return Plan(f"{self.name} (forward only)", self.pp, self.n, self.v, rows, self.placement)
 
 
 def _validate(plan: Plan) -> None:
@@ -143,14 +154,20 @@ def _validate(plan: Plan) -> None:
         value = getattr(plan, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"plan {plan.name!r}: {name} must be a positive int, got {value!r}")
+    if plan.placement not in ("loop", "v") or (plan.placement == "v" and plan.v != 2):
+        raise ScheduleError(
+            f"plan {plan.name!r}: placement must be 'loop' or 'v' (with v=2), got {plan.placement!r} with v={plan.v}"
+        )
     if len(plan.actions) != plan.pp:
         raise ScheduleError(f"plan {plan.name!r} has {len(plan.actions)} rank rows for pp={plan.pp}")
     seen: dict[tuple[int, int, str], int] = {}
     for rank, row in enumerate(plan.actions):
         for index, a in enumerate(row):
             where = f"plan {plan.name!r}, rank {rank}, action {index} ({a})"
-            if a.rank != rank or a.chunk % plan.pp != rank:
-                raise ScheduleError(f"{where}: chunk {a.chunk} runs on rank {a.chunk % plan.pp}, not here")
+            if a.rank != rank or plan.rank_of(a.chunk) != rank:
+                raise ScheduleError(
+                    f"{where}: chunk {a.chunk} runs on rank {plan.rank_of(a.chunk)}, not here"
+                )
             if not (0 <= a.chunk < plan.num_chunks and 0 <= a.microbatch < plan.n):
                 raise ScheduleError(
                     f"{where}: chunk must be in 0..{plan.num_chunks - 1}, microbatch in 0..{plan.n - 1}"
@@ -167,7 +184,7 @@ def _validate(plan: Plan) -> None:
             seen[key] = index
     kinds = ("F",) if plan.forward_only else ("F", "B")
     missing = [
-        Action(c % plan.pp, c, m, k == "F")
+        Action(plan.rank_of(c), c, m, k == "F")
         for c in range(plan.num_chunks)
         for m in range(plan.n)
         for k in kinds
@@ -176,6 +193,13 @@ def _validate(plan: Plan) -> None:
     if missing:
         shown = ", ".join(f"r{a.rank}:{a}" for a in missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ScheduleError(f"plan {plan.name!r} misses {len(missing)} actions: {shown}")
+
+
+def chunk_rank(chunk: int, pp: int, placement: str = "loop") -> int:
+    """The rank of global chunk `chunk`: chunk % pp ("loop"), or a V over two chunks per rank ("v")."""
+    if placement == "v" and chunk >= pp:
+        return 2 * pp - 1 - chunk
+    return chunk % pp
 
 
 # generators -------------------------------------------------------------------------------------------------
@@ -311,6 +335,68 @@ def zb_interleaved(pp: int, n: int, v: int = 2) -> Plan:
     return _split_backwards(interleaved_1f1b(pp, n, v), "zb_interleaved")
 
 
+def _zbv_row(pp: int, n: int, r: int) -> list[Action]:
+    """Rank r's actions in ZB-V (the order of torch's ScheduleZBVZeroBubble)."""
+    first, second = r, 2 * pp - 1 - r
+    row: list[Action] = []
+    count = {"F0": 0, "F1": 0, "B0": 0, "B1": 0, "W0": 0, "W1": 0}
+
+    def add(kind: str, which: int) -> None:
+        chunk = first if which == 0 else second
+        m = count[f"{kind}{which}"]
+        count[f"{kind}{which}"] += 1
+        row.append(Action(r, chunk, m, kind == "F", kind == "W"))
+
+    for _ in range(2 * (pp - r) - 1):  # warm-up: the first chunk fills the V's down stroke
+        add("F", 0)
+    for _ in range(r):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(pp - r):  # the bottom of the V: the second chunk's F, B and W back to back
+        add("F", 1)
+        add("B", 1)
+        add("W", 1)
+    while count["F1"] < count["F0"] or count["F0"] < n:  # steady state
+        if count["F0"] < n:
+            add("F", 0)
+        add("B", 0)
+        add("W", 0)
+        add("F", 1)
+        add("B", 1)
+        add("W", 1)
+    for _ in range(r):  # cool-down: B's first, W's where the other ranks still work
+        add("B", 0)
+        add("B", 1)
+    for _ in range(pp - r):
+        add("B", 0)
+        add("W", 0)
+    while count["W1"] < count["B1"]:
+        add("W", 1)
+    while count["W0"] < count["B0"]:
+        add("W", 0)
+    return row
+
+
+def zbv(pp: int, n: int, v: int = 2) -> Plan:
+    """ZB-V (Qi et al. 2023, section 6; torch's ScheduleZBVZeroBubble): two chunks per rank in a V, rank r
+    holding chunks r and 2 pp - 1 - r, so the last rank passes its first chunk's output to its second
+    chunk without a message; every backward split, W's filling the bubbles. Needs n >= 2 pp - 1 (rank 0's
+    warm-up runs that many forwards of its first chunk)."""
+    _check_sizes("zbv", pp, n, v)
+    if v != 2:
+        raise ConfigError(
+            f"schedule 'zbv' runs exactly 2 chunks per rank (a V), but this rank has {v}; pass 2 chunks, or "
+            "use 'zbh1' (1 chunk) or 'zb_interleaved' (any number)"
+        )
+    if n < 2 * pp - 1:
+        raise ConfigError(
+            f"schedule 'zbv' needs num_microbatches >= 2 * pp - 1 = {2 * pp - 1} (its warm-up), got {n}; use "
+            f"more microbatches, or schedule='zbh1'"
+        )
+    rows = [_zbv_row(pp, n, r) for r in range(pp)]
+    return Plan("zbv", pp, n, 2, tuple(tuple(row) for row in rows), "v")
+
+
 SCHEDULES: dict[str, Callable[[int, int, int], Plan]] = {
     "afab": afab,
     "gpipe": afab,
@@ -322,13 +408,20 @@ SCHEDULES: dict[str, Callable[[int, int, int], Plan]] = {
     "zb_h1": zbh1,
     "zb_interleaved": zb_interleaved,
     "interleaved_zb": zb_interleaved,
+    "zbv": zbv,
+    "zb_v": zbv,
 }
 
 
 def default_chunks_per_rank(schedule: str) -> int:
     """How many chunks per rank a named schedule runs by default: 2 for the interleaved ones, else 1."""
     key = schedule.lower().replace("-", "_")
-    return 2 if SCHEDULES.get(key) in (interleaved_1f1b, zb_interleaved) else 1
+    return 2 if SCHEDULES.get(key) in (interleaved_1f1b, zb_interleaved, zbv) else 1
+
+
+def schedule_placement(schedule: str) -> str:
+    """Where a named schedule puts the chunks: "v" for ZB-V, else "loop" (for get_stage_info/build_chunks)."""
+    return "v" if SCHEDULES.get(schedule.lower().replace("-", "_")) is zbv else "loop"
 
 
 def build_plan(schedule: str, pp: int, n: int, v: int = 1) -> Plan:
@@ -338,6 +431,6 @@ def build_plan(schedule: str, pp: int, n: int, v: int = 1) -> Plan:
     if key not in SCHEDULES:
         raise ConfigError(
             f"unknown pipeline schedule {schedule!r}; use one of 'afab' (alias 'gpipe'), '1f1b', "
-            "'interleaved', 'zbh1', 'zb_interleaved', or pass a Plan"
+            "'interleaved', 'zbh1', 'zb_interleaved', 'zbv', or pass a Plan"
         )
     return SCHEDULES[key](pp, n, v)

@@ -135,7 +135,9 @@ def simulate(
                 deps = _inputs(a, last_chunk)
                 if any(d not in done for d in deps):
                     break
-                ready = max((done[d] + (latency if d[0] % pp != r else 0.0) for d in deps), default=0.0)
+                ready = max(
+                    (done[d] + (latency if plan.rank_of(d[0]) != r else 0.0) for d in deps), default=0.0
+                )
                 t0 = max(free[r], ready)
                 t1 = t0 + float(cost_of(a))
                 start[r][pos[r]], finish[r][pos[r]] = t0, t1
@@ -164,7 +166,11 @@ def _raise_deadlock(plan: Plan, start: list, pos: list[int], free: list[float], 
             shown.append(list(start[r]))
             continue
         a = row[pos[r]]
-        waits = [f"{c}{k}{m} on rank {c % pp}" for c, m, k in _inputs(a, last_chunk) if (c, m, k) not in done]
+        waits = [
+            f"{c}{k}{m} on rank {plan.rank_of(c)}"
+            for c, m, k in _inputs(a, last_chunk)
+            if (c, m, k) not in done
+        ]
         lines.append(f"  rank {r}: {a} waits for {', '.join(waits)}")
         marks.add((r, pos[r]))
         # What ran, then the blocked action at the time the rank started waiting.
@@ -191,7 +197,7 @@ def _wait_cycle(plan: Plan, pos: list[int], done: dict) -> str:
         order.append(r)
         a = plan.actions[r][pos[r]]
         c, m, k = next(d for d in _inputs(a, last_chunk) if d not in done)
-        q = c % pp  # the rank that would produce it is blocked itself (or it could run)
+        q = plan.rank_of(c)  # the rank that would produce it is blocked itself (or it could run)
         blocker = plan.actions[q][pos[q]]
         if (blocker.chunk, blocker.microbatch, blocker.kind) == (c, m, k):
             steps.append(f"{a} waits for {c}{k}{m} on rank {q}, blocked itself")

@@ -71,8 +71,10 @@ class WireClock:
 
 
 def install_wire(pipe, latency: float, clock: WireClock) -> WireChannel:
-    """Put one `WireChannel` under both links of a PipelineParallel (a pipeline of several ranks)."""
-    wire = WireChannel(pipe._from_prev.channel, pipe.group.global_rank, latency, clock)
-    for link in (pipe._from_prev, pipe._to_next):
-        link.channel = wire
+    """Put one `WireChannel` under the links of a PipelineParallel to its neighbouring ranks (a rank's
+    messages to itself stay local)."""
+    wire = WireChannel(pipe.group, pipe.group.global_rank, latency, clock)
+    for peer, link in pipe._links.items():
+        if peer != pipe.stage:
+            link.channel = wire
     return wire
