@@ -46,7 +46,7 @@ from threadpar.pipeline import (
 )
 from threadpar.pipeline.wire import WireClock, install_wire
 
-SCHEDULES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zb_interleaved", 2)]
+SCHEDULES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zb_interleaved", 2), ("zbv", 2)]
 
 
 class _SleepInput(torch.autograd.Function):

@@ -9,8 +9,10 @@ from threadpar.pipeline import (
     Plan,
     ScheduleError,
     build_plan,
+    get_stage_info,
     interleaved_1f1b,
     one_f_one_b,
+    schedule_placement,
     simulate,
     zb_interleaved,
     zbh1,
@@ -120,6 +122,16 @@ def test_zbv_places_chunks_in_a_v_and_has_the_least_bubble():
             assert v_shape.bubble < h1.bubble, (pp, n)
             # 2 pp half-stage activations at most: 1F1B's pp stage activations
             assert max(v_shape.peak_in_flight) == 2 * pp, (pp, n)
+
+
+def test_the_v_placement_gives_rank_0_the_first_and_the_last_chunk():
+    infos = [get_stage_info(16, 4, r, 2, placement="v") for r in range(4)]
+    assert [i.chunk_ids for i in infos] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert infos[0].layer_ranges_per_chunk == ((0, 2), (14, 16))
+    assert [(i.is_first_stage, i.is_last_stage) for i in infos] == [(True, True)] + [(False, False)] * 3
+    assert schedule_placement("zbv") == "v" and schedule_placement("zbh1") == "loop"
+    with pytest.raises(ConfigError, match="use 'loop', or 'v' with 2 chunks"):
+        get_stage_info(16, 4, 0, 3, placement="v")
 
 
 def test_a_fused_backward_costs_b_plus_w_and_a_split_one_each_part():

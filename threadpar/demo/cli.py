@@ -12,7 +12,7 @@ from threadpar.models.gpt import MODEL_SIZES
 from threadpar.parallel.context_parallel import padding_multiple
 from threadpar.pipeline.schedule import default_chunks_per_rank
 
-SCHEDULES = ("afab", "1f1b", "interleaved", "zbh1", "zb_interleaved")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zbh1", "zb_interleaved", "zbv")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
