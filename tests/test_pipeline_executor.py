@@ -18,6 +18,7 @@ from threadpar.pipeline import (
     build_plan,
     chrome_trace,
     measured_bubble,
+    schedule_placement,
     simulate,
 )
 from threadpar.testing import run_ranks
@@ -179,12 +180,17 @@ class CountingDDP(nn.Module):
         return self.module(x)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("afab", 2)])
+@pytest.mark.parametrize(
+    "schedule,v",
+    [("1f1b", 1), ("interleaved", 2), ("afab", 2), ("zbh1", 1), ("zb_interleaved", 2), ("zbv", 2)],
+)
 def test_ddp_chunks_sync_gradients_once_per_step_after_the_last_microbatch(schedule, v):
+    """Zero-bubble schedules too: their W's accumulate through AccumulateGrad, so the sync comes in each
+    chunk's last W."""
     inputs, targets = make_batch(8)
 
     def body():
-        chunks = [CountingDDP(c) for c in my_chunks(make_model(6), v)]
+        chunks = [CountingDDP(c) for c in my_chunks(make_model(6), v, schedule_placement(schedule))]
         pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule=schedule, num_microbatches=4)
         for _ in range(2):
             for c in chunks:

@@ -245,22 +245,27 @@ def one_f_one_b(pp: int, n: int, v: int = 1) -> Plan:
     return Plan("1f1b", pp, n, 1, tuple(tuple(row) for row in rows))
 
 
+def _check_interleaved_sizes(schedule: str, one_chunk: str, pp: int, n: int, v: int) -> None:
+    """What an interleaved order needs: v >= 2 chunks per rank and n a multiple of pp."""
+    _check_sizes(schedule, pp, n, v)
+    if v < 2:
+        raise ConfigError(
+            f"schedule {schedule!r} needs at least 2 chunks per rank (one module per chunk); "
+            f"with one chunk per rank use schedule={one_chunk!r}"
+        )
+    if n % pp:
+        raise ConfigError(
+            f"schedule {schedule!r} sends microbatches through the chunks in groups of pp={pp}, so "
+            f"num_microbatches must be a multiple of {pp}; got {n}: use {max(pp, n - n % pp)} or "
+            f"{n - n % pp + pp}, or schedule={one_chunk!r}" + ("/'afab'" if one_chunk == "1f1b" else "")
+        )
+
+
 def interleaved_1f1b(pp: int, n: int, v: int = 2) -> Plan:
     """Megatron's interleaved 1F1B. Microbatches go through the chunks in groups of pp: the k-th forward of
     a rank is microbatch (k // (pp*v)) * pp + k % pp on its local chunk (k // pp) % v; backwards visit the
     local chunks in reverse. Warm-up: 2 (pp - r - 1) + (v - 1) pp forwards."""
-    _check_sizes("interleaved", pp, n, v)
-    if v < 2:
-        raise ConfigError(
-            "schedule 'interleaved' needs at least 2 chunks per rank (one module per chunk); "
-            "with one chunk per rank use schedule='1f1b'"
-        )
-    if n % pp:
-        raise ConfigError(
-            f"schedule 'interleaved' sends microbatches through the chunks in groups of pp={pp}, so "
-            f"num_microbatches must be a multiple of {pp}; got {n}: use {max(pp, n - n % pp)} or "
-            f"{n - n % pp + pp}, or schedule='1f1b'/'afab'"
-        )
+    _check_interleaved_sizes("interleaved", "1f1b", pp, n, v)
     total = n * v
 
     def action(r: int, k: int, forward: bool) -> Action:
@@ -320,18 +325,7 @@ def zbh1(pp: int, n: int, v: int = 1) -> Plan:
 def zb_interleaved(pp: int, n: int, v: int = 2) -> Plan:
     """Interleaved zero bubble: interleaved 1F1B's order (v >= 2 chunks per rank, n a multiple of pp) with
     every backward split into B and W as in `zbh1` (torch's ScheduleInterleavedZeroBubble)."""
-    _check_sizes("zb_interleaved", pp, n, v)
-    if v < 2:
-        raise ConfigError(
-            "schedule 'zb_interleaved' needs at least 2 chunks per rank; with one chunk per rank use "
-            "schedule='zbh1'"
-        )
-    if n % pp:
-        raise ConfigError(
-            f"schedule 'zb_interleaved' sends microbatches through the chunks in groups of pp={pp}, so "
-            f"num_microbatches must be a multiple of {pp}; got {n}: use {max(pp, n - n % pp)} or "
-            f"{n - n % pp + pp}, or schedule='zbh1'"
-        )
+    _check_interleaved_sizes("zb_interleaved", "zbh1", pp, n, v)
     return _split_backwards(interleaved_1f1b(pp, n, v), "zb_interleaved")
 
 
