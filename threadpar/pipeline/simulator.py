@@ -211,16 +211,16 @@ def render_grid(
     plan: Plan, starts: Iterable[Iterable[float]], mark: set[tuple[int, int]], legend: str
 ) -> str:
     """One row per rank, one column per distinct start time; "." where no action starts."""
-    starts = [list(row) for row in starts]
-    times = sorted({round(t, 9) for row in starts for t in row})
+    rows = [list(row) for row in starts]
+    times = sorted({round(t, 9) for row in rows for t in row})
     column = {t: i for i, t in enumerate(times)}
     width = max((len(str(a)) for row in plan.actions for a in row), default=3) + 2
     cells = [["." for _ in times] for _ in range(plan.pp)]
-    for r, row in enumerate(starts):
+    for r, row in enumerate(rows):
         for i, t in enumerate(row):
             text = str(plan.actions[r][i])
             cells[r][column[round(t, 9)]] = f"[{text}]" if (r, i) in mark else text
-    keep = _visible_columns(len(times), {column[round(starts[r][i], 9)] for r, i in mark})
+    keep = _visible_columns(len(times), {column[round(rows[r][i], 9)] for r, i in mark})
     unit = all(float(t).is_integer() for t in times)
     header = f"{plan.name}: pp={plan.pp} n={plan.n} v={plan.v}" + (
         "" if unit else " (columns: distinct start times)"
