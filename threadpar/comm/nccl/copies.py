@@ -13,8 +13,15 @@ current stream; the CudaApi's `copy_` makes those the two members' comm streams.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.cuda_seam import CudaApi
+from threadpar.comm.common.mailbox import Mailboxes
 from threadpar.comm.common.rendezvous import Call
 from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import ConfigError
@@ -23,6 +30,20 @@ from threadpar.errors import ConfigError
 class NcclCopyCollectives:
     """Mixed into NcclGroup, whose members it uses: _post, _stream, _on, _check_devices, _cuda, devices,
     ranks, size, name, mailboxes."""
+
+    # Declared for the type checker; NcclGroup sets or defines them.
+    name: str
+    ranks: tuple[int, ...]
+    size: int
+    devices: tuple[torch.device, ...]
+    mailboxes: Mailboxes
+    _cuda: CudaApi
+    _abort: AbortSignal
+    _timeout: float
+    _post: Callable[..., NcclWork]
+    _stream: Callable[[int], Any]
+    _on: Callable[[Any], contextlib.AbstractContextManager[None]]
+    _check_devices: Callable[[int, str, Sequence[torch.Tensor]], None]
 
     def scatter(
         self,
@@ -78,7 +99,7 @@ class NcclCopyCollectives:
         return self._post(member, seq, call, (outputs, inputs), launch, nccl=False)
 
     # point to point ---------------------------------------------------------------------------------------------
-    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> NcclWork:
+    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> NcclWork | None:
         """Copy `tensor` into a new buffer on the receiver's device, on the comm streams, and post it.
 
         The caller's stream must not overwrite `tensor` before the copy has read it: ProcessGroup.send
