@@ -296,6 +296,7 @@ def launch_in_process(
             intraop_threads=_intraop(intraop_threads, placement.world_size, on_cpu),
         )
     else:
+        assert threads is not None  # _threads_per_process requires it with more than one process
         world = _multi_process_world(
             env, threads, devices, dp, tp, pp, cp, backend, timeout, seed, order, intraop_threads
         )
