@@ -60,6 +60,7 @@ class DemoConfig:
         if self.processes < 1:
             raise ConfigError(f"processes={self.processes}: need at least 1")
         self._derive_layout()
+        assert self.dp is not None and self.tp is not None and self.pp is not None  # derived just now
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.dtype not in DTYPES:
@@ -115,6 +116,7 @@ class DemoConfig:
 
     def _check_sequence_split(self) -> None:
         """Context (and sequence) parallelism split each sequence into equal parts."""
+        assert self.tp is not None  # __post_init__ derived it
         multiple = padding_multiple(self.cp, self.tp, self.sequence_parallel)
         if self.seq_len % multiple:
             parts = [f"cp={self.cp} (two chunks per CP rank)"] if self.cp > 1 else []
@@ -143,6 +145,7 @@ class DemoConfig:
                 f"--moe-top-k {self.moe_top_k}: each token goes to between 1 and --moe-experts "
                 f"{self.moe_experts} experts"
             )
+        assert self.dp is not None  # __post_init__ derived it
         if self.dp % self.ep:
             raise ConfigError(
                 f"--ep {self.ep} must divide dp={self.dp}: the experts are split over ep of the data-parallel "
