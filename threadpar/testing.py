@@ -21,13 +21,13 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec
 
 from threadpar.errors import RankFailedError, RemoteRankError
 from threadpar.runtime.launch import launch, launch_in_process
 from threadpar.runtime.process_env import ProcessEnv
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")  # the decorated test's parameters (pytest fixtures), kept by on_ranks
 
 # Short enough that a deadlock in a test fails fast; long enough for a loaded 2-core CI machine.
 TEST_TIMEOUT_S = 20.0
@@ -49,15 +49,17 @@ def run_ranks(
         raise error from None
 
 
-def on_ranks(world_size: int | None = None, **launch_kwargs: Any) -> Callable[[F], F]:
+def on_ranks(
+    world_size: int | None = None, **launch_kwargs: Any
+) -> Callable[[Callable[P, Any]], Callable[P, None]]:
     """Decorator: run the decorated test on `world_size` rank threads (pytest fixtures still work)."""
 
-    def decorate(test: F) -> F:
+    def decorate(test: Callable[P, Any]) -> Callable[P, None]:
         @functools.wraps(test)
-        def wrapper(*args: Any, **kwargs: Any) -> None:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
             run_ranks(functools.partial(test, *args, **kwargs), world_size, **launch_kwargs)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper
 
     return decorate
 
