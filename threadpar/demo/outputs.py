@@ -17,7 +17,6 @@ from threadpar.demo.train import AUTOCAST, RunState, make_optimizer
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPT, GPTConfig
 from threadpar.pipeline import measured_bubble, write_chrome_trace
-from threadpar.topology import Layout
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECK_STEPS = 3
@@ -29,16 +28,9 @@ class Summary:
     metrics: dict[str, Any]
 
 
-def _layout(run: RunState) -> Layout:
-    cfg = run.config
-    assert cfg.tp is not None and cfg.pp is not None  # __post_init__ derived it
-    return Layout.build(cfg.world_size, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp)
-
-
 def layout_sizes(cfg: DemoConfig) -> dict[str, int]:
     """The axis sizes (cp and ep only when used)."""
-    assert cfg.dp is not None and cfg.tp is not None and cfg.pp is not None  # __post_init__ derived it
-    sizes = {"dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep}
+    sizes = {"dp": cfg.layout.dp, "cp": cfg.cp, "tp": cfg.layout.tp, "pp": cfg.layout.pp, "ep": cfg.ep}
     return {k: v for k, v in sizes.items() if k not in ("cp", "ep") or v > 1}
 
 
@@ -50,14 +42,14 @@ def layout_text(cfg: DemoConfig) -> str:
 
 def _pipeline_zero(run: RunState) -> list:
     """The timelines of the pipeline that rank 0 belongs to (one per stage)."""
-    return [run.timelines[r] for r in _layout(run).group_ranks("PP", 0) if r in run.timelines]
+    return [run.timelines[r] for r in run.config.layout.group_ranks("PP", 0) if r in run.timelines]
 
 
 def reference_losses(run: RunState) -> dict[str, Any]:
     """Re-run the first steps on one thread with the plain GPT and compare the losses. Each step runs one
     forward per (DP replica, microbatch), as the parallel run does: a MoE routes per forward."""
     cfg = run.config
-    assert cfg.dp is not None and cfg.microbatches is not None  # __post_init__ derived it
+    assert cfg.microbatches is not None  # DemoConfig.__post_init__ derived it
     steps = range(run.start_step, min(cfg.steps, run.start_step + CHECK_STEPS))
     model = GPT(run.gpt, autocast_dtype=AUTOCAST[cfg.dtype])
     model.load_state_dict(run.dense_state)
@@ -67,7 +59,7 @@ def reference_losses(run: RunState) -> dict[str, Any]:
     reference = []
     for step in steps:
         inputs, targets = run.batches.batch(step)
-        loss = model.accumulate_gradients(inputs, targets, forwards=cfg.dp * cfg.microbatches)
+        loss = model.accumulate_gradients(inputs, targets, forwards=cfg.layout.dp * cfg.microbatches)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reference.append(loss.item())
@@ -84,7 +76,7 @@ def reference_losses(run: RunState) -> dict[str, Any]:
 
 
 def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) -> Summary:
-    cfg, layout = run.config, _layout(run)
+    cfg, layout = run.config, run.config.layout
     timed = run.step_seconds[1:] or run.step_seconds  # the first step includes one-time setup
     tokens_per_s = run.tokens_per_step / statistics.median(timed)
     pipeline = _pipeline_zero(run)
