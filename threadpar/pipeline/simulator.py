@@ -13,7 +13,7 @@ run: a split B keeps the graph alive for its W), the peak number of B's waiting 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from threadpar.errors import ConfigError
@@ -208,7 +208,7 @@ def _wait_cycle(plan: Plan, pos: list[int], done: dict) -> str:
 
 
 def render_grid(
-    plan: Plan, starts: Iterable[Iterable[float]], mark: set[tuple[int, int]], legend: str
+    plan: Plan, starts: Sequence[Sequence[float]], mark: set[tuple[int, int]], legend: str
 ) -> str:
     """One row per rank, one column per distinct start time; "." where no action starts."""
     rows = [list(row) for row in starts]
