@@ -197,10 +197,15 @@ def parallelize(
     group: ProcessGroup | str | None = None,
     sequence_parallel: bool = False,
     sequence_dim: int = 1,
+    overlap_grad_comm: bool = True,
 ) -> nn.Module:
     """Swap the modules the plan names for tensor-parallel layers holding this rank's shards (in place);
     return `module`. With sequence_parallel=True the embedding reduce-scatters along `sequence_dim`,
-    column layers all-gather their input and row layers reduce-scatter their output."""
+    column layers all-gather their input and row layers reduce-scatter their output.
+    `overlap_grad_comm`: the column layers' option (their backward overlaps the input-gradient
+    collective with the weight-gradient GEMM)."""
+    if not isinstance(overlap_grad_comm, bool):
+        raise ConfigError(f"overlap_grad_comm must be True or False, got {overlap_grad_comm!r}")
     group = resolve_tp_group(group)
     assigned = _assign(module, plan, bool(sequence_parallel))
     ties = _tied_weights(module)
@@ -218,7 +223,7 @@ def parallelize(
         if isinstance(style, SequenceParallel):
             mark_sequence_parallel(old)  # stays as it is; its gradients get summed over the TP group
             continue
-        new = _build(old, style, group, bool(sequence_parallel), sequence_dim)
+        new = _build(old, style, group, bool(sequence_parallel), sequence_dim, overlap_grad_comm)
         parent_name, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent_name), child, new)
 
@@ -227,7 +232,9 @@ def parallelize(
     return module
 
 
-def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int) -> nn.Module:
+def _build(
+    old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int, overlap: bool
+) -> nn.Module:
     """The replacement of `old`, holding this rank's shard of its weights."""
     common = {"group": group, "sequence_dim": sequence_dim}
     if isinstance(style, ColwiseParallel):
@@ -238,6 +245,7 @@ def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence
             stride=style.stride,
             pad_out_features_to_multiple_of=style.pad_out_features_to_multiple_of,
             sequence_parallel=sp,
+            overlap_grad_comm=overlap,
             **common,
         )
     if isinstance(style, RowwiseParallel):

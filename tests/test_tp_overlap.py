@@ -1,0 +1,315 @@
+"""ColumnParallelLinear's overlapped backward: equal to the non-overlapped path and the dense model, and the
+input-gradient collective is really in flight while the weight gradient is computed (threads and nccl)."""
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from torch import nn
+from tp_overlap_probe import CollectiveLog, GemmLog
+from tp_parity import assert_grads_close, grads_of, my_chunk, randn, seed_params_
+
+import threadpar
+from threadpar.errors import ConfigError
+from threadpar.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    allreduce_sequence_parallel_grads,
+    gather_dense_grads,
+    mark_sequence_parallel,
+    parallelize,
+)
+from threadpar.testing import run_ranks
+
+B, T, C, FFN = 2, 8, 16, 64
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, ln, fc1, fc2):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = ln, fc1, fc2
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+def dense_mlp():
+    return seed_params_(MLPBlock(nn.LayerNorm(C), nn.Linear(C, FFN), nn.Linear(FFN, C)), seed=1)
+
+
+def tp_mlp(dense, sp, overlap):
+    block = MLPBlock(
+        copy.deepcopy(dense.ln),
+        ColumnParallelLinear.from_dense(dense.fc1, sequence_parallel=sp, overlap_grad_comm=overlap),
+        RowParallelLinear.from_dense(dense.fc2, sequence_parallel=sp),
+    )
+    if sp:
+        mark_sequence_parallel(block.ln)
+    return block
+
+
+def accumulate(model, inputs, upstream, sync=lambda m: None):
+    """Forward + backward of each micro-batch, gradients accumulated; (outputs, input grads, param grads)."""
+    ys, x_grads = [], []
+    for x in inputs:
+        xi = x.clone().requires_grad_()
+        y = model(xi)
+        (y * upstream).sum().backward()
+        ys.append(y.detach())
+        x_grads.append(xi.grad)
+    sync(model)
+    return ys, x_grads
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_overlapped_block_equals_the_non_overlapped_block_and_the_dense_one_with_accumulated_grads(tp, sp):
+    """Two micro-batches accumulate into .grad (the layers have no separate main-grad buffers)."""
+    dense = dense_mlp()
+    inputs = [randn(B, T, C, seed=10 + i) for i in range(2)]
+    upstream = randn(B, T, C, seed=20)
+    want_ys, want_xgrads = accumulate(dense, inputs, upstream)
+    want_grads = grads_of(dense)
+    split = (lambda t: my_chunk(t, 1)) if sp else (lambda t: t)
+
+    def body():
+        results = {}
+        for overlap in (True, False):
+            model = tp_mlp(dense, sp, overlap)
+            ys, x_grads = accumulate(
+                model, [split(x) for x in inputs], split(upstream), allreduce_sequence_parallel_grads
+            )
+            results[overlap] = (ys, x_grads, gather_dense_grads(model))
+        return results
+
+    join = (lambda ts: torch.cat(ts, dim=1)) if sp else (lambda ts: ts[0])
+    ranks = run_ranks(body, tp, tp=tp)
+    for overlap in (True, False):
+        for i in range(len(inputs)):
+            torch.testing.assert_close(join([r[overlap][0][i] for r in ranks]), want_ys[i])
+            torch.testing.assert_close(join([r[overlap][1][i] for r in ranks]), want_xgrads[i])
+        for r in ranks:
+            assert_grads_close(r[overlap][2], want_grads)
+    for r in ranks:  # the two paths compute the same sums in the same order
+        for a, b in zip(r[True][1], r[False][1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert_grads_close(r[True][2], r[False][2], rtol=1e-6, atol=1e-7)
+
+
+OPTIONS = (  # (dense layer seed, out features, bias, ColumnParallelLinear options)
+    (3, 24, False, {"stride": 3}),  # a fused q/k/v projection
+    (4, 8, True, {"skip_bias_add": True}),
+    (5, 8, True, {"gather_output": True}),
+    (6, 8, False, {}),  # its weight is frozen
+)
+
+
+def option_layers():
+    layers = [seed_params_(nn.Linear(C, out, bias=bias), seed=seed) for seed, out, bias, _ in OPTIONS]
+    layers[3].weight.requires_grad_(False)
+    return layers
+
+
+def option_loss(outputs):
+    return sum((k + 1) * o.square().sum() for k, o in enumerate(outputs))
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_overlap_with_layer_options_a_frozen_weight_and_an_input_without_grad(sp):
+    """Each layer's local outputs enter the loss on their rank (the gathered one whole on every rank), so
+    the gradients are the dense ones. The frozen layer also runs on an input that needs no gradient."""
+    dense = option_layers()
+    x, x_const = randn(B, T, C, seed=12), randn(B, T, C, seed=13)
+    xd = x.clone().requires_grad_()
+    skip = dense[1]
+    outs = [dense[0](xd), skip(xd), dense[2](xd), dense[3](xd), dense[3](x_const)]
+    option_loss(outs).backward()
+    split = (lambda t: my_chunk(t, 1)) if sp else (lambda t: t)
+
+    def body():
+        results = {}
+        for overlap in (True, False):
+            layers = [
+                ColumnParallelLinear.from_dense(m, sequence_parallel=sp, overlap_grad_comm=overlap, **opts)
+                for m, (_, _, _, opts) in zip(dense, OPTIONS)
+            ]
+            xi = split(x).clone().requires_grad_()
+            h, bias = layers[1](xi)
+            gathered = layers[2](xi)
+            outs = [layers[0](xi), h + bias, gathered, layers[3](xi), layers[3](split(x_const))]
+            option_loss(outs).backward()
+            assert layers[3].weight.grad is None
+            results[overlap] = (gathered.detach(), xi.grad, [gather_dense_grads(m) for m in layers[:3]])
+        return results
+
+    join = (lambda ts: torch.cat(ts, dim=1)) if sp else (lambda ts: ts[0])
+    ranks = run_ranks(body, 2, tp=2)
+    for overlap in (True, False):
+        for r in ranks:
+            torch.testing.assert_close(r[overlap][0], outs[2].detach())
+            for got, layer in zip(r[overlap][2], dense[:3]):
+                assert_grads_close(got, grads_of(layer))
+        torch.testing.assert_close(join([r[overlap][1] for r in ranks]), xd.grad)
+    for r in ranks:
+        torch.testing.assert_close(r[True][1], r[False][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_overlap_under_bf16_autocast_equals_the_non_overlapped_path(sp):
+    """GEMMs in bf16 as F.linear's under autocast, the input gradient reduced in the input's dtype, and
+    fp32 gradients for the fp32 parameters."""
+    dense = dense_mlp()
+    x, upstream = randn(B, T, C, seed=14), randn(B, T, C, seed=24)
+    split = (lambda t: my_chunk(t, 1)) if sp else (lambda t: t)
+
+    def body():
+        results = {}
+        for overlap in (True, False):
+            model = tp_mlp(dense, sp, overlap)
+            xi = split(x).clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(xi)
+            (y.float() * split(upstream)).sum().backward()
+            allreduce_sequence_parallel_grads(model)
+            results[overlap] = (y.detach(), xi.grad, gather_dense_grads(model))
+        return results
+
+    for r in run_ranks(body, 2, tp=2):
+        assert r[True][1].dtype == torch.float32
+        assert all(g.dtype == torch.float32 for g in r[True][2].values())
+        torch.testing.assert_close(r[True][0], r[False][0], rtol=0, atol=0)
+        torch.testing.assert_close(r[True][1], r[False][1])
+        assert_grads_close(r[True][2], r[False][2], rtol=2e-2, atol=2e-2)
+
+
+def test_backward_runs_on_a_thread_without_rank_context():
+    """The Function holds the group the layer captured: on CUDA backward runs on torch's device threads."""
+    dense = dense_mlp()
+    x = randn(B, T, C, seed=15)
+    xd = x.clone().requires_grad_()
+    dense.fc1(xd).square().sum().backward()
+
+    def body():
+        layer = ColumnParallelLinear.from_dense(dense.fc1, sequence_parallel=True)
+        xi = my_chunk(x, 1).requires_grad_()
+        loss = layer(xi).square().sum()
+        errors = []
+
+        def backward():
+            try:
+                assert not threadpar.in_rank()
+                loss.backward()
+            except BaseException as error:  # re-raised on the rank thread
+                errors.append(error)
+
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return xi.grad, gather_dense_grads(layer)
+
+    ranks = run_ranks(body, 2, tp=2)
+    torch.testing.assert_close(torch.cat([r[0] for r in ranks], dim=1), xd.grad)
+    for r in ranks:
+        assert_grads_close(r[1], grads_of(dense.fc1))
+
+
+# Sizes where the GEMMs differ in shape: weight [20, 24] per rank at tp 2, 2 x 6 = 12 tokens.
+IN, OUT, ORDER_B, ORDER_T = 24, 40, 2, 6
+OVERLAPPED = {
+    False: ["dgrad", "start all_reduce", "wgrad", "wait all_reduce"],
+    True: [
+        "start all_gather", "dgrad", "wait all_gather",  # the input gathered again, during the dX GEMM
+        "start reduce_scatter", "wgrad", "wait reduce_scatter",
+    ],
+}  # fmt: skip
+
+
+def probed_backward(sp: bool, overlap: bool, around=None):
+    """On a rank: a column layer's forward, then its backward under the probes; the events in order."""
+    fc = seed_params_(nn.Linear(IN, OUT), seed=7)
+    x = randn(ORDER_B, ORDER_T, IN, seed=16)
+    layer = ColumnParallelLinear.from_dense(fc, sequence_parallel=sp, overlap_grad_comm=overlap)
+    events: list[str] = []
+    log = CollectiveLog(layer.group, events, threading.Lock())
+    xi = (my_chunk(x, 1) if sp else x).requires_grad_()
+    loss = layer(xi).square().sum()
+    log.recording = True
+    with GemmLog(log, ORDER_B * ORDER_T, tuple(layer.weight.shape), around):
+        loss.backward()
+    log.recording = False
+    return events
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_the_input_gradient_collective_is_in_flight_while_the_weight_gradient_is_computed(sp):
+    """Threads backend: the collective is issued asynchronously before the dW GEMM and waited on after it.
+    The non-overlapped path, for contrast, computes both GEMMs and then runs a blocking collective."""
+    for events in run_ranks(lambda: probed_backward(sp, overlap=True), 2, tp=2):
+        assert events == OVERLAPPED[sp]
+    last = "sync reduce_scatter" if sp else "sync all_reduce"
+    for events in run_ranks(lambda: probed_backward(sp, overlap=False), 2, tp=2):
+        assert sorted(events[:-1]) == ["dgrad", "wgrad"] and events[-1] == last, events
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_on_nccl_the_collective_runs_on_the_comm_stream_beside_the_weight_gradient_gemm(sp):
+    """nccl backend (the CUDA/NCCL double): each GEMM is bracketed by marks on the rank's compute stream;
+    `fake.ordered(a, b)` says whether CUDA must finish a before b starts. The collective waits for the dX
+    GEMM (its input), neither waits for the dW GEMM nor is waited for by it, and the compute stream waits
+    for it before anything after backward: the dW GEMM and NCCL's kernel can run at once."""
+    fake = FakeCuda()
+    device = torch.device("cpu")
+
+    def body(overlap):
+        marks = {}
+
+        def around(kind, when):
+            marks[f"{when} {kind}"] = fake.mark(fake.current_stream(device), f"{when} {kind}")
+
+        events = probed_backward(sp, overlap, around)
+        marks["after backward"] = fake.mark(fake.current_stream(device), "after backward")
+        return events, marks, threadpar.get_group("TP").rank()
+
+    name = "reduce_scatter" if sp else "all_reduce"
+    for events, marks, rank in run_fake_gpus(lambda: body(True), 2, fake, tp=2):
+        assert events == OVERLAPPED[sp]
+        (call,) = fake.calls_named(name)
+        node = call.nodes[rank]
+        assert call.streams[rank] in fake.comm_streams
+        assert fake.ordered(marks["after dgrad"], node)
+        assert not fake.ordered(marks["after wgrad"], node)
+        assert not fake.ordered(node, marks["before wgrad"])
+        assert fake.ordered(node, marks["after backward"])
+        if sp:  # the backward's gather of the input: beside the dX GEMM, before the dW GEMM
+            gather = fake.calls_named("all_gather")[-1].nodes[rank]
+            assert not fake.ordered(gather, marks["before dgrad"])
+            assert not fake.ordered(marks["after dgrad"], gather)
+            assert fake.ordered(gather, marks["before wgrad"])
+
+    fake.calls.clear()
+    for _, marks, rank in run_fake_gpus(lambda: body(False), 2, fake, tp=2):  # no overlap: after dW
+        (call,) = fake.calls_named(name)
+        assert fake.ordered(marks["after wgrad"], call.nodes[rank])
+
+
+def test_overlap_switch_in_the_constructor_and_in_parallelize():
+    def body():
+        on = ColumnParallelLinear(C, FFN)
+        off = ColumnParallelLinear(C, FFN, overlap_grad_comm=False)
+        model = parallelize(
+            nn.Sequential(nn.Linear(C, FFN), nn.GELU(), nn.Linear(FFN, C)),
+            {"0": "colwise", "2": "rowwise"},
+            overlap_grad_comm=False,
+        )
+        with pytest.raises(ConfigError, match="overlap_grad_comm must be True or False"):
+            ColumnParallelLinear(C, FFN, overlap_grad_comm="yes")
+        return on.overlap_grad_comm, off.overlap_grad_comm, model[0].overlap_grad_comm, repr(off)
+
+    for on, off, parallelized, text in run_ranks(body, 2, tp=2):
+        assert (on, off, parallelized) == (True, False, False)
+        assert "overlap_grad_comm=False" in text
