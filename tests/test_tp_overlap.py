@@ -14,6 +14,7 @@ from tp_parity import assert_grads_close, grads_of, my_chunk, randn, seed_params
 
 import threadpar
 from threadpar.errors import ConfigError
+from threadpar.models.gpt import GPT, GPTConfig, TensorParallel
 from threadpar.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -295,6 +296,38 @@ def test_on_nccl_the_collective_runs_on_the_comm_stream_beside_the_weight_gradie
     for _, marks, rank in run_fake_gpus(lambda: body(False), 2, fake, tp=2):  # no overlap: after dW
         (call,) = fake.calls_named(name)
         assert fake.ordered(marks["after wgrad"], call.nodes[rank])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_gpt_with_and_without_overlap_matches_the_plain_model(sp):
+    """TensorParallel(overlap_grad_comm=...) reaches every column layer: q/k/v, the MLP, the LM head."""
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8)
+    plain = GPT(config).init_weights(torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(4)
+    idx, targets = (torch.randint(0, config.vocab_size, (2, 8), generator=g) for _ in range(2))
+    want_loss = plain.loss(idx, targets)
+    want_loss.backward()
+
+    def body():
+        results = {}
+        for overlap in (True, False):
+            tp = TensorParallel(
+                group=threadpar.get_group("TP"), sequence_parallel=sp, overlap_grad_comm=overlap
+            )
+            model = GPT(config, tp=tp)
+            model.load_state_dict(plain.state_dict())
+            columns = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
+            assert len(columns) == 5 and all(m.overlap_grad_comm is overlap for m in columns)
+            loss = model.loss(idx, targets)
+            loss.backward()
+            allreduce_sequence_parallel_grads(model)
+            results[overlap] = (loss.detach(), gather_dense_grads(model))
+        return results
+
+    for r in run_ranks(body, 2, tp=2):
+        for overlap in (True, False):
+            torch.testing.assert_close(r[overlap][0], want_loss.detach())
+            assert_grads_close(r[overlap][1], grads_of(plain), rtol=1e-4, atol=1e-6)
 
 
 def test_overlap_switch_in_the_constructor_and_in_parallelize():
