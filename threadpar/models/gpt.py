@@ -64,11 +64,11 @@ IGNORE_INDEX = -100  # targets that take no part in the loss (F.cross_entropy's 
 class TensorParallel:
     """How a GPT is split over a TP group. Under sequence parallelism T must be divisible by the TP size.
     overlap_grad_comm: the column-parallel layers overlap their input-gradient collective with the
-    weight-gradient GEMM in backward (ColumnParallelLinear's option)."""
+    weight-gradient GEMM in backward (ColumnParallelLinear's option; None: where it helps)."""
 
     group: ProcessGroup
     sequence_parallel: bool = False
-    overlap_grad_comm: bool = True
+    overlap_grad_comm: bool | None = None
 
     @property
     def size(self) -> int:

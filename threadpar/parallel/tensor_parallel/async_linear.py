@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from threadpar.comm.group import ProcessGroup
+from threadpar.errors import ConfigError
 from threadpar.parallel.tensor_parallel.collectives import (
     Pending,
     all_gather_along_dim,
@@ -40,6 +41,26 @@ from threadpar.parallel.tensor_parallel.collectives import (
 )
 
 SEQ = "the sequence length"
+
+
+def resolve_overlap(overlap: bool | None, group: ProcessGroup) -> bool:
+    """`overlap_grad_comm` as given, or for None where it helps (call on the rank thread). On nccl the
+    collective runs on the comm stream, beside the compute stream: on. On the threads backend it runs on
+    the rank's comm worker thread, which needs a core the ranks' GEMMs leave free: on when this process has
+    more cores than rank threads x intra-op threads (not on 2 cores with 2 single-threaded ranks, where
+    both cores are busy with GEMMs and the overlap gains nothing: measured in benchmarks/tp.py). Both paths
+    give bit-identical results, so the choice never changes numerics."""
+    if overlap is not None:
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"overlap_grad_comm must be True, False or None (auto), got {overlap!r}")
+        return overlap
+    if group.stream_ordered:
+        return True
+    from threadpar.runtime.context import current
+    from threadpar.runtime.launch import available_cores
+
+    world = current().world
+    return available_cores() > world.threads_per_process * world.intraop_threads
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
-from threadpar.parallel.tensor_parallel.async_linear import linear_with_async_grad_comm
+from threadpar.parallel.tensor_parallel.async_linear import linear_with_async_grad_comm, resolve_overlap
 from threadpar.parallel.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_sp_region,
@@ -120,7 +120,8 @@ class ColumnParallelLinear(_ParallelLinear):
     overlap_grad_comm: in backward, run the all-reduce (reduce-scatter under SP) of the input gradient
         while the weight gradient is computed (async_linear.py); under SP the input is then gathered again
         in backward instead of being kept. False: the mappings and F.linear, one collective after the other.
-        No effect with input_is_parallel=True (no collective on the input gradient here).
+        None (default): on where it helps (nccl; threads with a spare core: `resolve_overlap`). No effect
+        with input_is_parallel=True (no collective on the input gradient here).
     """
 
     def __init__(
@@ -137,13 +138,12 @@ class ColumnParallelLinear(_ParallelLinear):
         stride: int = 1,
         pad_out_features_to_multiple_of: int | None = None,
         sequence_dim: int = 1,
-        overlap_grad_comm: bool = True,
+        overlap_grad_comm: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, group, sequence_dim, device, dtype)
-        if not isinstance(overlap_grad_comm, bool):
-            raise ConfigError(f"overlap_grad_comm must be True or False, got {overlap_grad_comm!r}")
+        self.overlap_grad_comm = resolve_overlap(overlap_grad_comm, self.group)
         if sequence_parallel and input_is_parallel:
             raise ConfigError(
                 "ColumnParallelLinear: sequence_parallel=True means the input arrives split along the "
@@ -176,7 +176,6 @@ class ColumnParallelLinear(_ParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         self.skip_bias_add = bool(skip_bias_add)
         self.sequence_parallel = bool(sequence_parallel)
-        self.overlap_grad_comm = overlap_grad_comm
         spec = ShardSpec(0, out_features, padded, stride)
         self.shard_specs = {"weight": spec, **({"bias": spec} if bias else {})}
         self._create_parameters((padded // tp, in_features), padded // tp)
@@ -202,7 +201,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         names = ("gather_output", "input_is_parallel", "skip_bias_add", "sequence_parallel")
         flags = [f"{f}=True" for f in names if getattr(self, f)]
-        flags += [] if self.overlap_grad_comm else ["overlap_grad_comm=False"]
+        flags.append(f"overlap_grad_comm={self.overlap_grad_comm}")
         stride = [f"stride={self.stride}"] if self.stride > 1 else []
         return ", ".join([self._extra(), *stride, *flags])
 

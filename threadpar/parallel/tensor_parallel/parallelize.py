@@ -35,6 +35,7 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.tensor_parallel.async_linear import resolve_overlap
 from threadpar.parallel.tensor_parallel.collectives import resolve_tp_group
 from threadpar.parallel.tensor_parallel.embedding import VocabParallelEmbedding
 from threadpar.parallel.tensor_parallel.layers import (
@@ -197,16 +198,15 @@ def parallelize(
     group: ProcessGroup | str | None = None,
     sequence_parallel: bool = False,
     sequence_dim: int = 1,
-    overlap_grad_comm: bool = True,
+    overlap_grad_comm: bool | None = None,
 ) -> nn.Module:
     """Swap the modules the plan names for tensor-parallel layers holding this rank's shards (in place);
     return `module`. With sequence_parallel=True the embedding reduce-scatters along `sequence_dim`,
     column layers all-gather their input and row layers reduce-scatter their output.
     `overlap_grad_comm`: the column layers' option (their backward overlaps the input-gradient
-    collective with the weight-gradient GEMM)."""
-    if not isinstance(overlap_grad_comm, bool):
-        raise ConfigError(f"overlap_grad_comm must be True or False, got {overlap_grad_comm!r}")
+    collective with the weight-gradient GEMM; None: where it helps)."""
     group = resolve_tp_group(group)
+    overlap_grad_comm = resolve_overlap(overlap_grad_comm, group)
     assigned = _assign(module, plan, bool(sequence_parallel))
     ties = _tied_weights(module)
     # A head tied to a padded vocabulary embedding must be padded the same way to share its weight.
@@ -233,7 +233,7 @@ def parallelize(
 
 
 def _build(
-    old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int, overlap: bool
+    old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int, overlap: bool | None
 ) -> nn.Module:
     """The replacement of `old`, holding this rank's shard of its weights."""
     common = {"group": group, "sequence_dim": sequence_dim}
