@@ -31,10 +31,12 @@ per rank: 2(P-1)/P * N for an all-reduce, (P-1)/P * N for an all-gather or reduc
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import statistics
 import time
 from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -169,7 +171,7 @@ def rank_main(dense: MLP, x: torch.Tensor, grad_out: torch.Tensor, iters: int, r
     group = threadpar.get_group("TP")
     tp, rank = group.size(), group.rank()
     counter = CollectiveCounter(group)
-    cases = {}
+    cases: dict[str, tuple[Any, ...]] = {}
     for name in CASES[1:5]:
         sp, overlap = name.startswith("sp"), name.endswith("overlap")
         model = MLP(
@@ -193,8 +195,10 @@ def rank_main(dense: MLP, x: torch.Tensor, grad_out: torch.Tensor, iters: int, r
     if rank == 0:
         cases["dense"] = (dense, x.clone().requires_grad_(), grad_out, None, None)
 
-    samples = {name: [] for name in cases}
-    cpu_samples = {name: [] for name in cases}  # this thread's CPU time: what load from outside can't inflate
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_samples: dict[str, list[float]] = {
+        name: [] for name in cases
+    }  # this thread's CPU time: what load from outside can't inflate
     blocked = {name: 0.0 for name in cases}
     for round_ in range(repeats + 1):  # round 0 warms up
         for name in CASES:
@@ -204,7 +208,7 @@ def rank_main(dense: MLP, x: torch.Tensor, grad_out: torch.Tensor, iters: int, r
             model, xi, gi, _, _ = cases[name]
             counter.seconds, counter.noop = 0.0, name.endswith("compute")
             cpu = time.thread_time()
-            seconds = median_time(lambda m=model, a=xi, b=gi: step(m, a, b), iters=iters, repeats=1)
+            seconds = median_time(functools.partial(step, model, xi, gi), iters=iters, repeats=1)
             counter.noop = False
             if round_:
                 samples[name].append(seconds)
@@ -242,7 +246,7 @@ def theory(sp: bool, overlap: bool, n_bytes: int) -> dict[str, list[tuple[str, i
 
 
 def describe(calls: list[tuple[str, int]]) -> str:
-    counts = defaultdict(int)
+    counts: defaultdict[tuple[str, int], int] = defaultdict(int)
     for op, nbytes in calls:
         counts[(op, nbytes)] += 1
     return " + ".join(f"{n}x {op} {fmt_bytes(b)}" for (op, b), n in counts.items()) or "-"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
@@ -90,6 +91,7 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the collectives are not differentiable: a double backward raises, not lies
     def backward(ctx, grad_out):
         # grad_out: [..., out/tp] over the whole sequence
         x, weight = ctx.saved_tensors
