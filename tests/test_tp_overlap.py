@@ -1,27 +1,32 @@
 """ColumnParallelLinear's overlapped backward: equal to the non-overlapped path and the dense model, and the
 input-gradient collective is really in flight while the weight gradient is computed (threads and nccl)."""
 
-import copy
 import importlib
 import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 from torch import nn
 from tp_overlap_probe import CollectiveLog, GemmLog
-from tp_parity import assert_grads_close, grads_of, my_chunk, randn, seed_params_
+from tp_parity import (
+    assert_grads_close,
+    backward_off_the_rank_thread,
+    dense_mlp_block,
+    grads_of,
+    my_chunk,
+    randn,
+    seed_params_,
+    tp_mlp_block,
+)
 
 import threadpar
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPT, GPTConfig, TensorParallel
 from threadpar.parallel import (
     ColumnParallelLinear,
-    RowParallelLinear,
     allreduce_sequence_parallel_grads,
     gather_dense_grads,
-    mark_sequence_parallel,
     parallelize,
 )
 from threadpar.testing import run_ranks
@@ -29,28 +34,12 @@ from threadpar.testing import run_ranks
 B, T, C, FFN = 2, 8, 16, 64
 
 
-class MLPBlock(nn.Module):
-    def __init__(self, ln, fc1, fc2):
-        super().__init__()
-        self.ln, self.fc1, self.fc2 = ln, fc1, fc2
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
 def dense_mlp():
-    return seed_params_(MLPBlock(nn.LayerNorm(C), nn.Linear(C, FFN), nn.Linear(FFN, C)), seed=1)
+    return dense_mlp_block(C, FFN)
 
 
 def tp_mlp(dense, sp, overlap):
-    block = MLPBlock(
-        copy.deepcopy(dense.ln),
-        ColumnParallelLinear.from_dense(dense.fc1, sequence_parallel=sp, overlap_grad_comm=overlap),
-        RowParallelLinear.from_dense(dense.fc2, sequence_parallel=sp),
-    )
-    if sp:
-        mark_sequence_parallel(block.ln)
-    return block
+    return tp_mlp_block(dense, sp, overlap_grad_comm=overlap)
 
 
 def accumulate(model, inputs, upstream, sync=lambda m: None):
@@ -195,23 +184,9 @@ def test_backward_runs_on_a_thread_without_rank_context():
     dense.fc1(xd).square().sum().backward()
 
     def body():
-        layer = ColumnParallelLinear.from_dense(dense.fc1, sequence_parallel=True)
+        layer = ColumnParallelLinear.from_dense(dense.fc1, sequence_parallel=True, overlap_grad_comm=True)
         xi = my_chunk(x, 1).requires_grad_()
-        loss = layer(xi).square().sum()
-        errors = []
-
-        def backward():
-            try:
-                assert not threadpar.in_rank()
-                loss.backward()
-            except BaseException as error:  # re-raised on the rank thread
-                errors.append(error)
-
-        thread = threading.Thread(target=backward)
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
+        backward_off_the_rank_thread(layer(xi).square().sum())
         return xi.grad, gather_dense_grads(layer)
 
     ranks = run_ranks(body, 2, tp=2)
