@@ -55,9 +55,17 @@ def accumulate(model, inputs, upstream, sync=lambda m: None):
     return ys, x_grads
 
 
+RUNNERS = {
+    "threads": lambda body, tp: run_ranks(body, tp, tp=tp),
+    "nccl": lambda body, tp: run_fake_gpus(body, tp, FakeCuda(), tp=tp),  # the CUDA/NCCL double
+}
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
-@pytest.mark.parametrize("tp", [2, 4])
-def test_overlapped_block_equals_the_non_overlapped_block_and_the_dense_one_with_accumulated_grads(tp, sp):
+@pytest.mark.parametrize(("backend", "tp"), [("threads", 2), ("threads", 4), ("nccl", 2)])
+def test_overlapped_block_equals_the_non_overlapped_block_and_the_dense_one_with_accumulated_grads(
+    backend, tp, sp
+):
     """Two micro-batches accumulate into .grad (the layers have no separate main-grad buffers)."""
     dense = dense_mlp()
     inputs = [randn(B, T, C, seed=10 + i) for i in range(2)]
@@ -77,7 +85,7 @@ def test_overlapped_block_equals_the_non_overlapped_block_and_the_dense_one_with
         return results
 
     join = (lambda ts: torch.cat(ts, dim=1)) if sp else (lambda ts: ts[0])
-    ranks = run_ranks(body, tp, tp=tp)
+    ranks = RUNNERS[backend](body, tp)
     for overlap in (True, False):
         for i in range(len(inputs)):
             torch.testing.assert_close(join([r[overlap][0][i] for r in ranks]), want_ys[i])
