@@ -40,6 +40,7 @@ from threadpar.parallel.tensor_parallel.collectives import (
     start_all_reduce_,
     start_reduce_scatter_along_dim,
 )
+from threadpar.runtime.context import current
 
 SEQ = "the sequence length"
 
@@ -48,17 +49,17 @@ def resolve_overlap(overlap: bool | None, group: ProcessGroup) -> bool:
     """`overlap_grad_comm` as given, or for None where it helps (call on the rank thread). On nccl the
     collective runs on the comm stream, beside the compute stream: on. On the threads backend it runs on
     the rank's comm worker thread, which needs a core the ranks' GEMMs leave free: on when this process has
-    more cores than rank threads x intra-op threads (not on 2 cores with 2 single-threaded ranks, where
-    both cores are busy with GEMMs and the overlap gains nothing: measured in benchmarks/tp.py). Both paths
-    give bit-identical results, so the choice never changes numerics."""
+    more cores than rank threads x intra-op threads. With launch's default intra-op threads (the cores
+    divided among the ranks) that is off: both cores of a 2-core machine with 2 ranks are busy with GEMMs,
+    and a worker preempting an intra-op thread would stall the GEMM's other threads (benchmarks/tp.py
+    times both paths). Both paths give bit-identical results, so the choice never changes numerics."""
     if overlap is not None:
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap_grad_comm must be True, False or None (auto), got {overlap!r}")
         return overlap
     if group.stream_ordered:
         return True
-    from threadpar.runtime.context import current
-    from threadpar.runtime.launch import available_cores
+    from threadpar.runtime.launch import available_cores  # looked up per call: tests patch it
 
     world = current().world
     return available_cores() > world.threads_per_process * world.intraop_threads
