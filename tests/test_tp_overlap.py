@@ -98,7 +98,9 @@ def test_overlapped_block_equals_the_non_overlapped_block_and_the_dense_one_with
         assert_grads_close(r[True][2], r[False][2], rtol=0, atol=0)
 
 
-OPTIONS = (  # (dense layer seed, out features, bias, ColumnParallelLinear options)
+OPTIONS: tuple[
+    tuple[int, int, bool, dict], ...
+] = (  # (dense layer seed, out features, bias, ColumnParallelLinear options)
     (3, 24, False, {"stride": 3}),  # a fused q/k/v projection
     (4, 8, True, {"skip_bias_add": True}),
     (5, 8, True, {"gather_output": True}),
@@ -216,7 +218,8 @@ OVERLAPPED = {
 
 def probed_backward(sp: bool, overlap: bool, around=None):
     """On a rank: a column layer's forward, then its backward under the probes; the events in order."""
-    fc = seed_params_(nn.Linear(IN, OUT), seed=7)
+    fc = nn.Linear(IN, OUT)
+    seed_params_(fc, seed=7)
     x = randn(ORDER_B, ORDER_T, IN, seed=16)
     layer = ColumnParallelLinear.from_dense(fc, sequence_parallel=sp, overlap_grad_comm=overlap)
     events: list[str] = []

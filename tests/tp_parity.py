@@ -75,7 +75,9 @@ class MLPBlock(nn.Module):
 
 
 def dense_mlp_block(hidden: int, ffn: int, seed: int = 1) -> MLPBlock:
-    return seed_params_(MLPBlock(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)), seed)
+    block = MLPBlock(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden))
+    seed_params_(block, seed)
+    return block
 
 
 def tp_mlp_block(dense: MLPBlock, sp: bool, **column_options) -> MLPBlock:
