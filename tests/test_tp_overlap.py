@@ -1,6 +1,7 @@
 """ColumnParallelLinear's overlapped backward: equal to the non-overlapped path and the dense model, and the
 input-gradient collective is really in flight while the weight gradient is computed (threads and nccl)."""
 
+import copy
 import importlib
 import threading
 
@@ -283,6 +284,47 @@ def test_on_nccl_the_collective_runs_on_the_comm_stream_beside_the_weight_gradie
     for _, marks, rank in run_fake_gpus(lambda: body(False), 2, fake, tp=2):  # no overlap: after dW
         (call,) = fake.calls_named(name)
         assert fake.ordered(marks["after wgrad"], call.nodes[rank])
+
+
+SPLIT = {  # the events of the B half (input gradient) and the W half (weight gradients)
+    False: (["dgrad", "start all_reduce", "wait all_reduce"], ["wgrad"]),
+    True: (
+        ["dgrad", "start reduce_scatter", "wait reduce_scatter"],
+        ["start all_gather", "wait all_gather", "wgrad"],
+    ),
+}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_a_backward_split_into_input_and_weight_halves_does_each_part_once(sp):
+    """Zero-bubble schedules run backward twice with torch.autograd.grad(inputs=): B towards the input,
+    W towards the weights. The Function asks the engine which gradients this pass needs, so B computes dX
+    and its collective only, W the gather (SP) and dW only; both equal a fused backward's."""
+    ln, fc = nn.LayerNorm(IN), nn.Linear(IN, OUT)
+    seed_params_(ln, seed=8)
+    seed_params_(fc, seed=9)
+    x = randn(ORDER_B, ORDER_T, IN, seed=17)
+
+    def body():
+        layer = ColumnParallelLinear.from_dense(fc, sequence_parallel=sp, overlap_grad_comm=True)
+        xi = (my_chunk(x, 1) if sp else x).requires_grad_()
+        loss = layer(copy.deepcopy(ln)(xi)).square().sum()
+        fused = torch.autograd.grad(loss, [xi, layer.weight, layer.bias], retain_graph=True)
+        halves = []
+        log = CollectiveLog(layer.group, [], threading.Lock())
+        for wanted in ([xi], [layer.weight, layer.bias]):
+            log.events = []
+            log.recording = True
+            with GemmLog(log, ORDER_B * ORDER_T, tuple(layer.weight.shape)):
+                grads = torch.autograd.grad(loss, wanted, retain_graph=True)
+            log.recording = False
+            halves.append((log.events, grads))
+        return fused, halves
+
+    for fused, (b, w) in run_ranks(body, 2, tp=2):
+        assert (b[0], w[0]) == SPLIT[sp]
+        for got, want in zip([*b[1], *w[1]], fused):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])

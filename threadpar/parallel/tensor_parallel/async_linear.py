@@ -65,6 +65,27 @@ def resolve_overlap(overlap: bool | None, group: ProcessGroup) -> bool:
     return available_cores() > world.threads_per_process * world.intraop_threads
 
 
+def _needed(ctx, index: int) -> bool:
+    """Whether this backward pass needs the gradient of tensor input `index` (x 0, weight 1, bias 2).
+
+    `ctx.needs_input_grad` is fixed at forward time, but `torch.autograd.grad(..., inputs=)` may want
+    only some of them: the B and W halves of a zero-bubble schedule ask for the input gradient and the
+    weight gradients separately. Without this each half would redo the other's GEMM, and B's dX
+    collective would run again in W. The engine knows whether it will run the node a gradient flows
+    into (`torch._C._will_engine_execute_node`, which torch.autograd.graph.register_multi_grad_hook
+    uses); it refuses to answer for a leaf that torch.autograd.grad captures, which it raises only when
+    that leaf will run, so that error means "needed"."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[index][0]
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # torch/csrc/autograd/init.cpp: a captured leaf that will execute
+        return True
+
+
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
@@ -97,7 +118,7 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
         # grad_out: [..., out/tp] over the whole sequence
         x, weight = ctx.saved_tensors
         group, dim = ctx.group, ctx.dim
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = (_needed(ctx, i) for i in range(3))
         gathering: Pending | None = None
         if need_w and dim is not None:
             gathering = start_all_gather_along_dim(x, dim, group)  # runs during the dX GEMM
