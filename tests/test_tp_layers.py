@@ -20,7 +20,6 @@ from threadpar.errors import ConfigError
 from threadpar.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    ShardSpec,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
     copy_to_tp_region,
@@ -28,6 +27,7 @@ from threadpar.parallel import (
     gather_dense_state_dict,
     reduce_from_tp_region,
 )
+from threadpar.parallel.tensor_parallel.sharding import ShardSpec
 from threadpar.testing import run_ranks
 
 B, T, C, FFN = 2, 8, 16, 64

@@ -17,7 +17,6 @@ from threadpar.demo.train import AUTOCAST, RunState, make_optimizer
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPT, GPTConfig
 from threadpar.pipeline import measured_bubble, write_chrome_trace
-from threadpar.topology import Layout
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECK_STEPS = 3
@@ -29,14 +28,9 @@ class Summary:
     metrics: dict[str, Any]
 
 
-def _layout(run: RunState) -> Layout:
-    cfg = run.config
-    return Layout.build(cfg.world_size, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp)
-
-
 def layout_sizes(cfg: DemoConfig) -> dict[str, int]:
     """The axis sizes (cp and ep only when used)."""
-    sizes = {"dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep}
+    sizes = {"dp": cfg.layout.dp, "cp": cfg.cp, "tp": cfg.layout.tp, "pp": cfg.layout.pp, "ep": cfg.ep}
     return {k: v for k, v in sizes.items() if k not in ("cp", "ep") or v > 1}
 
 
@@ -48,13 +42,14 @@ def layout_text(cfg: DemoConfig) -> str:
 
 def _pipeline_zero(run: RunState) -> list:
     """The timelines of the pipeline that rank 0 belongs to (one per stage)."""
-    return [run.timelines[r] for r in _layout(run).group_ranks("PP", 0) if r in run.timelines]
+    return [run.timelines[r] for r in run.config.layout.group_ranks("PP", 0) if r in run.timelines]
 
 
 def reference_losses(run: RunState) -> dict[str, Any]:
     """Re-run the first steps on one thread with the plain GPT and compare the losses. Each step runs one
     forward per (DP replica, microbatch), as the parallel run does: a MoE routes per forward."""
     cfg = run.config
+    assert cfg.microbatches is not None  # DemoConfig.__post_init__ derived it
     steps = range(run.start_step, min(cfg.steps, run.start_step + CHECK_STEPS))
     model = GPT(run.gpt, autocast_dtype=AUTOCAST[cfg.dtype])
     model.load_state_dict(run.dense_state)
@@ -64,7 +59,7 @@ def reference_losses(run: RunState) -> dict[str, Any]:
     reference = []
     for step in steps:
         inputs, targets = run.batches.batch(step)
-        loss = model.accumulate_gradients(inputs, targets, forwards=cfg.dp * cfg.microbatches)
+        loss = model.accumulate_gradients(inputs, targets, forwards=cfg.layout.dp * cfg.microbatches)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reference.append(loss.item())
@@ -81,12 +76,12 @@ def reference_losses(run: RunState) -> dict[str, Any]:
 
 
 def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) -> Summary:
-    cfg, layout = run.config, _layout(run)
+    cfg, layout = run.config, run.config.layout
     timed = run.step_seconds[1:] or run.step_seconds  # the first step includes one-time setup
     tokens_per_s = run.tokens_per_step / statistics.median(timed)
     pipeline = _pipeline_zero(run)
-    bubble = measured_bubble(pipeline) if cfg.pp > 1 and pipeline else 0.0
-    peaks = {
+    bubble = measured_bubble(pipeline) if layout.pp > 1 and pipeline else 0.0
+    peaks: dict[int, dict[str, Any]] = {
         r: {
             "saved_activations_bytes": run.activation_peaks.get(r, 0),
             "device_allocated_bytes": run.device_peaks.get(r),
@@ -97,7 +92,7 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
         f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f} over steps {run.start_step + 1}..{cfg.steps}",
         f"throughput {tokens_per_s:,.0f} tokens/s (median step {statistics.median(timed) * 1e3:.1f} ms), wall {wall_seconds:.1f} s",
         f"pipeline bubble (measured, last step): {bubble:.1%}"
-        if cfg.pp > 1
+        if layout.pp > 1
         else "pipeline bubble: none (pp=1)",
     ]
     if cfg.moe_experts:
