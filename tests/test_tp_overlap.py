@@ -2,10 +2,12 @@
 and the nccl double); the switch and its default. The order of its work: test_tp_overlap_order.py."""
 
 import importlib
+import threading
 
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from gpt_reference import check_against, hybrid_step, reference
 from torch import nn
 from tp_parity import (
     assert_grads_close,
@@ -279,3 +281,26 @@ def test_overlap_is_on_by_default_where_the_collective_can_run_beside_the_gemm(
     else:
         results = run_ranks(body, 2, tp=2, intraop_threads=1)
     assert results == [(expected, expected)] * 2
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "zbv"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_zero_bubble_gpt_with_overlapped_tp_layers_equals_the_single_thread_model(monkeypatch, schedule, sp):
+    """The pipeline's B/W split runs each overlapped column layer's backward in both halves (B: dX and its
+    collective, W: dW), on every TP rank in the same order: loss and every gradient as the plain model."""
+    monkeypatch.setattr(importlib.import_module("threadpar.runtime.launch"), "available_cores", lambda: 64)
+    layers = importlib.import_module("threadpar.parallel.tensor_parallel.layers")
+    calls, lock = [0], threading.Lock()
+    overlapped = layers.linear_with_async_grad_comm
+
+    def counted(*args, **kwargs):
+        with lock:
+            calls[0] += 1
+        return overlapped(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "linear_with_async_grad_comm", counted)
+    ref = reference()
+    options = {"sequence_parallel": sp}
+    results = run_ranks(hybrid_step, 8, ref, schedule, 4, kwargs=options, dp=2, tp=2, pp=2, intraop_threads=1)
+    check_against(ref, results)
+    assert calls[0] > 0  # the default turned the overlap on (64 cores > 8 ranks x 1 thread)
