@@ -13,9 +13,9 @@ from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, Co
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv
 
-launch_module = importlib.import_module(
-    "threadpar.runtime.launch"
-)  # (threadpar.runtime.launch is the function)
+# Modules by name: threadpar.runtime's `launch` attribute is the function.
+launch_module = importlib.import_module("threadpar.runtime.launch")
+devices_module = importlib.import_module("threadpar.runtime.devices")
 
 
 def test_a_process_that_skips_a_groups_first_collective_is_named_without_a_hang():
@@ -91,6 +91,8 @@ def test_threadpar_check_collectives_is_read_from_the_environment(monkeypatch):
 def _world_args(monkeypatch, n_cuda: int, local_rank: int, backend: str):
     seen = {}
     monkeypatch.setattr(launch_module, "cuda_device_count", lambda: n_cuda)
+    # The GPUs are stood in for: so is a CUDA build with NCCL.
+    monkeypatch.setattr(devices_module, "nccl_built", lambda: True)
     monkeypatch.setattr(launch_module, "process_world", lambda *args, **kwargs: seen.update(args=args))
     env = ProcessEnv(local_rank, 2, local_rank, 2)
     config = LaunchConfig(backend=backend, timeout=5.0, threads_per_process=2)

@@ -32,7 +32,7 @@ def cuda_device_count() -> int:
 
 def nccl_built() -> bool:
     """Whether this torch build can run torch.cuda.nccl (CUDA builds may lack it, e.g. some ROCm or custom ones)."""
-    from threadpar.comm.nccl.cuda_api import torch_cuda  # here, not at the top: comm imports the runtime
+    from threadpar.comm.nccl.cuda_api import torch_cuda  # here: the nccl package loads only when asked
 
     return torch_cuda().nccl_available()
 
