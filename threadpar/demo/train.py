@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from threadpar.checkpoint import load_optimizer_state
+from threadpar.comm import get_group, get_rank
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.demo.cli import DemoConfig
 from threadpar.demo.data import Batches, data_parallel_slice
@@ -22,7 +23,7 @@ from threadpar.models.gpt import GPTConfig
 from threadpar.models.parallelize_gpt import parallelize_gpt
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.pipeline import Timeline
-from threadpar.runtime.context import get_coords, get_device, get_group, get_layout, get_rank
+from threadpar.runtime.context import get_coords, get_device, get_layout
 from threadpar.runtime.memory import SavedActivationTracker, device_peak_bytes
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from threadpar.checkpoint import gather_model_state, gather_optimizer_state, load_model_state
+from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
@@ -30,7 +31,7 @@ from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
 from threadpar.pipeline import PipelineParallel, get_stage_info
-from threadpar.runtime.context import get_coords, get_group, get_layout
+from threadpar.runtime.context import get_coords, get_layout
 
 
 @dataclass(eq=False)

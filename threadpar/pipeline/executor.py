@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError, RankAborted
 from threadpar.pipeline.p2p import (
@@ -54,7 +55,6 @@ from threadpar.pipeline.schedule import Action, Plan, build_plan
 from threadpar.pipeline.simulator import Simulation, simulate
 from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
-from threadpar.runtime.context import get_group
 
 
 def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
