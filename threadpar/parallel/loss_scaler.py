@@ -26,14 +26,14 @@ from collections.abc import Iterable
 
 import torch
 
+from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
+from threadpar.runtime.context import get_device, in_rank
 
 
 def _world_or(group: ProcessGroup | str | None) -> ProcessGroup:
-    from threadpar.runtime.context import get_group
-
     if isinstance(group, ProcessGroup):
         return group
     if group is None or isinstance(group, str):
@@ -75,8 +75,6 @@ class LossScaler:
     def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """Divide the gradients by the scale; True when any rank of the group saw an inf or nan. A
         collective over the group: every member calls it, also one without gradients."""
-        from threadpar.runtime.context import get_device, in_rank
-
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else (get_device() if in_rank() else torch.device("cpu"))
         flag = torch.zeros(1, device=device)

@@ -19,10 +19,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.parallel.clip_grad.placement import GradPlacement, grad_placements
+from threadpar.runtime.context import get_device, in_rank
 
 
 def check_norm_type(norm_type: float | str) -> float:
@@ -50,8 +52,6 @@ def _check_max_norm(max_norm: float) -> float:
 
 def _reduction(group: ProcessGroup | None) -> tuple[ProcessGroup | None, torch.device]:
     """The group that sums the pieces (the launch's world) and the device its buffer lives on."""
-    from threadpar.runtime.context import get_device, get_group, in_rank
-
     if not in_rank():
         return group, torch.device("cpu")  # one thread: the norm of these tensors, as torch computes it
     return (get_group() if group is None else group), get_device()

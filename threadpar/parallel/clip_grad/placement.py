@@ -28,8 +28,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.runtime.context import get_layout, in_rank
 
 PLACEMENT_ATTR = "grad_placement"  # on a Parameter: its GradPlacement
 
@@ -85,15 +87,7 @@ def mark_grad_placement(param: torch.Tensor, placement: GradPlacement) -> None:
 
 
 def _tp_group() -> ProcessGroup | None:
-    from threadpar.runtime.context import get_group, get_layout
-
     return get_group("TP") if get_layout().tp > 1 else None
-
-
-def _in_rank() -> bool:
-    from threadpar.runtime.context import in_rank
-
-    return in_rank()
 
 
 def _default_data_parallel() -> ProcessGroup:
@@ -121,7 +115,7 @@ def mark_grad_placements(
     strict=False (what DistributedDataParallel uses): leave a parameter whose placement cannot be told
     unmarked instead of raising; clipping it then raises, naming it.
     """
-    if not _in_rank():  # a plain model on one thread: every tensor is the only copy
+    if not in_rank():  # a plain model on one thread: every tensor is the only copy
         for param in module.parameters():
             mark_grad_placement(param, GradPlacement())
         return module
@@ -181,9 +175,7 @@ def _placement_of(
 
 def _layout_replicates() -> str | None:
     """A description of the layout's replication (None when no rank holds a copy of another's tensors)."""
-    from threadpar.runtime.context import get_layout
-
-    if not _in_rank():
+    if not in_rank():
         return None
     layout = get_layout()
     if layout.tp == 1 and layout.dp * layout.cp == 1:
