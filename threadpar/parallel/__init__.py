@@ -1,14 +1,12 @@
 """Parallel wrappers built on threadpar's process groups: `from threadpar.parallel import ...`."""
 
 from threadpar.parallel import context_parallel, expert_parallel, tensor_parallel
-from threadpar.parallel.clip_grad import (
+from threadpar.parallel.clip_grad.norm import clip_grad_norm_, scale_grads_by_norm_, total_grad_norm
+from threadpar.parallel.clip_grad.placement import (
     GradPlacement,
-    clip_grad_norm_,
     grad_placements,
     mark_grad_placement,
     mark_grad_placements,
-    scale_grads_by_norm_,
-    total_grad_norm,
 )
 from threadpar.parallel.context_parallel import *  # noqa: F403  (context parallelism: ring attention)
 from threadpar.parallel.data_parallel import DataParallel
