@@ -28,6 +28,7 @@ import torch
 from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceInits
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
+from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv
 from threadpar.runtime.world import World
 from threadpar.testing import raise_root_cause
@@ -355,12 +356,10 @@ def launch_fake_gpu_processes(
         try:
             world = process_world(
                 ProcessEnv(p, processes, store=store),
-                threads,
+                LaunchConfig(backend=backend, timeout=timeout, threads_per_process=threads),
                 Layout.build(processes * threads, **layout),
                 backend,
                 (torch.device("cpu"),) * threads,
-                timeout,
-                0,
                 1,
                 check_collectives=check_collectives,
                 cuda=fakes[p],
