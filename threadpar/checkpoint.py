@@ -11,7 +11,7 @@ same way, by the parameter it belongs to, so a run resumed on another layout con
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -65,7 +65,7 @@ def _named_params(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter]
     return [(name, p) for module in modules for name, p in unwrap(module).named_parameters()]
 
 
-def gather_optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> dict[str, dict]:
+def gather_optimizer_state(optimizer: torch.optim.Optimizer, modules: Sequence[nn.Module]) -> dict[str, dict]:
     """Per-parameter optimizer state at dense shapes, keyed by parameter name (a collective, like
     gather_model_state: tensors shaped like their parameter are gathered over its TP group)."""
     specs = _shard_specs(unwrap(m) for m in modules)
@@ -86,7 +86,7 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Mo
 
 
 def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, modules: list[nn.Module], dense: dict[str, dict]
+    optimizer: torch.optim.Optimizer, modules: Sequence[nn.Module], dense: dict[str, dict]
 ) -> None:
     """Shard each parameter's dense optimizer state for this rank and load it."""
     specs = _shard_specs(unwrap(m) for m in modules)

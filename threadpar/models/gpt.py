@@ -89,7 +89,7 @@ def _routing_group(tp: TensorParallel | None, cp: ProcessGroup | None) -> Proces
     parallelism), over which a MoE counts routing for its load-balancing loss; None: whole sequences here."""
     sp = tp is not None and tp.sequence_parallel
     if cp is None:
-        return tp.group if sp else None
+        return tp.group if sp and tp is not None else None
     return context_tensor_parallel_group() if sp else cp
 
 
@@ -101,6 +101,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.cp = cp
+        self.wte: nn.Embedding | VocabParallelEmbedding
         if tp is None:
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         else:
@@ -211,6 +212,7 @@ class Head(nn.Module):
     def __init__(self, config: GPTConfig, tp: TensorParallel | None) -> None:
         super().__init__()
         self.ln_f = _layer_norm(config, tp)
+        self.lm_head: nn.Linear | ColumnParallelLinear
         if tp is None:
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         else:
@@ -282,7 +284,10 @@ class GPTChunk(nn.Module):
 
     def last_aux_loss(self) -> float:
         """The MoE aux losses of the last forward (this rank's share, times cp like GPTLoss's), 0 without MoE."""
-        return self.cp_size * sum(moe.last_stats.aux_loss for moe in self.moe_layers)
+        stats = [moe.last_stats for moe in self.moe_layers]
+        if any(s is None for s in stats):
+            raise RuntimeError("last_aux_loss() reads the MoE stats of the last forward: run a forward first")
+        return self.cp_size * sum(s.aux_loss for s in stats if s is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """idx [B, T] (first chunk) or hidden states -> hidden states, or logits (last chunk)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,12 +81,14 @@ class HybridGPT:
         return parts.sum()
 
     def _check_sequence(self, seq_len: int) -> None:
+        assert self.cp is not None  # checked under context parallelism only
         sp = self.tp is not None and self.tp.sequence_parallel
-        multiple = padding_multiple(self.cp.size(), 1 if self.tp is None else self.tp.size, sp)
+        tp_size = 1 if self.tp is None else self.tp.size
+        multiple = padding_multiple(self.cp.size(), tp_size, sp)
         if seq_len % multiple:
             raise ConfigError(
                 f"a sequence of {seq_len} tokens does not split over cp={self.cp.size()}"
-                + (f" x tp={self.tp.size} (sequence parallel)" if sp else "")
+                + (f" x tp={tp_size} (sequence parallel)" if sp else "")
                 + f": its length must be a multiple of {multiple} (two chunks per CP rank"
                 + (", each split over TP)" if sp else ")")
                 + "; use such a length, or pad inputs and targets at the end (pad_sequence; targets with -100, "
@@ -142,7 +145,9 @@ def parallelize_gpt(
     chunks_per_stage = 2 if schedule == "interleaved" else 1
     info = get_stage_info(config.n_layer, layout.pp, coords.pp, chunks_per_stage)
     last_chunk = layout.pp * chunks_per_stage - 1
-    options = dict(tp=tp, cp=cp, ep=ep_group, recompute=recompute, autocast_dtype=autocast_dtype)
+    options: dict[str, Any] = dict(
+        tp=tp, cp=cp, ep=ep_group, recompute=recompute, autocast_dtype=autocast_dtype
+    )
     chunks = [
         GPTChunk(config, range(start, end), first=chunk == 0, last=chunk == last_chunk, **options)
         for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk)

@@ -208,6 +208,7 @@ class PipelineParallel:
             if action.forward:
                 output = self._forward(action, input_mbs)
                 if action.chunk == self.plan.num_chunks - 1:
+                    assert target_mbs is not None  # the last chunk runs on the last stage, which has them
                     loss = self._loss(output, target_mbs[action.microbatch])
                     losses.append(loss.detach())
                     saved[(action.chunk, action.microbatch)] = loss / self.num_microbatches
@@ -278,6 +279,7 @@ class PipelineParallel:
     def _forward(self, action: Action, input_mbs: list | None) -> Any:
         chunk, microbatch = action.chunk, action.microbatch
         if chunk == 0:
+            assert input_mbs is not None  # chunk 0 runs on the first stage, which has the inputs
             x = input_mbs[microbatch]
         else:
             x = recv_activation(self._from_prev, self._anchor, chunk=chunk, microbatch=microbatch)

@@ -10,7 +10,7 @@ finish, each rank's peak number of saved activations (forwards whose backward ha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from threadpar.errors import ConfigError
@@ -155,7 +155,7 @@ def _raise_deadlock(plan: Plan, start: list, pos: list[int], free: list[float], 
 
 
 def render_grid(
-    plan: Plan, starts: Iterable[Iterable[float]], mark: set[tuple[int, int]], legend: str
+    plan: Plan, starts: Sequence[Sequence[float]], mark: set[tuple[int, int]], legend: str
 ) -> str:
     """One row per rank, one column per distinct start time; "." where no action starts."""
     starts = [list(row) for row in starts]

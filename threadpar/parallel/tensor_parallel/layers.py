@@ -14,6 +14,7 @@ Both layers take `group=None` meaning this rank's TP group, resolved (and captur
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,7 @@ class _ParallelLinear(TensorParallelModule):
         if self.weight.is_meta:
             return
         generator = get_rng_tracker().generator(INIT)
-        like = {"device": generator.device, "dtype": self.weight.dtype}
+        like: dict[str, Any] = {"device": generator.device, "dtype": self.weight.dtype}
         bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) of nn.Linear
         dense = {"weight": torch.empty(self.out_features, self.in_features, **like)}
         if self.bias is not None:

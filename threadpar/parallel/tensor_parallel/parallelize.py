@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -44,6 +44,7 @@ from threadpar.parallel.tensor_parallel.layers import (
 )
 from threadpar.parallel.tensor_parallel.random import TrackedDropout
 from threadpar.parallel.tensor_parallel.sequence import mark_sequence_parallel
+from threadpar.parallel.tensor_parallel.sharding import TensorParallelModule
 
 
 def _check_bool(owner: object, *names: str) -> None:
@@ -113,7 +114,7 @@ class DropoutParallel:
 
 
 Style = ColwiseParallel | RowwiseParallel | VocabParallel | SequenceParallel | DropoutParallel
-STYLES = {
+STYLES: dict[str, Callable[[], Style]] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "vocab": VocabParallel,
@@ -206,7 +207,7 @@ def parallelize(
     ties = _tied_weights(module)
     # A head tied to a padded vocabulary embedding must be padded the same way to share its weight.
     for tie in ties:
-        vocab = [assigned[m] for m, _ in tie if isinstance(assigned.get(m), VocabParallel)]
+        vocab = [v for m, _ in tie if isinstance(v := assigned.get(m), VocabParallel)]
         for mod_name, _ in tie:
             style = assigned.get(mod_name)
             if vocab and isinstance(style, ColwiseParallel) and style.pad_out_features_to_multiple_of is None:
@@ -230,7 +231,9 @@ def parallelize(
 def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int) -> nn.Module:
     """The replacement of `old`, holding this rank's shard of its weights."""
     common = {"group": group, "sequence_dim": sequence_dim}
+    # _assign matched each style only to its module type (_NEEDS); SequenceParallel is never built.
     if isinstance(style, ColwiseParallel):
+        assert isinstance(old, nn.Linear)
         return ColumnParallelLinear.from_dense(
             old,
             gather_output=style.gather_output,
@@ -241,14 +244,17 @@ def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence
             **common,
         )
     if isinstance(style, RowwiseParallel):
+        assert isinstance(old, nn.Linear)
         return RowParallelLinear.from_dense(
             old, input_is_parallel=style.input_is_parallel, sequence_parallel=sp, **common
         )
     if isinstance(style, VocabParallel):
+        assert isinstance(old, nn.Embedding)
         pad = style.pad_vocab_to_multiple_of
         return VocabParallelEmbedding.from_dense(
             old, pad_vocab_to_multiple_of=pad, reduce_scatter_embeddings=sp, **common
         )
+    assert isinstance(old, nn.Dropout) and not isinstance(style, SequenceParallel)
     # Dropout. Under SP, activations outside the TP region are sequence shards: each rank needs its own mask.
     new = TrackedDropout(old.p, in_tp_region=style.in_tp_region or sp)
     return new.train(old.training)
@@ -267,9 +273,11 @@ def _retie(module: nn.Module, tie: list[tuple[str, str]], assigned: dict[str, St
             "give the tied modules matching styles (e.g. 'vocab' for the embedding and 'colwise' for the head)"
         )
     first_module, first_name = module.get_submodule(tie[0][0]), tie[0][1]
+    assert isinstance(first_module, TensorParallelModule)  # swapped: all of them are TP layers now
     first, first_spec = getattr(first_module, first_name), first_module.shard_specs.get(first_name)
     for mod_name, param_name in tie[1:]:
         sub = module.get_submodule(mod_name)
+        assert isinstance(sub, TensorParallelModule)
         other, spec = getattr(sub, param_name), sub.shard_specs.get(param_name)
         if other.shape != first.shape or spec != first_spec:
             raise ConfigError(
