@@ -94,7 +94,8 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
     lines = [
         f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f} over steps {run.start_step + 1}..{cfg.steps}",
         f"throughput {tokens_per_s:,.0f} tokens/s (median step {statistics.median(timed) * 1e3:.1f} ms), wall {wall_seconds:.1f} s",
-        f"pipeline bubble (measured, last step): {bubble:.1%}"
+        f"pipeline bubble (measured, last step): {bubble:.1%}; waiting for messages "
+        f"{sum(t.waiting_time() for t in pipeline) / len(pipeline) * 1e3:.1f} ms per stage"
         if layout.pp > 1
         else "pipeline bubble: none (pp=1)",
     ]

@@ -31,7 +31,7 @@ from threadpar.parallel.context_parallel import padding_multiple, split_sequence
 from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
-from threadpar.pipeline import PipelineParallel, get_stage_info
+from threadpar.pipeline import PipelineParallel, default_chunks_per_rank, get_stage_info, schedule_placement
 from threadpar.runtime.context import get_coords, get_layout
 
 
@@ -142,8 +142,10 @@ def parallelize_gpt(
     tp = TensorParallel(group=get_group("TP"), sequence_parallel=sequence_parallel) if layout.tp > 1 else None
     cp = get_group("CP") if layout.cp > 1 else None
     ep_group = expert_parallel_groups(ep)[0] if config.moe_experts else None
-    chunks_per_stage = 2 if schedule == "interleaved" else 1
-    info = get_stage_info(config.n_layer, layout.pp, coords.pp, chunks_per_stage)
+    chunks_per_stage = default_chunks_per_rank(schedule)
+    info = get_stage_info(
+        config.n_layer, layout.pp, coords.pp, chunks_per_stage, schedule_placement(schedule)
+    )
     last_chunk = layout.pp * chunks_per_stage - 1
     options: dict[str, Any] = dict(
         tp=tp, cp=cp, ep=ep_group, recompute=recompute, autocast_dtype=autocast_dtype
