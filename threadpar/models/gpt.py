@@ -62,10 +62,13 @@ IGNORE_INDEX = -100  # targets that take no part in the loss (F.cross_entropy's 
 
 @dataclass(kw_only=True)
 class TensorParallel:
-    """How a GPT is split over a TP group. Under sequence parallelism T must be divisible by the TP size."""
+    """How a GPT is split over a TP group. Under sequence parallelism T must be divisible by the TP size.
+    overlap_grad_comm: the column-parallel layers overlap their input-gradient collective with the
+    weight-gradient GEMM in backward (ColumnParallelLinear's option; None: where it helps)."""
 
     group: ProcessGroup
     sequence_parallel: bool = False
+    overlap_grad_comm: bool | None = None
 
     @property
     def size(self) -> int:
@@ -127,7 +130,15 @@ def _linears(config: GPTConfig, tp: TensorParallel | None, d_in: int, d_out: int
     if tp is None:
         return nn.Linear(d_in, d_out, bias=config.bias), nn.Linear(d_out // stride, d_in, bias=config.bias)
     sp = tp.sequence_parallel
-    up = ColumnParallelLinear(d_in, d_out, config.bias, stride=stride, sequence_parallel=sp, group=tp.group)
+    up = ColumnParallelLinear(
+        d_in,
+        d_out,
+        config.bias,
+        stride=stride,
+        sequence_parallel=sp,
+        group=tp.group,
+        overlap_grad_comm=tp.overlap_grad_comm,
+    )
     down = RowParallelLinear(d_out // stride, d_in, config.bias, sequence_parallel=sp, group=tp.group)
     return up, down
 
@@ -224,6 +235,7 @@ class Head(nn.Module):
                 sequence_parallel=tp.sequence_parallel,
                 group=tp.group,
                 pad_out_features_to_multiple_of=1,
+                overlap_grad_comm=tp.overlap_grad_comm,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.tensor_parallel.async_linear import resolve_overlap
 from threadpar.parallel.tensor_parallel.collectives import resolve_tp_group
 from threadpar.parallel.tensor_parallel.embedding import VocabParallelEmbedding
 from threadpar.parallel.tensor_parallel.layers import (
@@ -198,11 +199,15 @@ def parallelize(
     group: ProcessGroup | str | None = None,
     sequence_parallel: bool = False,
     sequence_dim: int = 1,
+    overlap_grad_comm: bool | None = None,
 ) -> nn.Module:
     """Swap the modules the plan names for tensor-parallel layers holding this rank's shards (in place);
     return `module`. With sequence_parallel=True the embedding reduce-scatters along `sequence_dim`,
-    column layers all-gather their input and row layers reduce-scatter their output."""
+    column layers all-gather their input and row layers reduce-scatter their output.
+    `overlap_grad_comm`: the column layers' option (their backward overlaps the input-gradient
+    collective with the weight-gradient GEMM; None: where it helps)."""
     group = resolve_tp_group(group)
+    overlap_grad_comm = resolve_overlap(overlap_grad_comm, group)
     assigned = _assign(module, plan, bool(sequence_parallel))
     ties = _tied_weights(module)
     # A head tied to a padded vocabulary embedding must be padded the same way to share its weight.
@@ -219,7 +224,7 @@ def parallelize(
         if isinstance(style, SequenceParallel):
             mark_sequence_parallel(old)  # stays as it is; its gradients get summed over the TP group
             continue
-        new = _build(old, style, group, bool(sequence_parallel), sequence_dim)
+        new = _build(old, style, group, bool(sequence_parallel), sequence_dim, overlap_grad_comm)
         parent_name, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent_name), child, new)
 
@@ -228,7 +233,9 @@ def parallelize(
     return module
 
 
-def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int) -> nn.Module:
+def _build(
+    old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int, overlap: bool
+) -> nn.Module:
     """The replacement of `old`, holding this rank's shard of its weights."""
     common = {"group": group, "sequence_dim": sequence_dim}
     # _assign matched each style only to its module type (_NEEDS); SequenceParallel is never built.
@@ -241,6 +248,7 @@ def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence
             stride=style.stride,
             pad_out_features_to_multiple_of=style.pad_out_features_to_multiple_of,
             sequence_parallel=sp,
+            overlap_grad_comm=overlap,
             **common,
         )
     if isinstance(style, RowwiseParallel):
