@@ -26,7 +26,7 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPTChunk, GPTConfig, GPTLoss, TensorParallel
-from threadpar.parallel import DistributedDataParallel
+from threadpar.parallel import DistributedDataParallel, mark_grad_placements
 from threadpar.parallel.context_parallel import padding_multiple, split_sequence
 from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
@@ -161,6 +161,9 @@ def parallelize_gpt(
     modules: list[nn.Module] = list(chunks)
     if layout.dp * layout.cp > 1:  # DDP's default group: DP, or DP x CP under context parallelism
         modules = [DistributedDataParallel(c, bucket_cap_mb=bucket_cap_mb) for c in chunks]
+    else:  # DDP marks what it wraps; without it, mark the gradients' placement here (for clip_grad_norm_)
+        for chunk in chunks:
+            mark_grad_placements(chunk)
     criterion = GPTLoss(config, tp, cp)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

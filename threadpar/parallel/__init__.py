@@ -9,6 +9,15 @@ install are named for what they are (ColumnParallelLinear, TrackedDropout: nn.Dr
 rank's RNG tracker), so a plan entry and a module never share a name's words in another order.
 """
 
+from threadpar.parallel.clip_grad import (
+    GradPlacement,
+    clip_grad_norm_,
+    grad_placements,
+    mark_grad_placement,
+    mark_grad_placements,
+    scale_grads_by_norm_,
+    total_grad_norm,
+)
 from threadpar.parallel.context_parallel import (
     RingAttention,
     allreduce_context_parallel_grads,
@@ -67,6 +76,14 @@ __all__ = [  # noqa: RUF022 (grouped by kind of parallelism, then by use)
     # data parallelism
     "DataParallel",
     "DistributedDataParallel",
+    # gradient clipping and mixed precision (the whole model's norm over every parallel axis)
+    "clip_grad_norm_",
+    "total_grad_norm",
+    "scale_grads_by_norm_",
+    "GradPlacement",
+    "grad_placements",
+    "mark_grad_placement",
+    "mark_grad_placements",
     "LossScaler",
     # tensor and sequence parallelism: layers, loss, dropout
     "ColumnParallelLinear",

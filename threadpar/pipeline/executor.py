@@ -15,6 +15,11 @@ detached tensors do not), and a chunk may leave any of them unused. The first st
 stage's targets may be such structures too: every tensor in them is split along dim 0, and `loss_fn` gets
 the last chunk's output as it returned it.
 
+Mixed precision: `autocast_dtype=torch.bfloat16` (or float16) runs every chunk's forward and the loss under
+torch.autocast on the rank's device type (InfiniTrain's TrainStep(..., dtype)); parameters, gradients and
+the optimizer stay in their own dtype (fp32 master weights), and activations travel between stages in the
+dtype autocast gave them. With float16, scale the loss (threadpar.parallel.LossScaler).
+
 Each microbatch's saved activations are released as soon as its backward has run (for a split backward:
 its W). A chunk that has a `no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its
 last of the step inside `no_sync()`, so its gradients are synchronized once per step, after the last
@@ -83,6 +88,21 @@ def _named_plan(schedule: str, pp: int, n: int, v: int) -> tuple[Plan, Simulatio
     return plan, simulate(plan)
 
 
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_autocast(dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if dtype not in AUTOCAST_DTYPES:
+        raise ConfigError(
+            f"PipelineParallel: autocast_dtype={dtype!r}; pass torch.bfloat16 or torch.float16 (None: no autocast)"
+        )
+    if not torch.amp.is_autocast_available(device.type):
+        raise ConfigError(f"PipelineParallel: torch.autocast is not available on {device.type} devices")
+    return dtype
+
+
 def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
     for chunk in chunks:
         for p in chunk.parameters():
@@ -102,6 +122,7 @@ class PipelineParallel:
         num_microbatches: int,
         group: ProcessGroup | str | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        autocast_dtype: torch.dtype | None = None,
         prefetch: bool = True,
     ) -> None:
         chunk_list = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
@@ -131,6 +152,7 @@ class PipelineParallel:
         self.peak_saved_activations = 0  # measured by the last train_step
         self.timeline = Timeline(self.group.global_rank, self.stage)
         self.device = _device_of(chunk_list)
+        self.autocast_dtype = _check_autocast(autocast_dtype, self.device)
         # One link per neighbouring stage, and one to this stage itself for a chunk whose neighbour chunk is
         # on this rank (pp = 1, or the bottom of ZB-V's V), which keeps its messages in a local channel.
         ranks = self.group.ranks
@@ -341,7 +363,15 @@ class PipelineParallel:
             x = input_mbs[microbatch]
         else:
             x = recv_activation(self._link_from_prev(chunk), self._anchor, chunk=chunk, microbatch=microbatch)
-        return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
+        with self._autocast():
+            return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Forward and loss under torch.autocast when autocast_dtype is set (backward runs outside it, as
+        torch's AMP recipe says: autograd replays each op in the dtype its forward used)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
         with self._sync_guard(self.chunks[action.local_chunk(self.pp)], index):
@@ -390,7 +420,8 @@ class PipelineParallel:
             backward_weight(weights)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
+        with self._autocast():
+            loss = self.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigError(
                 f"PipelineParallel: loss_fn must return a scalar tensor (a mean over the microbatch), got "

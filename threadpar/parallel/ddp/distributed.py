@@ -27,6 +27,7 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.clip_grad.placement import mark_grad_placements
 from threadpar.parallel.context_parallel import data_context_parallel_group
 from threadpar.parallel.ddp.comm_hooks import CommHook
 from threadpar.parallel.ddp.experts import expert_data_parallel_group, sharded_experts
@@ -175,6 +176,10 @@ class DistributedDataParallel(nn.Module):
             self.expert_reducer = self._reducer(
                 sharded, expert_group, abort, expert_group.size() / group.size()
             )
+        # Where each reduced gradient sits in the whole model's gradient, for clip_grad_norm_.
+        mark_grad_placements(
+            module, data_parallel=group, expert_data_parallel=self.expert_process_group, strict=False
+        )
 
     def _reducer(self, named: list, group: ProcessGroup, abort, scale: float = 1.0) -> Reducer:
         return Reducer([p for _, p in named], [n for n, _ in named], group, self.options, abort, scale)
