@@ -6,10 +6,13 @@ from threadpar.parallel.data_parallel import DataParallel
 from threadpar.parallel.ddp import DistributedDataParallel
 from threadpar.parallel.expert_parallel import *  # noqa: F403  (expert parallelism: MoE with all-to-all)
 from threadpar.parallel.tensor_parallel import *  # noqa: F403  (tensor and sequence parallelism)
+from threadpar.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 __all__ = [
     "DataParallel",
     "DistributedDataParallel",
+    "ZeroRedundancyOptimizer",
+    "optimizer_state_bytes",
     *tensor_parallel.__all__,
     *context_parallel.__all__,
     *expert_parallel.__all__,
