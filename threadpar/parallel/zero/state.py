@@ -34,33 +34,56 @@ class StateSchema:
         return {*self.elementwise, *(k for k, _ in self.scalars)}
 
 
-def probe_schema(optimizer_class: type, hyper: dict[str, Any], like: torch.Tensor) -> StateSchema:
-    """Step a throwaway optimizer of `optimizer_class` once on a 3-element tensor and look at its state.
-    ZeRO splits state element by element, which is exact only for element-wise optimizers; any state that
-    is neither shaped like the parameter nor a scalar means the class is not one."""
-    probe = torch.zeros(3, dtype=like.dtype, device=like.device)
-    probe.grad = torch.full_like(probe, 0.5)
-    try:
-        optimizer = optimizer_class([probe], **hyper)
+def _run(optimizer_class: type, hyper: dict[str, Any], params: list[torch.Tensor], grads: list[list]) -> Any:
+    optimizer = optimizer_class(params, **hyper)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g
         optimizer.step()
+    return optimizer
+
+
+def probe_schema(optimizer_class: type, hyper: dict[str, Any], like: torch.Tensor) -> StateSchema:
+    """Check that `optimizer_class` is element-wise, and what per-parameter state it keeps.
+
+    ZeRO splits a parameter into 1-D pieces and steps them separately, which is exact only when the
+    optimizer treats every element on its own (Adam, SGD, ...). So: step a throwaway [2, 3] tensor twice,
+    and its two 1-D pieces [0:2] and [2:6] side by side with the same gradients; the results and the
+    state shapes must agree (Adafactor's factored moments, for one, do not)."""
+    g = torch.Generator().manual_seed(0)
+    dtype = like.dtype if like.dtype.is_floating_point and like.element_size() >= 4 else torch.float32
+    start = torch.randn(2, 3, generator=g).to(like.device, dtype)
+    grads = [torch.randn(2, 3, generator=g).to(like.device, dtype) for _ in range(2)]
+    whole = start.clone()
+    pieces = [start.reshape(-1)[:2].clone(), start.reshape(-1)[2:].clone()]
+    name = optimizer_class.__name__
+    try:
+        dense = _run(optimizer_class, hyper, [whole], [[gr] for gr in grads])
+        _run(optimizer_class, hyper, pieces, [[gr.reshape(-1)[:2], gr.reshape(-1)[2:]] for gr in grads])
     except Exception as error:
         raise ConfigError(
-            f"ZeroRedundancyOptimizer: {optimizer_class.__name__}({hyper}) cannot step a plain tensor "
+            f"ZeroRedundancyOptimizer: {name}({hyper}) cannot step a plain tensor "
             f"({type(error).__name__}: {error}); give an element-wise torch optimizer such as AdamW or SGD"
         ) from error
     elementwise, scalars, on_device = [], [], False
-    for key, value in optimizer.state[probe].items():
-        if isinstance(value, torch.Tensor) and value.shape == probe.shape:
+    for key, value in dense.state[whole].items():
+        if isinstance(value, torch.Tensor) and value.shape == whole.shape:
             elementwise.append(key)
         elif isinstance(value, torch.Tensor) and value.dim() == 0:
             scalars.append((key, value.dtype))
-            on_device = on_device or (value.device == probe.device and probe.device.type != "cpu")
+            on_device = on_device or (value.device == whole.device and whole.device.type != "cpu")
         else:
             raise ConfigError(
-                f"ZeroRedundancyOptimizer: {optimizer_class.__name__} keeps state {key!r} that is neither "
-                "shaped like its parameter nor a scalar, so it cannot be split element by element over the "
-                "DP group; use an element-wise optimizer (AdamW, Adam, SGD, ...)"
+                f"ZeroRedundancyOptimizer: {name} keeps state {key!r} that is neither shaped like its "
+                "parameter nor a scalar, so it cannot be split element by element over the DP group; use an "
+                "element-wise optimizer (AdamW, Adam, SGD, ...)"
             )
+    if not torch.allclose(torch.cat(pieces), whole.reshape(-1), rtol=1e-4, atol=1e-6):
+        raise ConfigError(
+            f"ZeroRedundancyOptimizer: {name} does not update each element on its own (stepping a tensor in "
+            "two pieces gives another result than stepping it whole), so it cannot be split element by "
+            "element over the DP group; use an element-wise optimizer (AdamW, Adam, SGD, ...)"
+        )
     return StateSchema(tuple(sorted(elementwise)), tuple(sorted(scalars, key=lambda s: s[0])), on_device)
 
 
