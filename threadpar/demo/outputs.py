@@ -109,6 +109,12 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
         lines.append(f"fp16: {run.skipped_steps} step(s) skipped on overflow (agreed across all ranks)")
     per_rank = ", ".join(f"r{r} {format_bytes(p['saved_activations_bytes'])}" for r, p in peaks.items())
     lines.append(f"peak saved activations per rank: {per_rank}")
+    state = run.optimizer_state_bytes
+    sharded = f"ZeRO-{cfg.zero}, sharded over DP" if cfg.zero else "AdamW, not sharded"
+    lines.append(
+        f"optimizer state per rank ({sharded}): "
+        + ", ".join(f"r{r} {format_bytes(state[r])}" for r in sorted(state))
+    )
     if any(p["device_allocated_bytes"] for p in peaks.values()):
         device = ", ".join(f"r{r} {format_bytes(p['device_allocated_bytes'])}" for r, p in peaks.items())
         lines.append(f"peak device memory per rank: {device}")
@@ -135,6 +141,10 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
         "tokens_per_s": tokens_per_s,
         "bubble": bubble,
         "peak_memory": peaks,
+        "zero": cfg.zero,
+        "optimizer_state_bytes": {
+            str(r): run.optimizer_state_bytes[r] for r in sorted(run.optimizer_state_bytes)
+        },
         "skipped_steps": run.skipped_steps,
         "check": check,
     }

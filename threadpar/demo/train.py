@@ -21,6 +21,7 @@ from threadpar.demo.report import ProgressBar
 from threadpar.models.gpt import GPTConfig
 from threadpar.models.parallelize_gpt import parallelize_gpt
 from threadpar.parallel.loss_scaler import LossScaler
+from threadpar.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from threadpar.pipeline import Timeline
 from threadpar.runtime.context import get_coords, get_device, get_group, get_layout, get_rank
 from threadpar.runtime.memory import SavedActivationTracker, device_peak_bytes
@@ -28,8 +29,15 @@ from threadpar.runtime.memory import SavedActivationTracker, device_peak_bytes
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+def make_optimizer(params, lr: float, zero: int = 0) -> torch.optim.Optimizer:
+    """AdamW; with zero=1 or 2 a ZeroRedundancyOptimizer around it, sharded over each parameter's DDP group
+    (over the DP group of one rank when dp x cp = 1: parallelize_gpt wraps no DDP then)."""
+    hyper = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if not zero:
+        return torch.optim.AdamW(params, **hyper)
+    layout = get_layout()
+    group = None if layout.dp * layout.cp > 1 else "DP"
+    return ZeroRedundancyOptimizer(params, torch.optim.AdamW, stage=zero, process_group=group, **hyper)
 
 
 @dataclass(eq=False)
@@ -48,6 +56,7 @@ class RunState:
     timelines: dict[int, Timeline] = field(default_factory=dict)
     activation_peaks: dict[int, int] = field(default_factory=dict)
     device_peaks: dict[int, int | None] = field(default_factory=dict)
+    optimizer_state_bytes: dict[int, int] = field(default_factory=dict)
     model_parts: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     optimizer_parts: dict[int, dict[str, dict]] = field(default_factory=dict)
     final_scaler_state: dict | None = None
@@ -76,7 +85,7 @@ def train_rank(run: RunState) -> None:
         loss_scaler=scaler,
     )
     params = list(model.parameters())
-    optimizer = make_optimizer(params, cfg.lr)
+    optimizer = make_optimizer(params, cfg.lr, cfg.zero)
     if run.optimizer_state is not None:
         load_optimizer_state(optimizer, model.chunks, run.optimizer_state)
     tracker = SavedActivationTracker()
@@ -93,7 +102,8 @@ def train_rank(run: RunState) -> None:
         if scaler is None:
             optimizer.step()
         else:
-            scaler.step(optimizer, params)
+            zero = isinstance(optimizer, ZeroRedundancyOptimizer)
+            scaler.step(optimizer, optimizer.grad_holders() if zero else params)
         optimizer.zero_grad(set_to_none=True)
         # The replica's loss is the same on its CP, TP and PP ranks; the mean over DP is the global batch's.
         loss_and_aux = torch.stack([loss.detach(), torch.tensor(model.last_aux_loss, device=loss.device)])
@@ -111,6 +121,7 @@ def train_rank(run: RunState) -> None:
     run.timelines[rank] = model.pipeline.timeline.snapshot()
     run.activation_peaks[rank] = tracker.peak
     run.device_peaks[rank] = device_peak_bytes(get_device())
+    run.optimizer_state_bytes[rank] = optimizer_state_bytes(optimizer)
     if scaler is not None and rank == 0:
         run.final_scaler_state = scaler.state_dict()
         run.skipped_steps = scaler.skipped_steps

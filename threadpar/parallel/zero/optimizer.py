@@ -38,7 +38,14 @@ from threadpar.errors import ConfigError
 from threadpar.parallel.groups import resolve_group
 from threadpar.parallel.zero.plan import plan_buckets
 from threadpar.parallel.zero.shard import Shard
-from threadpar.parallel.zero.state import StateSchema, check_dense, gather_dense, load_dense, probe_schema
+from threadpar.parallel.zero.state import (
+    StateSchema,
+    check_dense,
+    gather_dense,
+    load_dense,
+    packed_param_groups,
+    probe_schema,
+)
 
 STATE_FORMAT = "threadpar-zero/1"
 
@@ -114,6 +121,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             reducer.shard_reduction(_ReducerShards(shards, reducer.parameters))
         self._sync_groups(self.optim.param_groups, self.param_groups)
         self._consolidated: dict[str, Any] | None = None
+        self._prepared = False  # the pieces' gradients are taken (shard_gradients) for the next step
         self._initialized = True
 
     def _local_optimizer(self, defaults: dict[str, Any]) -> torch.optim.Optimizer:
@@ -145,9 +153,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._consolidated = None
         self._sync_groups(self.param_groups, self.optim.param_groups)
-        for shard in self._shards:
-            if not (self.stage == 2 and shard.bucket.reducer_bucket is not None):
-                shard.grads_from_params()  # ZeRO-2's reduced shards already hold theirs
+        self._prepare_grads()
+        self._prepared = False
         self.optim.step()
         self._sync_groups(self.optim.param_groups, self.param_groups)
         last = len(self._shards) - 1
@@ -161,6 +168,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         for shard in self._shards:
             shard.forget_grads()
+        self._prepared = False
 
     @staticmethod
     def _sync_groups(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
@@ -174,13 +182,34 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         master weights (measured from the tensors)."""
         return optimizer_state_bytes(self.optim) + sum(s.state_bytes() for s in self._shards)
 
-    def shard_gradients(self) -> list[torch.Tensor]:
-        """The gradients of this rank's pieces that the next step uses (prepared from the parameters'
-        gradients under ZeRO-1): what a clipping or overflow check over the shards reads."""
+    def grad_holders(self) -> list[torch.Tensor]:
+        """The tensors whose `.grad` the next step() reads, for a loss scaler's unscale and overflow check
+        (`LossScaler.step(optimizer, optimizer.grad_holders())`): the parameters under ZeRO-1 (full
+        averaged gradients), and under ZeRO-2 this rank's pieces of the reduced gradients."""
+        holders: list[torch.Tensor] = []
         for shard in self._shards:
-            if not (self.stage == 2 and shard.bucket.reducer_bucket is not None):
-                shard.grads_from_params()
+            if self._reduce_scattered(shard):
+                holders += shard.tensors
+            else:
+                holders += shard.bucket.params
+        return holders
+
+    def shard_gradients(self) -> list[torch.Tensor]:
+        """The gradients of this rank's pieces that the next step() uses: each element of the model's
+        gradient is in exactly one rank's list (what a norm over the shards sums). Under ZeRO-1 they are
+        taken from the parameters' gradients now, and step() uses them as they are then (e.g. clipped)."""
+        self._prepare_grads()
         return [t.grad for s in self._shards for t in s.tensors if t.grad is not None]
+
+    def _reduce_scattered(self, shard: Shard) -> bool:
+        return self.stage == 2 and shard.bucket.reducer_bucket is not None
+
+    def _prepare_grads(self) -> None:
+        if not self._prepared:
+            for shard in self._shards:
+                if not self._reduce_scattered(shard):  # ZeRO-2's reduced shards already hold theirs
+                    shard.grads_from_params()
+            self._prepared = True
 
     # state -------------------------------------------------------------------------------------------------------
     def _schema(self) -> StateSchema:
@@ -209,7 +238,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         return {
             "state": {index[id(p)]: entry for p, entry in dense.items()},
-            "param_groups": _packed_groups(self.param_groups),
+            "param_groups": packed_param_groups(self.param_groups),
             "zero": {"format": STATE_FORMAT, "optimizer_class": _class_name(self.optimizer_class)},
         }
 
@@ -245,16 +274,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _packed_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Param groups as torch's state dicts hold them: parameters replaced by their running index."""
-    packed, start = [], 0
-    for group in groups:
-        n = len(group["params"])
-        packed.append({**copy.deepcopy(_hyper(group)), "params": list(range(start, start + n))})
-        start += n
-    return packed
 
 
 def _owned_by(shard: Shard, reducer: Any) -> bool:

@@ -9,6 +9,7 @@ dp=4 loads on dp=2, or into a plain optimizer, and the other way round.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,3 +175,14 @@ def load_dense(shards: list[Shard], dense: dict[torch.nn.Parameter, dict], schem
                 tensor.copy_(entry[MASTER_KEY].detach().reshape(-1)[piece.lo : piece.hi])
             state[tensor] = new
     return state
+
+
+def packed_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Param groups as torch's optimizer state dicts hold them: parameters replaced by their running index."""
+    packed, start = [], 0
+    for group in groups:
+        n = len(group["params"])
+        hyper = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        packed.append({**hyper, "params": list(range(start, start + n))})
+        start += n
+    return packed
