@@ -28,7 +28,7 @@ import torch
 import threadpar
 from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
 from tests.fakes.fake_cuda_nccl import run_fake_gpus
-from threadpar.comm.cuda_api import CliquePool
+from threadpar.comm.nccl.cuda_api import CliquePool
 
 ASYNC_BATCH = 10
 

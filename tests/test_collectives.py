@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import threadpar
-import threadpar.comm.threads as threads_backend
+import threadpar.comm.threads.group as threads_backend
 from threadpar import ReduceOp
 from threadpar.testing import run_ranks
 

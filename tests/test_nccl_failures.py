@@ -131,7 +131,7 @@ def test_nccl_on_a_torch_without_nccl_says_so():
 
 
 def test_a_clique_some_member_never_completed_is_not_pooled():
-    from threadpar.comm.cuda_api import CliquePool
+    from threadpar.comm.nccl.cuda_api import CliquePool
 
     pool = CliquePool()
     pool.give_back(("cuda:0", "cuda:1"), ["comm0", None])

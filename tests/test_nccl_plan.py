@@ -1,10 +1,11 @@
-"""nccl_plan.py: how each dtype and ReduceOp maps onto NCCL, and the buffer views (pure, no CUDA)."""
+"""comm/nccl/plan.py: how each dtype and ReduceOp maps onto NCCL, and the buffer views (pure, no CUDA)."""
 
 import pytest
 import torch
 
 from threadpar import ReduceOp
-from threadpar.comm.nccl_plan import as_bytes, has_native_avg, joined, reduction_plan, wire
+from threadpar.comm.common.tensor_bytes import byte_view
+from threadpar.comm.nccl.plan import contiguous_span, has_native_avg, reduction_plan, wire
 
 
 @pytest.mark.parametrize(
@@ -36,17 +37,17 @@ def test_native_avg_from_nccl_2_10():
 def test_views():
     z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
     assert torch.equal(wire(z, reduction_plan(z.dtype, ReduceOp.SUM, True)), torch.tensor([1.0, 2, 3, -4]))
-    assert as_bytes(torch.zeros((), dtype=torch.int16)).shape == (2,)
-    assert as_bytes(z).dtype == torch.uint8 and as_bytes(z).numel() == 16
+    assert byte_view(torch.zeros((), dtype=torch.int16)).shape == (2,)
+    assert byte_view(z).dtype == torch.uint8 and byte_view(z).numel() == 16
 
 
 def test_joined_finds_the_chunks_of_one_buffer_and_nothing_else():
     whole = torch.arange(12.0)
     chunks = list(whole.view(3, 4).unbind(0))
-    view = joined(chunks)
+    view = contiguous_span(chunks)
     assert view is not None and view.data_ptr() == whole.data_ptr() and view.shape == (12,)
     view[5] = -1
     assert whole[5] == -1
-    assert joined(chunks[::-1]) is None  # out of order
-    assert joined([torch.zeros(4) for _ in range(3)]) is None  # separate tensors
-    assert joined(list(whole.view(4, 3).t().unbind(0))) is None  # strided chunks
+    assert contiguous_span(chunks[::-1]) is None  # out of order
+    assert contiguous_span([torch.zeros(4) for _ in range(3)]) is None  # separate tensors
+    assert contiguous_span(list(whole.view(4, 3).t().unbind(0))) is None  # strided chunks

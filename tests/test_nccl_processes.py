@@ -15,7 +15,7 @@ from procs import checks
 from test_nccl_backend import DTYPES, assert_same, workload
 
 import threadpar
-from threadpar.comm.nccl_spanning import NcclSpanningGroup
+from threadpar.comm.nccl.spanning import NcclSpanningGroup
 from threadpar.testing import run_ranks
 
 

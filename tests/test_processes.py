@@ -14,9 +14,9 @@ import torch.distributed as dist
 from procs import checks
 
 import threadpar
-import threadpar.comm.hierarchical as hierarchical
-from threadpar.comm.nccl_bootstrap import join_nccl_group, unique_id_key
-from threadpar.comm.router import MAX_DIMS, decode_header, encode_header
+import threadpar.comm.hierarchical.group as hierarchical
+from threadpar.comm.hierarchical.router import MAX_DIMS, decode_header, encode_header
+from threadpar.comm.nccl.bootstrap import join_nccl_group, unique_id_key
 from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, RemoteRankError
 from threadpar.runtime.launch import launch_in_process
 from threadpar.runtime.process_env import ProcessEnv, default_local_devices, process_env

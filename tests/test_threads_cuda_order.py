@@ -10,8 +10,8 @@ import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
 import threadpar
-import threadpar.comm.threads as threads_backend
-from threadpar.comm.stream_order import StreamOrder
+import threadpar.comm.threads.group as threads_backend
+from threadpar.comm.threads.stream_order import StreamOrder
 from threadpar.runtime.world import World
 
 

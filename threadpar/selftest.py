@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import threadpar
-from threadpar.comm.cuda_api import torch_cuda
+from threadpar.comm.nccl.cuda_api import torch_cuda
 from threadpar.runtime.devices import cuda_device_count
 from threadpar.runtime.launch import available_cores
 

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.cuda_api import CliquePool
+from threadpar.comm.nccl.cuda_api import CliquePool
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
 from threadpar.runtime.process_env import ProcessEnv
@@ -132,7 +132,7 @@ class FakeCopy:
 
 
 class FakeCuda:
-    """Stands in for threadpar.comm.cuda_api.TorchCuda (pass it as World(cuda=...))."""
+    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (pass it as World(cuda=...))."""
 
     def __init__(self, nccl_version: tuple[int, ...] = (2, 21, 5), fabric: FakeFabric | None = None) -> None:
         self.lock = threading.RLock()  # guards the fake's own records

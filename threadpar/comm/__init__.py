@@ -1,4 +1,5 @@
-"""Process groups and collectives (torch.distributed's API), with the `threads` and `nccl` backends."""
+"""Process groups and collectives (torch.distributed's API); the backends are the sub-packages `threads`, `nccl`
+and `hierarchical`, on the machinery they share in `common`."""
 
 from threadpar.comm.functional import (
     all_gather,
@@ -10,6 +11,7 @@ from threadpar.comm.functional import (
     barrier,
     broadcast,
     gather,
+    get_group,
     get_rank,
     get_world_size,
     irecv,
@@ -39,6 +41,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "gather",
+    "get_group",
     "get_rank",
     "get_world_size",
     "irecv",

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from threadpar.comm.group import ProcessGroup
+from threadpar.comm.rank_groups import current_groups
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.comm.work import Work
-from threadpar.runtime import context as _context
 from threadpar.topology import Axis
 
 GroupLike = ProcessGroup | Axis | str | None
@@ -23,7 +23,7 @@ GroupLike = ProcessGroup | Axis | str | None
 def _group(group: GroupLike) -> ProcessGroup:
     if isinstance(group, ProcessGroup):
         return group
-    return _context.current().group(group)
+    return current_groups().group(group)
 
 
 def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> ProcessGroup:
@@ -32,17 +32,29 @@ def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Pr
     Unlike torch.distributed, ranks outside the group need not call it. A non-member gets a handle whose
     rank() is -1 and whose collectives raise.
     """
-    ctx = _context.current()
-    ranks = range(ctx.world.world_size) if ranks is None else ranks
-    return ctx.handle(ctx.world.groups.get_or_create(ranks, name))
+    groups = current_groups()
+    ranks = range(groups.source.world_size) if ranks is None else ranks
+    return groups.handle(groups.source.groups.get_or_create(ranks, name))
+
+
+def get_group(group: GroupLike = None) -> ProcessGroup:
+    """This rank's group: the world when None, its group on an axis ("DP", "TP", "PP", "CP", Axis.TP), the
+    group of that name ("TP1"), or the ProcessGroup given."""
+    return _group(group)
 
 
 def get_rank(group: GroupLike = None) -> int:
-    """This rank's index in `group` (its global rank for the world; -1 if not a member)."""
+    """This rank's index in `group` (its global rank for the world, when None; -1 if not a member), like
+    torch.distributed.get_rank(group)."""
+    if group is None:
+        return current_groups().rank
     return _group(group).rank()
 
 
 def get_world_size(group: GroupLike = None) -> int:
+    """The number of ranks in `group` (the world when None), like torch.distributed.get_world_size(group)."""
+    if group is None:
+        return current_groups().source.world_size
     return _group(group).size()
 
 

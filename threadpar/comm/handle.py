@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.backend import Backend
+from threadpar.comm.common.worker import CommWorker
 from threadpar.comm.work import CompletedWork, Work
-from threadpar.comm.worker import CommWorker
 from threadpar.errors import ConfigError
 
 SUPPORTED_DTYPES = {
@@ -25,7 +26,7 @@ SUPPORTED_DTYPES = {
 class GroupState:
     """What all members of a group share: its name, global ranks and backend object."""
 
-    def __init__(self, name: str, ranks: Sequence[int], backend: Any) -> None:
+    def __init__(self, name: str, ranks: Sequence[int], backend: Backend) -> None:
         self.name = name
         self.ranks = tuple(ranks)
         self.member_of = {r: i for i, r in enumerate(self.ranks)}
@@ -69,7 +70,7 @@ class GroupHandle:
         self._abort = abort
         self._seq = 0
         # A stream-ordered backend (nccl) enqueues ops on its own streams and returns their Work itself.
-        self._stream_ordered = bool(getattr(state.backend, "stream_ordered", False))
+        self._stream_ordered = state.backend.stream_ordered
 
     # identity ---------------------------------------------------------------------------------------------------
     def rank(self) -> int:

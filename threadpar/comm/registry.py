@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from threadpar.comm.group import GroupState
+from threadpar.comm.backend import Backend
+from threadpar.comm.handle import GroupState
 from threadpar.errors import ConfigError
 
 
 class GroupRegistry:
-    def __init__(self, world_size: int, make_backend: Callable[[str, tuple[int, ...]], Any]) -> None:
+    def __init__(self, world_size: int, make_backend: Callable[[str, tuple[int, ...]], Backend]) -> None:
         self._world_size = world_size
         self._make_backend = make_backend
         self._lock = threading.Lock()
@@ -33,14 +33,15 @@ class GroupRegistry:
                         "use another name"
                     )
                 return state
-            state = self._by_ranks.get(ranks)
-            if state is None:
-                state = GroupState(name or self._default_name(ranks), ranks, None)
-                state.backend = self._make_backend(state.name, ranks)
-                self._by_ranks[ranks] = state
-                self._by_name[state.name] = state
-            elif name is not None:
-                self._by_name[name] = state  # an alias for an existing group with the same members
+            existing = self._by_ranks.get(ranks)
+            if existing is not None:
+                if name is not None:
+                    self._by_name[name] = existing  # an alias for an existing group with the same members
+                return existing
+            group_name = name or self._default_name(ranks)
+            state = GroupState(group_name, ranks, self._make_backend(group_name, ranks))
+            self._by_ranks[ranks] = state
+            self._by_name[state.name] = state
             return state
 
     def get(self, name: str) -> GroupState:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
+from threadpar.comm.common.abort import POLL_INTERVAL_S, AbortSignal
 from threadpar.errors import CollectiveTimeoutError
 
 # Guards the hand-over between `get_future()` and `_finish()`, which may run on different threads.

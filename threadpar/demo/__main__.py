@@ -64,7 +64,7 @@ def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -
             f"{env.local_count * cfg.gpus} GPUs, but this process sees {n_cuda}; pass a smaller --gpus or "
             "start fewer processes per node"
         ) from None
-    # One GPU per rank: NCCL, also for the groups that span processes (threadpar.comm.nccl_spanning).
+    # One GPU per rank: NCCL, also for the groups that span processes (threadpar.comm.nccl.spanning).
     return "nccl", None, f"{ranks} on {cfg.world_size} GPUs (NCCL, also between processes)"
 
 

@@ -44,6 +44,7 @@ class DemoConfig:
     seq_len: int = 64
     batch_size: int = 32
     lr: float = 2e-2
+    clip_grad: float = 1.0  # the whole model's gradient norm is clipped to this; 0: no clipping
     dtype: str = "fp32"
     seed: int = 0
     data: Path | None = None
@@ -82,6 +83,10 @@ class DemoConfig:
                 f"each data-parallel replica gets {per_replica} sequences, which do not split into "
                 f"--microbatches {self.microbatches}; choose a batch size divisible by dp*microbatches = "
                 f"{self.dp * self.microbatches}"
+            )
+        if not self.clip_grad >= 0:
+            raise ConfigError(
+                f"--clip-grad {self.clip_grad}: the largest gradient norm, >= 0 (0 disables clipping)"
             )
         for name in ("steps", "seq_len", "batch_size", "log_every"):
             if getattr(self, name) < 1:
@@ -204,6 +209,13 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
     p.add_argument("--seq-len", type=int, default=defaults.seq_len)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch, in sequences")
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument(
+        "--clip-grad",
+        type=float,
+        default=defaults.clip_grad,
+        metavar="NORM",
+        help="clip the whole model's gradient norm to NORM (default 1.0; 0: no clipping)",
+    )
     p.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument(

@@ -61,10 +61,12 @@ def reference_losses(run: RunState) -> dict[str, Any]:
     optimizer = make_optimizer(model.parameters(), cfg.lr)
     if run.optimizer_state is not None:
         load_optimizer_state(optimizer, [model], run.optimizer_state)
-    reference = []
+    reference, norms = [], []
     for step in steps:
         inputs, targets = run.batches.batch(step)
         loss = model.accumulate_gradients(inputs, targets, forwards=cfg.dp * cfg.microbatches)
+        if cfg.clip_grad > 0:  # torch's own clipping on the whole model: what the ranks' clip must equal
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reference.append(loss.item())
@@ -77,6 +79,7 @@ def reference_losses(run: RunState) -> dict[str, Any]:
         "reference": reference,
         "max_abs_diff": diff,
         "ok": diff <= tolerance,
+        "grad_norms": {"parallel": run.grad_norms[: len(norms)], "reference": norms} if norms else None,
     }
 
 
@@ -105,6 +108,7 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
             f"MoE: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, ep={cfg.ep}; aux loss (in the loss) "
             f"{run.aux_losses[0]:.4f} -> {run.aux_losses[-1]:.4f}"
         )
+    lines.append(_grad_norm_line(run))
     if run.skipped_steps:
         lines.append(f"fp16: {run.skipped_steps} step(s) skipped on overflow (agreed across all ranks)")
     per_rank = ", ".join(f"r{r} {format_bytes(p['saved_activations_bytes'])}" for r, p in peaks.items())
@@ -146,9 +150,21 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
             str(r): run.optimizer_state_bytes[r] for r in sorted(run.optimizer_state_bytes)
         },
         "skipped_steps": run.skipped_steps,
+        "clip_grad": cfg.clip_grad,
+        "grad_norms": run.grad_norms,  # the whole model's, before clipping; null: an fp16 step was skipped
         "check": check,
     }
     return Summary("\n".join(lines), metrics)
+
+
+def _grad_norm_line(run: RunState) -> str:
+    norms = [n for n in run.grad_norms if n is not None]
+    if not norms:
+        return "gradient norm: none (every step skipped)"
+    clip = run.config.clip_grad
+    clipped = sum(n > clip for n in norms) if clip > 0 else 0
+    how = f"clipped to {clip:g} in {clipped} of {len(norms)} steps" if clip > 0 else "not clipped"
+    return f"gradient norm {norms[0]:.3f} -> {norms[-1]:.3f} (whole model, all ranks; {how})"
 
 
 def write_outputs(out: Path, run: RunState, summary: Summary) -> list[str]:

@@ -8,22 +8,24 @@ each process has its own, filled by its own ranks; process 0 then gathers the ot
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from threadpar.checkpoint import load_optimizer_state
+from threadpar.comm import get_group, get_rank
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.demo.cli import DemoConfig
 from threadpar.demo.data import Batches, data_parallel_slice
 from threadpar.demo.report import ProgressBar
 from threadpar.models.gpt import GPTConfig
 from threadpar.models.parallelize_gpt import parallelize_gpt
-from threadpar.parallel.loss_scaler import LossScaler
+from threadpar.parallel import LossScaler, clip_grad_norm_, grad_placements, total_grad_norm
 from threadpar.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from threadpar.pipeline import Timeline
-from threadpar.runtime.context import get_coords, get_device, get_group, get_layout, get_rank
+from threadpar.runtime.context import get_coords, get_device, get_layout
 from threadpar.runtime.memory import SavedActivationTracker, device_peak_bytes
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,6 +42,28 @@ def make_optimizer(params, lr: float, zero: int = 0) -> torch.optim.Optimizer:
     return ZeroRedundancyOptimizer(params, torch.optim.AdamW, stage=zero, process_group=group, **hyper)
 
 
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, params: list, scaler: LossScaler | None, max_norm: float
+) -> float | None:
+    """Unscale (fp16), clip the whole model's gradient to max_norm (0: measure it only), step. Returns the
+    gradient norm before clipping, the same on every rank; None when an fp16 overflow skipped the step."""
+    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
+    overflow = scaler is not None and scaler.unscale_and_check(optimizer.grad_holders() if zero else params)
+    norm = None
+    if not overflow:  # the same branch on every rank: the overflow flag is agreed over the world
+        if zero:  # the norm over its shards, which it clips (ZeRO-2 keeps no param.grad)
+            norm = float(optimizer.clip_grad_norm_(max_norm if max_norm > 0 else math.inf))
+        elif max_norm > 0:
+            norm = float(clip_grad_norm_(params, max_norm))
+        else:
+            with_grad = [p for p in params if p.grad is not None]
+            norm = float(total_grad_norm([p.grad for p in with_grad], grad_placements(with_grad)))
+        optimizer.step()
+    if scaler is not None:
+        scaler.update(overflow)
+    return norm
+
+
 @dataclass(eq=False)
 class RunState:
     config: DemoConfig
@@ -52,6 +76,7 @@ class RunState:
     # written by the ranks (each writes its own keys; rank 0 appends to the lists)
     losses: list[float] = field(default_factory=list)
     aux_losses: list[float] = field(default_factory=list)  # the MoE aux part of each loss
+    grad_norms: list[float | None] = field(default_factory=list)  # before clipping; None: step skipped (fp16)
     step_seconds: list[float] = field(default_factory=list)
     timelines: dict[int, Timeline] = field(default_factory=dict)
     activation_peaks: dict[int, int] = field(default_factory=dict)
@@ -99,11 +124,7 @@ def train_rank(run: RunState) -> None:
         start = time.perf_counter()
         with tracker.track():
             loss = model.train_step(inputs, targets)
-        if scaler is None:
-            optimizer.step()
-        else:
-            zero = isinstance(optimizer, ZeroRedundancyOptimizer)
-            scaler.step(optimizer, optimizer.grad_holders() if zero else params)
+        grad_norm = clip_and_step(optimizer, params, scaler, cfg.clip_grad)
         optimizer.zero_grad(set_to_none=True)
         # The replica's loss is the same on its CP, TP and PP ranks; the mean over DP is the global batch's.
         loss_and_aux = torch.stack([loss.detach(), torch.tensor(model.last_aux_loss, device=loss.device)])
@@ -112,6 +133,7 @@ def train_rank(run: RunState) -> None:
             seconds = time.perf_counter() - start
             run.losses.append(loss_and_aux[0].item())
             run.aux_losses.append(loss_and_aux[1].item())
+            run.grad_norms.append(grad_norm)
             run.step_seconds.append(seconds)
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 bar.update(step + 1, run.losses[-1], run.tokens_per_step / seconds)

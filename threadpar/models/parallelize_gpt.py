@@ -20,17 +20,18 @@ import torch
 from torch import nn
 
 from threadpar.checkpoint import gather_model_state, gather_optimizer_state, load_model_state
+from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPTChunk, GPTConfig, GPTLoss, TensorParallel
-from threadpar.parallel import DistributedDataParallel
+from threadpar.parallel import DistributedDataParallel, mark_grad_placements
 from threadpar.parallel.context_parallel import padding_multiple, split_sequence
 from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
 from threadpar.pipeline import PipelineParallel, get_stage_info
-from threadpar.runtime.context import get_coords, get_group, get_layout
+from threadpar.runtime.context import get_coords, get_layout
 
 
 @dataclass(eq=False)
@@ -150,6 +151,9 @@ def parallelize_gpt(
     modules: list[nn.Module] = list(chunks)
     if layout.dp * layout.cp > 1:  # DDP's default group: DP, or DP x CP under context parallelism
         modules = [DistributedDataParallel(c, bucket_cap_mb=bucket_cap_mb) for c in chunks]
+    else:  # DDP marks what it wraps; without it, mark the gradients' placement here (for clip_grad_norm_)
+        for chunk in chunks:
+            mark_grad_placements(chunk)
     criterion = GPTLoss(config, tp, cp)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
+from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 
@@ -20,8 +21,6 @@ def resolve_group(group: ProcessGroup | str | None, axis: str) -> ProcessGroup:
     if isinstance(group, ProcessGroup):
         handle = group
     elif group is None or isinstance(group, str):
-        from threadpar.runtime.context import get_group
-
         handle = get_group(axis if group is None else group)
     else:
         raise TypeError(

@@ -15,6 +15,11 @@ detached tensors do not), and a chunk may leave any of them unused. The first st
 stage's targets may be such structures too: every tensor in them is split along dim 0, and `loss_fn` gets
 the last chunk's output as it returned it.
 
+Mixed precision: `autocast_dtype=torch.bfloat16` (or float16) runs every chunk's forward and the loss under
+torch.autocast on the rank's device type (InfiniTrain's TrainStep(..., dtype)); parameters, gradients and
+the optimizer stay in their own dtype (fp32 master weights), and activations travel between stages in the
+dtype autocast gave them. With float16, scale the loss (threadpar.parallel.LossScaler).
+
 Each microbatch's saved activations are released as soon as its backward has run. A chunk that has a
 `no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its last of the step
 inside `no_sync()`, so its gradients are synchronized once per step, after the last microbatch.
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError, RankAborted
 from threadpar.pipeline.p2p import (
@@ -49,7 +55,6 @@ from threadpar.pipeline.schedule import Action, Plan, build_plan
 from threadpar.pipeline.simulator import Simulation, simulate
 from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
-from threadpar.runtime.context import get_group
 
 
 def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
@@ -68,6 +73,21 @@ def _named_plan(schedule: str, pp: int, n: int, v: int) -> tuple[Plan, Simulatio
     of one process) share one copy instead of each building and checking its own."""
     plan = build_plan(schedule, pp, n, v)
     return plan, simulate(plan)
+
+
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_autocast(dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if dtype not in AUTOCAST_DTYPES:
+        raise ConfigError(
+            f"PipelineParallel: autocast_dtype={dtype!r}; pass torch.bfloat16 or torch.float16 (None: no autocast)"
+        )
+    if not torch.amp.is_autocast_available(device.type):
+        raise ConfigError(f"PipelineParallel: torch.autocast is not available on {device.type} devices")
+    return dtype
 
 
 def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
@@ -89,6 +109,7 @@ class PipelineParallel:
         num_microbatches: int,
         group: ProcessGroup | str | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         chunk_list = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         if not chunk_list or not all(isinstance(c, nn.Module) for c in chunk_list):
@@ -116,6 +137,7 @@ class PipelineParallel:
         self.peak_saved_activations = 0  # measured by the last train_step
         self.timeline = Timeline(self.group.global_rank, self.stage)
         self.device = _device_of(chunk_list)
+        self.autocast_dtype = _check_autocast(autocast_dtype, self.device)
         channel = self.group if self.pp > 1 else LocalChannel()
         ranks = self.group.ranks
         self._from_prev = Link(channel, ranks[(self.stage - 1) % self.pp], self.device, self.timeline)
@@ -259,7 +281,15 @@ class PipelineParallel:
             x = input_mbs[microbatch]
         else:
             x = recv_activation(self._from_prev, self._anchor, chunk=chunk, microbatch=microbatch)
-        return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
+        with self._autocast():
+            return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Forward and loss under torch.autocast when autocast_dtype is set (backward runs outside it, as
+        torch's AMP recipe says: autograd replays each op in the dtype its forward used)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
         module = self.chunks[action.local_chunk(self.pp)]
@@ -279,7 +309,8 @@ class PipelineParallel:
             settle_gradient(self._from_prev, chunk=action.chunk, microbatch=action.microbatch)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
+        with self._autocast():
+            loss = self.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigError(
                 f"PipelineParallel: loss_fn must return a scalar tensor (a mean over the microbatch), got "

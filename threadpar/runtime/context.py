@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.group import GroupState, ProcessGroup
-from threadpar.comm.worker import CommWorker
+from threadpar.comm import rank_groups
+from threadpar.comm.common.worker import CommWorker
 from threadpar.errors import NotInRankError
 from threadpar.runtime.rng import derive_seed, make_generator
 from threadpar.runtime.world import World
-from threadpar.topology import Axis, Coords, Layout
+from threadpar.topology import Coords, Layout
 
 _local = threading.local()
 
@@ -31,8 +31,8 @@ class RankContext:
         self.thread_rank = rank - world.process_rank * world.threads_per_process
         self.generator = make_generator(self.device, derive_seed(world.seed, "rank", rank))
         self.worker = CommWorker(f"threadpar-comm-{rank}", on_start=self.enter)
-        self._handles: dict[int, ProcessGroup] = {}
-        self._world_handle: ProcessGroup | None = None
+        # This rank's group handles; the collectives find them through the thread-local that enter() binds.
+        self.groups = rank_groups.RankGroups(world, rank, self.worker)
         # Per-rank objects that higher layers create on first use (e.g. the tensor-parallel RNG tracker),
         # keyed by a name of their choosing: rank state lives here, never in module globals.
         self.extras: dict[str, Any] = {}
@@ -40,45 +40,22 @@ class RankContext:
     def enter(self) -> None:
         """Make this the calling thread's context (rank thread or its comm worker); set its thread count."""
         _local.ctx = self
+        rank_groups.bind(self.groups)
         torch.set_num_threads(self.world.intraop_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-
-    def handle(self, state: GroupState) -> ProcessGroup:
-        handle = self._handles.get(id(state))
-        if handle is None:
-            handle = self._handles[id(state)] = ProcessGroup(state, self.rank, self.worker, self.world.abort)
-        return handle
-
-    def group(self, which: Axis | str | ProcessGroup | None = None) -> ProcessGroup:
-        """None: the world; an axis ("TP" or Axis.TP): this rank's group on it; a name ("TP1"): that group."""
-        if which is None:
-            if self._world_handle is None:
-                self._world_handle = self.handle(self.world.world_group())
-            return self._world_handle
-        if isinstance(which, ProcessGroup):
-            return which
-        if isinstance(which, Axis) or (isinstance(which, str) and which.upper() in Axis.__members__):
-            return self.handle(self.world.axis_group(which, self.rank))
-        if isinstance(which, str):
-            return self.handle(self.world.groups.get(which))
-        raise TypeError(
-            f"group must be None, an Axis, an axis or group name, or a ProcessGroup; got {which!r}"
-        )
 
 
 def current() -> RankContext:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
-        raise NotInRankError(
-            "this threadpar call needs a rank, but the calling thread was not started by threadpar.launch; "
-            "call it inside the function you pass to threadpar.launch(fn, ...)"
-        )
+        raise NotInRankError(rank_groups.NOT_IN_RANK)
     return ctx
 
 
 def leave() -> None:
     _local.ctx = None
+    rank_groups.bind(None)
 
 
 def in_rank() -> bool:
@@ -86,23 +63,9 @@ def in_rank() -> bool:
     return getattr(_local, "ctx", None) is not None
 
 
-def get_rank() -> int:
-    """This rank's global rank."""
-    return current().rank
-
-
-def get_world_size() -> int:
-    return current().world.world_size
-
-
 def get_device() -> torch.device:
     """The device this rank computes on (cuda:i, or cpu for CPU virtual devices)."""
     return current().device
-
-
-def get_group(axis: Axis | str | None = None) -> ProcessGroup:
-    """This rank's group on `axis` ("DP", "TP", "PP", "CP"), or the world group when None."""
-    return current().group(axis)
 
 
 def get_coords() -> Coords:

@@ -343,7 +343,7 @@ def _multi_process_world(
 
 def check_collectives_requested() -> bool:
     """THREADPAR_CHECK_COLLECTIVES=1: check every NCCL collective between processes, not only a group's
-    first (see threadpar.comm.nccl_spanning); like TORCH_DISTRIBUTED_DEBUG, for finding a mismatch."""
+    first (see threadpar.comm.nccl.spanning); like TORCH_DISTRIBUTED_DEBUG, for finding a mismatch."""
     value = os.environ.get(CHECK_COLLECTIVES_VAR, "0").strip().lower()
     if value not in ("0", "1", "", "false", "true"):
         raise ConfigError(f"{CHECK_COLLECTIVES_VAR}={value!r}: set it to 1 (check every call) or 0")

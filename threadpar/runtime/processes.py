@@ -9,7 +9,7 @@ through torch.distributed's store, under a prefix of their own (the n-th launch 
   local ranks, so a failure anywhere stops everything within a fraction of a second;
 - gloo process groups for groups that span processes (created lazily, each through its own store client:
   a TCPStore client holds a lock through a blocking get, so clients are never shared between waits);
-- the message router for point-to-point messages between processes (threadpar.comm.router);
+- the message router for point-to-point messages between processes (threadpar.comm.hierarchical.router);
 - teardown: a barrier on success; on failure, gloo groups that may still hold pending operations are
   deliberately leaked, because destroying one blocks until its operations time out.
 """
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.router import MessageRouter
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.hierarchical.router import MessageRouter
 from threadpar.errors import CollectiveTimeoutError, ConfigError, RankAborted
 from threadpar.runtime.process_env import ProcessEnv
 

@@ -7,12 +7,16 @@ groups, mailboxes and stop signal. In a multi-process job each process has a Wor
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from threadpar.comm.abort import AbortSignal
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.cuda_seam import CudaApi
+from threadpar.comm.handle import GroupState
 from threadpar.comm.registry import GroupRegistry
+from threadpar.comm.select import select_backend
 from threadpar.errors import ConfigError
 from threadpar.topology import Axis, Layout
 
@@ -27,7 +31,7 @@ class World:
         timeout: float,
         seed: int,
         intraop_threads: int,
-        cuda: Any = None,
+        cuda: CudaApi | None = None,
         processes: Any = None,
         check_collectives: bool = False,
     ) -> None:
@@ -42,7 +46,7 @@ class World:
         self.timeout = float(timeout)
         self.seed = seed
         self.intraop_threads = intraop_threads
-        # The CUDA/NCCL API the backends call (threadpar.comm.cuda_api); None: torch.cuda. Tests pass a double,
+        # The CUDA/NCCL API the backends call (threadpar.comm.nccl.cuda_api); None: torch.cuda. Tests pass a double,
         # whose devices then stand in for GPUs.
         self.cuda = cuda
         self.processes = processes  # threadpar.runtime.processes.Processes, or None in a one-process launch
@@ -51,7 +55,8 @@ class World:
         # Check every NCCL collective between processes, not only each group's first (THREADPAR_CHECK_COLLECTIVES).
         self.check_collectives = check_collectives
         self.abort = AbortSignal()
-        self.groups = GroupRegistry(self.world_size, self._make_backend)
+        # Implements threadpar.comm.backend.BackendSite: the backends take what they need from this World.
+        self.groups = GroupRegistry(self.world_size, functools.partial(select_backend, self))
 
     @property
     def local_ranks(self) -> range:
@@ -59,47 +64,18 @@ class World:
         start = self.process_rank * self.threads_per_process
         return range(start, start + self.threads_per_process)
 
-    def cuda_api(self) -> Any:
+    def cuda_api(self) -> CudaApi:
         if self.cuda is not None:
             return self.cuda
-        from threadpar.comm.cuda_api import torch_cuda
+        from threadpar.comm.nccl.cuda_api import torch_cuda
 
         return torch_cuda()
 
-    def _make_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
-        here = len(ranks) if self.processes is None else sum(r in self.local_ranks for r in ranks)
-        if 0 < here < len(ranks):
-            return self._spanning_backend(name, ranks)
-        if self.backend == "threads" or here == 0:  # (no member here: a stand-in that is never used)
-            from threadpar.comm.threads import ThreadsGroup
-
-            order = None
-            if self.cuda is not None or any(self.devices[r].type == "cuda" for r in ranks):
-                from threadpar.comm.stream_order import StreamOrder
-
-                order = StreamOrder(self.cuda_api(), [self.devices[r] for r in ranks])
-            return ThreadsGroup(name, ranks, self.abort, self.timeout, order)
-        if self.backend == "nccl":
-            from threadpar.comm.nccl import NcclGroup
-
-            return NcclGroup(name, ranks, self)
-        raise ConfigError(f"unknown backend {self.backend!r}")
-
-    def world_group(self):
+    def world_group(self) -> GroupState:
         return self.groups.get_or_create(range(self.world_size), "WORLD")
 
-    def axis_group(self, axis: Axis | str, rank: int):
+    def axis_group(self, axis: Axis | str, rank: int) -> GroupState:
         axis = Axis.parse(axis)
         return self.groups.get_or_create(
             self.layout.group_ranks(axis, rank), self.layout.group_name(axis, rank)
         )
-
-    def _spanning_backend(self, name: str, ranks: tuple[int, ...]) -> Any:
-        """A group with members in this process and in others."""
-        if self.backend == "nccl":
-            from threadpar.comm.nccl_spanning import NcclSpanningGroup
-
-            return NcclSpanningGroup(name, ranks, self)
-        from threadpar.comm.hierarchical import HierarchicalGroup
-
-        return HierarchicalGroup(name, ranks, self.processes, self.abort, self.timeout)

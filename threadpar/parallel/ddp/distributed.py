@@ -27,6 +27,7 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.clip_grad.placement import mark_grad_placements
 from threadpar.parallel.context_parallel import data_context_parallel_group
 from threadpar.parallel.ddp import owners
 from threadpar.parallel.ddp.comm_hooks import CommHook
@@ -175,6 +176,10 @@ class DistributedDataParallel(nn.Module):
             self.expert_reducer = self._reducer(
                 sharded, expert_group, abort, expert_group.size() / group.size()
             )
+        # Where each reduced gradient sits in the whole model's gradient, for clip_grad_norm_.
+        mark_grad_placements(
+            module, data_parallel=group, expert_data_parallel=self.expert_process_group, strict=False
+        )
         # For the distributed optimizer: where each parameter's gradient is reduced (frozen ones included).
         owners.record((p for p in module.parameters() if id(p) not in expert_ids), group, self.reducer)
         if self.expert_process_group is not None:

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from threadpar.comm.abort import AbortSignal
+from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.comm.work import Work

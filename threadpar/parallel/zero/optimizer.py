@@ -36,6 +36,7 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import resolve_group
+from threadpar.parallel.zero.clip import clip_shard_grad_norm_
 from threadpar.parallel.zero.plan import plan_buckets
 from threadpar.parallel.zero.shard import Shard
 from threadpar.parallel.zero.state import (
@@ -194,12 +195,29 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 holders += shard.bucket.params
         return holders
 
-    def shard_gradients(self) -> list[torch.Tensor]:
-        """The gradients of this rank's pieces that the next step() uses: each element of the model's
-        gradient is in exactly one rank's list (what a norm over the shards sums). Under ZeRO-1 they are
-        taken from the parameters' gradients now, and step() uses them as they are then (e.g. clipped)."""
+    def shard_gradient_pieces(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient of this rank's piece of it) for every piece the next step() updates: each
+        element of the model's gradient is in exactly one DP rank's list. Under ZeRO-1 they are taken from
+        the parameters' gradients now, and step() then uses them as they are (e.g. clipped)."""
         self._prepare_grads()
-        return [t.grad for s in self._shards for t in s.tensors if t.grad is not None]
+        return [
+            (s.bucket.params[piece.index], t.grad)
+            for s in self._shards
+            for piece, t in zip(s.bucket.pieces, s.tensors)
+            if t.grad is not None
+        ]
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """threadpar.parallel.clip_grad_norm_ for the gradients this optimizer steps: the whole model's
+        gradient norm from every rank's shards, which are clipped in place (max_norm=inf measures only).
+        A collective over the launch: every rank calls it, after backward and before step()."""
+        return clip_shard_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def _reduce_scattered(self, shard: Shard) -> bool:
         return self.stage == 2 and shard.bucket.reducer_bucket is not None

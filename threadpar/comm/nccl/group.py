@@ -11,13 +11,13 @@ Communicators: one clique per group (sub-groups get their own), made on the grou
 every member thread calling `init_rank` concurrently, as NCCL requires (ncclCommInitAll-style within one
 process), then reused. Comm streams: one high-priority stream per member and group.
 
-A group whose members live in several processes (nccl_spanning.py) is this class with `local` = the
+A group whose members live in several processes (spanning.py) is this class with `local` = the
 members in this process: its rendezvous, launch and grouped calls cover those members only (NCCL ranks are
 group indices, so one grouped call per process joins the processes' parts into one collective).
 
 What torch.cuda.nccl lacks is built from copies between devices on the comm streams, ordered by events
-(nccl_copies.py): send/recv, scatter, gather and all_to_all. dtypes and ops NCCL lacks are mapped as
-nccl_plan.py describes. Inputs reach this module validated by ProcessGroup.
+(copies.py): send/recv, scatter, gather and all_to_all. dtypes and ops NCCL lacks are mapped as
+plan.py describes. Inputs reach this module validated by ProcessGroup.
 """
 
 from __future__ import annotations
@@ -29,21 +29,21 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.mailbox import Mailboxes
-from threadpar.comm.nccl_copies import CopyOps
-from threadpar.comm.nccl_plan import (
+from threadpar.comm.backend import BackendSite
+from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
+from threadpar.comm.common.tensor_bytes import byte_view
+from threadpar.comm.nccl.copies import NcclCopyCollectives
+from threadpar.comm.nccl.plan import (
     ReductionPlan,
-    as_bytes,
+    contiguous_span,
     flat,
     has_native_avg,
-    joined,
-    nbytes,
     reduction_plan,
     wire,
 )
-from threadpar.comm.nccl_work import Described, NcclWork
+from threadpar.comm.nccl.work import Described, NcclWork
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
-from threadpar.comm.rendezvous import Call, Rendezvous, Slot
 from threadpar.errors import ConfigError, NcclError
 
 # Launch = what the leader enqueues: f(payloads in group-rank order, comm streams in group-rank order).
@@ -65,13 +65,13 @@ def _tensors(payload: Any) -> tuple[torch.Tensor, ...]:
     return ()
 
 
-class NcclGroup(CopyOps):
+class NcclGroup(NcclCopyCollectives):
     """The shared state of one group on the `nccl` backend; methods are called by each member."""
 
     stream_ordered = True  # ProcessGroup: ops return their own Work; no comm worker thread
 
     def __init__(
-        self, name: str, ranks: Sequence[int], world: Any, local: Sequence[int] | None = None
+        self, name: str, ranks: Sequence[int], world: BackendSite, local: Sequence[int] | None = None
     ) -> None:
         """`local`: the indices of the members whose threads run in this process (default: all of them)."""
         self.name = name
@@ -183,7 +183,7 @@ class NcclGroup(CopyOps):
 
     def _before_launch(self, seq: int, call: Call) -> str | None:
         """Run by the leader before it launches collective `seq`; a message stops the launch as a mismatch
-        (nccl_spanning.py asks the other processes here)."""
+        (spanning.py asks the other processes here)."""
         return None
 
     def _launch(self, slot: Slot, seq: int, launch: Launch) -> bool:
@@ -271,8 +271,8 @@ class NcclGroup(CopyOps):
         stages = []
         for i, device in enumerate(self.local_devices):
             with self._on(streams[i]):
-                stages.append(torch.empty(P * nbytes(ins[i]), dtype=torch.uint8, device=device))
-        self._all_gather_bytes([as_bytes(t) for t in ins], stages, streams)
+                stages.append(torch.empty(P * ins[i].nbytes, dtype=torch.uint8, device=device))
+        self._all_gather_bytes([byte_view(t) for t in ins], stages, streams)
         for i in self._receivers(kind, root):
             rows = stages[i].view(ins[0].dtype).view(P, n)  # rows[s] = member s's input
             if kind == "scatter":
@@ -324,7 +324,7 @@ class NcclGroup(CopyOps):
         def launch(payloads, streams) -> None:
             ins, outs = [], []
             for (out, parts), stream in zip(payloads, streams):
-                whole = joined(parts)  # reduce_scatter_tensor: the input is already one buffer
+                whole = contiguous_span(parts)  # reduce_scatter_tensor: the input is already one buffer
                 if whole is None:
                     with self._on(stream):
                         whole = torch.cat([flat(p) for p in parts])
@@ -342,7 +342,7 @@ class NcclGroup(CopyOps):
     def broadcast(self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int) -> NcclWork:
         def launch(payloads: list[torch.Tensor], streams) -> None:
             if payloads[0].numel():
-                self._nccl("broadcast", [as_bytes(t) for t in payloads], root=src, streams=streams)
+                self._nccl("broadcast", [byte_view(t) for t in payloads], root=src, streams=streams)
 
         return self._post(member, seq, call, tensor, launch)
 
@@ -354,13 +354,13 @@ class NcclGroup(CopyOps):
                 return
             ins, bufs, staged = [], [], []
             for (outs, t), stream, device in zip(payloads, streams, self.local_devices):
-                ins.append(as_bytes(self._contiguous(t, stream)))
-                whole = joined(outs)  # all_gather_into_tensor: gather straight into the output
+                ins.append(byte_view(self._contiguous(t, stream)))
+                whole = contiguous_span(outs)  # all_gather_into_tensor: gather straight into the output
                 staged.append(whole is None)
                 if whole is None:
                     with self._on(stream):
-                        whole = torch.empty(self.size * nbytes(t), dtype=torch.uint8, device=device)
-                bufs.append(as_bytes(whole))
+                        whole = torch.empty(self.size * t.nbytes, dtype=torch.uint8, device=device)
+                bufs.append(byte_view(whole))
             self._all_gather_bytes(ins, bufs, streams)
             for (outs, t), buf, stream, copy_out in zip(payloads, bufs, streams, staged):
                 if copy_out:  # separate output tensors: copy the chunks out on the comm stream

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
-from threadpar.comm.mailbox import Mailboxes
+from threadpar.comm.common.abort import POLL_INTERVAL_S, AbortSignal
+from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.errors import CollectiveTimeoutError, ConfigError, ThreadparError
 
 HEADER_LEN = 32
@@ -68,11 +69,6 @@ def decode_header(header: torch.Tensor) -> tuple[int, int, int, int, int, int, t
     return kind, sender, key, src, dst, tag, DTYPES[code], rest[:ndim], nbytes
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as a flat uint8 tensor (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 class MessageRouter:
     def __init__(
         self,
@@ -114,7 +110,7 @@ class MessageRouter:
         if data.device.type != "cpu":
             data = data.cpu()
         data = data.contiguous()
-        payload = as_bytes(data)
+        payload = byte_view(data)
         header = encode_header(self.rank, group_key, src, dst, tag, data.dtype, data.shape, payload.numel())
         with self._send_locks[process]:
             works = [self._pg.send([header], process, HEADER_TAG)]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from threadpar.comm.abort import AbortSignal, wait_until
+from threadpar.comm.common.abort import AbortSignal, wait_until
 
 
 class Mailboxes:

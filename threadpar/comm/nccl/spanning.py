@@ -1,6 +1,6 @@
 """The `nccl` backend for a group whose member threads live in several processes (torchrun).
 
-It is `NcclGroup` (nccl.py) over the members in THIS process: they meet at a local rendezvous, and the last
+It is `NcclGroup` (group.py) over the members in THIS process: they meet at a local rendezvous, and the last
 to post launches ONE grouped torch.cuda.nccl call for them (their tensors, comm streams and communicators,
 in group order) under the process-wide launch lock, with ready/done events, exactly as in one process. The
 NCCL ranks are the members' indices in the whole group, so the processes' grouped calls are the parts of
@@ -22,12 +22,12 @@ torch.cuda.nccl sizes and indexes by the LOCAL lists, so some collectives are bu
   len(local inputs) x input. So: one broadcast per member, rooted at it. The same bytes as a ring
   all-gather ((size-1) x count per member), but `size` NCCL launches in a row: latency size x a broadcast's.
 - scatter, gather, all_to_all, barrier: through host memory and gloo, with the hierarchical backend's code
-  (hierarchical.py). Each member's current stream is synchronized first (the host waits for the device);
+  (comm/hierarchical/group.py). Each member's current stream is synchronized first (the host waits for the device);
   the op is done when it returns, so async_op=True does not overlap it. Cost: a device-to-host and a
   host-to-device copy of the data plus gloo's TCP transfer, instead of NCCL: fine for scatter/gather,
   slow for a hot all_to_all (MoE expert parallelism across processes: keep EP groups inside a process).
 - send/recv: to a member in this process, a device-to-device copy on the comm streams (as in one process);
-  to another process, the message router (router.py: a blocking device-to-host copy on the sender's
+  to another process, the message router (comm/hierarchical/router.py: a blocking device-to-host copy on the sender's
   current stream, gloo, a host-to-device copy on arrival). Sends stay buffered; any-source receives work.
 
 Checks: the local members' calls are compared at every collective (the rendezvous), the processes' calls
@@ -44,13 +44,14 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.hierarchical import HierarchicalGroup, group_key
-from threadpar.comm.nccl import NcclGroup, _tensors
-from threadpar.comm.nccl_bootstrap import join_nccl_group
-from threadpar.comm.nccl_plan import ReductionPlan
-from threadpar.comm.nccl_work import NcclWork
-from threadpar.comm.process_check import ProcessCheck
-from threadpar.comm.rendezvous import Call, Slot
+from threadpar.comm.backend import BackendSite
+from threadpar.comm.common.rendezvous import Call, Slot
+from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
+from threadpar.comm.nccl.bootstrap import join_nccl_group
+from threadpar.comm.nccl.group import NcclGroup, _tensors
+from threadpar.comm.nccl.plan import ReductionPlan
+from threadpar.comm.nccl.process_check import ProcessCheck
+from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import NcclError
 
 
@@ -66,7 +67,7 @@ class _Inbox:
 
 
 class NcclSpanningGroup(NcclGroup):
-    def __init__(self, name: str, ranks: Sequence[int], world: Any) -> None:
+    def __init__(self, name: str, ranks: Sequence[int], world: BackendSite) -> None:
         processes = world.processes
         local = [m for m, r in enumerate(ranks) if r in world.local_ranks]
         super().__init__(name, ranks, world, local)

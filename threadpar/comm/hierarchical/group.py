@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
-from threadpar.comm import call_check, gloo_ops
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.fastcopy import copy_into
-from threadpar.comm.hierarchical_copies import CopyOps, byte_size, joined
-from threadpar.comm.mailbox import Mailboxes
+from threadpar.comm.common import call_check
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
+from threadpar.comm.common.tensor_bytes import byte_view, pieces, split_range
+from threadpar.comm.hierarchical import gloo_ops
+from threadpar.comm.hierarchical.copies import HierarchicalByteCollectives, concat_bytes
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
-from threadpar.comm.rendezvous import Call, Rendezvous, Slot
-from threadpar.comm.router import as_bytes
-from threadpar.comm.threads import pieces, split_range
 from threadpar.errors import RankAborted
 
 # A lane gets at least this many bytes: below it, one more gloo call costs more than it saves.
@@ -51,7 +51,9 @@ def group_key(ranks: Sequence[int]) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-class HierarchicalGroup(CopyOps):
+class HierarchicalGroup(HierarchicalByteCollectives):
+    stream_ordered = False  # ProcessGroup runs each op on the member's comm worker
+
     def __init__(
         self,
         name: str,
@@ -175,7 +177,7 @@ class HierarchicalGroup(CopyOps):
     ) -> None:
         li, slot = self._arrive(member, seq, call, tensors)
         numels = [t.numel() for t in tensors]
-        nbytes = sum(byte_size(t) for t in tensors)
+        nbytes = sum(t.nbytes for t in tensors)
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op  # divide once, by the whole group's size
         flat = [[t.view(-1) for t in payload] for payload in slot.payloads]
         others = [o for o in range(len(flat)) if o != li]
@@ -201,7 +203,7 @@ class HierarchicalGroup(CopyOps):
                     share(i, 0, n, total[offset : offset + n])
                     offset += n
 
-            payload = lambda: joined([local_sum(i, 0, n) for i, n in enumerate(numels)])  # noqa: E731
+            payload = lambda: concat_bytes([local_sum(i, 0, n) for i, n in enumerate(numels)])  # noqa: E731
             self._step(slot, li, seq, call, 1, payload=payload, inline=inline)
             return
         lanes = self._lanes_for(nbytes)
@@ -232,11 +234,11 @@ class HierarchicalGroup(CopyOps):
                     accumulate_(result, [], op, self.size)
                 copy_into(flats[dst_li][a:b], result)
 
-        n, nbytes = tensor.numel(), byte_size(tensor)
+        n, nbytes = tensor.numel(), tensor.nbytes
         if nbytes <= INLINE_BYTES:
             rows_of = lambda rows: [row[:nbytes].view(tensor.dtype) for row in rows]  # noqa: E731
             inline = lambda rows: deliver(0, n, gloo_ops.reduce_rows(rows_of(rows), inner))  # noqa: E731
-            self._step(slot, li, seq, call, 1, payload=lambda: as_bytes(local_sum(0, n)), inline=inline)
+            self._step(slot, li, seq, call, 1, payload=lambda: byte_view(local_sum(0, n)), inline=inline)
             return
         lanes = self._lanes_for(nbytes)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.rendezvous import Arrival
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.rendezvous import Arrival
 from threadpar.comm.work import Work
 from threadpar.errors import CollectiveTimeoutError, NcclError
 

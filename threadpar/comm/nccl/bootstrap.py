@@ -27,7 +27,7 @@ def join_nccl_group(
     store: Any, group_key: str, member: int, size: int, timeout: float, nccl: Any = None
 ) -> Any:
     """This member's communicator of the group `group_key` (the same string in every process, e.g. the
-    hex of threadpar.comm.hierarchical.group_key(ranks)) with `size` members; `store` is a client of the
+    hex of threadpar.comm.hierarchical.group.group_key(ranks)) with `size` members; `store` is a client of the
     launch's store (Processes.store_client()). `nccl` defaults to torch.cuda.nccl (tests pass a stand-in)."""
     if nccl is None:
         import torch.cuda.nccl as nccl

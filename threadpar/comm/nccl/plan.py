@@ -65,16 +65,7 @@ def wire(tensor: torch.Tensor, plan: ReductionPlan) -> torch.Tensor:
     return torch.view_as_real(flat_view).view(-1) if plan.as_real else flat_view
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor of any dtype as a 1-D uint8 view (for data movement)."""
-    return tensor.view(-1).view(torch.uint8)
-
-
-def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def contiguous_span(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """If `parts` lie back to back in one storage (the chunks of one contiguous tensor, as
     all_gather_into_tensor and reduce_scatter_tensor pass them), the 1-D tensor covering all of them."""
     first = parts[0]

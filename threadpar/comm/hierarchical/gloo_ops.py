@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.fastcopy import copy_into
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
-from threadpar.comm.router import as_bytes
 from threadpar.errors import CollectiveTimeoutError
 
 # How often a waiter looks at the stop signal (completion wakes it at once).
@@ -100,7 +100,7 @@ def all_reduce(pg: Any, tensors: Sequence[torch.Tensor], op: ReduceOp, wait: Wai
             wait(pg.allreduce_coalesced(flat, options))
     else:
         joined = host[0].reshape(-1) if len(host) == 1 else torch.cat([t.reshape(-1) for t in host])
-        parts = all_gather(pg, as_bytes(joined), wait)
+        parts = all_gather(pg, byte_view(joined), wait)
         result = reduce_rows([row.view(dtype) for row in parts.unbind(0)], op)
         offset = 0
         for t in host:
@@ -116,7 +116,7 @@ def broadcast(pg: Any, tensor: torch.Tensor, root: int, wait: Wait) -> None:
     (host,), write_back = _on_host([tensor])
     options = dist.BroadcastOptions()
     options.rootRank = root
-    wait(pg.broadcast([as_bytes(host)], options))
+    wait(pg.broadcast([byte_view(host)], options))
     if pg.rank() != root:
         write_back()
 

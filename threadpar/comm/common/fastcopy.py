@@ -16,7 +16,7 @@ MEMMOVE_MIN_BYTES = 64 * 1024
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src (same number of elements)."""
-    nbytes = dst.numel() * dst.element_size()
+    nbytes = dst.nbytes
     if (
         nbytes >= MEMMOVE_MIN_BYTES
         and dst.dtype == src.dtype

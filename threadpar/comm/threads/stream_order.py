@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.common.cuda_seam import CudaApi
+
 
 class Fences:
     """The events of one collective: each member's ready event, and the done events of each worker."""
@@ -34,7 +36,7 @@ class Fences:
 
 
 class StreamOrder:
-    def __init__(self, cuda: Any, devices: Sequence[torch.device]) -> None:
+    def __init__(self, cuda: CudaApi, devices: Sequence[torch.device]) -> None:
         self._cuda = cuda
         self.devices = tuple(devices)
         self._distinct = tuple(dict.fromkeys(self.devices))  # the devices a worker may touch, in order

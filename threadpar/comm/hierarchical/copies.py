@@ -1,6 +1,6 @@
 """The hierarchical backend's collectives that move bytes: broadcast, all_gather, gather, scatter, all_to_all.
 
-Mixed into HierarchicalGroup (hierarchical.py), whose steps they use: the local rendezvous (`_arrive`), the
+Mixed into HierarchicalGroup (group.py), whose steps they use: the local rendezvous (`_arrive`), the
 check between processes with its inline payload (`_step`), and the group's gloo groups (`_pg`). Data moves
 as bytes, so every dtype works; small data rides in the control message (one round trip in all).
 """
@@ -11,16 +11,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from threadpar.comm import gloo_ops
-from threadpar.comm.call_check import INLINE_BYTES
-from threadpar.comm.fastcopy import copy_into
-from threadpar.comm.rendezvous import Call, Slot
-from threadpar.comm.router import as_bytes
-from threadpar.comm.threads import split_range
-
-
-def byte_size(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+from threadpar.comm.common.call_check import INLINE_BYTES
+from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.common.rendezvous import Call, Slot
+from threadpar.comm.common.tensor_bytes import byte_view, split_range
+from threadpar.comm.hierarchical import gloo_ops
 
 
 def typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -30,19 +25,19 @@ def typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return raw.view(like.dtype).view(like.shape)
 
 
-def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def concat_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Tensors' bytes, one after the other, as one flat uint8 tensor in host memory."""
-    parts = [as_bytes(t.contiguous()).cpu() for t in tensors]
+    parts = [byte_view(t.contiguous()).cpu() for t in tensors]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
-class CopyOps:
+class HierarchicalByteCollectives:
     """Uses HierarchicalGroup's _arrive, _step, _pg, _lanes_for, local_index, proc_index, members_by_proc,
     max_local, local, procs, size and name."""
 
     def _by_member(self, rows: torch.Tensor, like: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(member, its tensor) from every process's local inputs packed in member order, one row each."""
-        n = byte_size(like)
+        n = like.nbytes
         for q, members in enumerate(self.members_by_proc):
             for i, m in enumerate(members):
                 yield m, typed(rows[q, i * n : (i + 1) * n], like)
@@ -51,8 +46,8 @@ class CopyOps:
         """Every member's input (`input_of(payload)`), gathered from all processes: a [processes, bytes]
         tensor, each row a process's local inputs in member order."""
         like = input_of(slot.payloads[0])
-        width = self.max_local * byte_size(like)
-        packed = lambda: joined([input_of(p) for p in slot.payloads])  # noqa: E731
+        width = self.max_local * like.nbytes
+        packed = lambda: concat_bytes([input_of(p) for p in slot.payloads])  # noqa: E731
 
         def inline(rows: torch.Tensor) -> None:
             slot.result = rows[:, :width]
@@ -81,11 +76,11 @@ class CopyOps:
                 if o != skip:
                     copy_into(flat[a:b], value)
 
-        nbytes = byte_size(tensor)
+        nbytes = tensor.nbytes
         if nbytes <= INLINE_BYTES:
             root = self.proc_index[src]
             inline = lambda rows: share(0, tensor.numel(), rows[root, :nbytes].view(tensor.dtype), src_li)  # noqa: E731
-            payload = (lambda: as_bytes(flats[src_li].cpu())) if src_li is not None else None
+            payload = (lambda: byte_view(flats[src_li].cpu())) if src_li is not None else None
             self._step(slot, li, seq, call, 1, payload=payload, inline=inline)
             return
         lanes = self._lanes_for(nbytes)
@@ -130,14 +125,14 @@ class CopyOps:
         src: int,
     ) -> None:
         li, slot = self._arrive(member, seq, call, (tensor, chunks))
-        n = byte_size(tensor)
+        n = tensor.nbytes
         src_li = self.local_index.get(src)
 
         def work(wait: gloo_ops.Wait, lane: int) -> None:
             # Every process receives all chunks (a broadcast): simple, and scatter is never hot.
             packed = torch.empty(self.size * n, dtype=torch.uint8)
             if src_li is not None:
-                packed.copy_(joined(slot.payloads[src_li][1]))
+                packed.copy_(concat_bytes(slot.payloads[src_li][1]))
             gloo_ops.broadcast(self._pg("lane0"), packed, self.proc_index[src], wait)
             slot.result = packed
 
@@ -156,8 +151,8 @@ class CopyOps:
         expected = [
             [slot.payloads[i][0][m] for m in members for i in local] for members in self.members_by_proc
         ]
-        in_splits = [sum(byte_size(t) for t in ts) for ts in sends]
-        out_splits = [sum(byte_size(t) for t in ts) for ts in expected]
+        in_splits = [sum(t.nbytes for t in ts) for ts in sends]
+        out_splits = [sum(t.nbytes for t in ts) for ts in expected]
         k = len(self.procs)
 
         def agree(rows: torch.Tensor) -> None:
@@ -175,18 +170,18 @@ class CopyOps:
 
         def work(wait: gloo_ops.Wait, lane: int) -> None:
             out = torch.empty(sum(out_splits), dtype=torch.uint8)
-            data = joined([t for ts in sends for t in ts])
+            data = concat_bytes([t for ts in sends for t in ts])
             gloo_ops.all_to_all(self._pg("lane0"), out, data, out_splits, in_splits, wait)
             slot.result = out
 
-        splits = lambda: as_bytes(torch.tensor(in_splits + out_splits, dtype=torch.int64))  # noqa: E731
+        splits = lambda: byte_view(torch.tensor(in_splits + out_splits, dtype=torch.int64))  # noqa: E731
         self._step(slot, li, seq, call, 1, work, payload=splits, agree=agree)
         offset = 0
         for members in self.members_by_proc:
             for m in members:
                 for i in local:
                     target = slot.payloads[i][0][m]
-                    n = byte_size(target)
+                    n = target.nbytes
                     if i == li:
                         copy_into(target, typed(slot.result[offset : offset + n], target))
                     offset += n

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.abort import POLL_INTERVAL_S, AbortSignal
+from threadpar.comm.common.abort import POLL_INTERVAL_S, AbortSignal
 from threadpar.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,

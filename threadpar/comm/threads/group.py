@@ -19,17 +19,17 @@ ranks share a GPU: then a `StreamOrder` (stream_order.py) orders each cross-rank
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 
 import torch
 
-from threadpar.comm.abort import AbortSignal
-from threadpar.comm.fastcopy import copy_into
-from threadpar.comm.mailbox import Mailboxes
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
+from threadpar.comm.common.tensor_bytes import pieces, split_range
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
-from threadpar.comm.rendezvous import Call, Rendezvous, Slot
-from threadpar.comm.stream_order import Fences, StreamOrder
+from threadpar.comm.threads.stream_order import Fences, StreamOrder
 from threadpar.errors import ConfigError
 
 # Below this many bytes in a collective (all members together), one thread doing everything beats P
@@ -37,32 +37,10 @@ from threadpar.errors import ConfigError
 SMALL_BYTES = 256 * 1024
 
 
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def split_range(total: int, parts: int) -> list[tuple[int, int]]:
-    """Split range(total) into `parts` contiguous, balanced ranges."""
-    bounds = [total * k // parts for k in range(parts + 1)]
-    return list(itertools.pairwise(bounds))
-
-
-def pieces(numels: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int]]:
-    """Map the range [start, stop) of the concatenation of tensors with `numels` elements onto
-    (tensor index, start, stop) pieces of the individual tensors."""
-    out, offset = [], 0
-    for i, n in enumerate(numels):
-        a, b = max(start, offset), min(stop, offset + n)
-        if a < b:
-            out.append((i, a - offset, b - offset))
-        offset += n
-        if offset >= stop:
-            break
-    return out
-
-
 class ThreadsGroup:
     """The shared state of one group on the `threads` backend; methods are called by each member."""
+
+    stream_ordered = False  # ProcessGroup runs each op on the member's comm worker
 
     def __init__(
         self,
@@ -79,7 +57,9 @@ class ThreadsGroup:
         self.mailboxes = Mailboxes(name, ranks, abort, timeout)
         self._order = order  # None on CPU
 
-    def _meet(self, member: int, seq: int, call: Call, payload, nbytes: Callable, whole: Callable) -> Slot:
+    def _meet(
+        self, member: int, seq: int, call: Call, payload, payload_bytes: Callable, whole: Callable
+    ) -> Slot:
         """Arrive; when the collective is small, the last arrival runs `whole(slot)` for everybody."""
         order = self._order
         if order is not None:
@@ -89,7 +69,7 @@ class ThreadsGroup:
             if order is not None:  # unwrap: the members' events go to slot.result
                 slot.result = Fences([p[1] for p in slot.payloads])
                 slot.payloads = [p[0] for p in slot.payloads]
-            if self.size > 1 and sum(nbytes(p) for p in slot.payloads) > SMALL_BYTES:
+            if self.size > 1 and sum(payload_bytes(p) for p in slot.payloads) > SMALL_BYTES:
                 return False
             if order is not None:
                 order.begin(slot.result)
@@ -127,7 +107,7 @@ class ThreadsGroup:
                 for p in parts[1:]:
                     copy_into(p, parts[0])
 
-        slot = self._meet(member, seq, call, tensors, _nbytes, whole)
+        slot = self._meet(member, seq, call, tensors, lambda ts: sum(t.nbytes for t in ts), whole)
         if slot.finished:
             return
         flat = [[t.view(-1) for t in payload] for payload in slot.payloads]
@@ -150,7 +130,7 @@ class ThreadsGroup:
         def whole(slot: Slot) -> None:
             accumulate_(slot.payloads[dst], [t for m, t in enumerate(slot.payloads) if m != dst], op, P)
 
-        slot = self._meet(member, seq, call, tensor, lambda t: _nbytes([t]), whole)
+        slot = self._meet(member, seq, call, tensor, lambda t: t.nbytes, whole)
         if slot.finished:
             return
         # As in all_reduce, slice k belongs to member k, which reduces it into dst's tensor.
@@ -182,7 +162,7 @@ class ThreadsGroup:
             for m in range(P):
                 reduce_for(m, slot)
 
-        slot = self._meet(member, seq, call, (output, inputs), lambda p: _nbytes(p[1]), whole)
+        slot = self._meet(member, seq, call, (output, inputs), lambda p: sum(t.nbytes for t in p[1]), whole)
         if slot.finished:
             return
         reduce_for(member, slot)
@@ -195,7 +175,7 @@ class ThreadsGroup:
                 if m != src:
                     copy_into(t, slot.payloads[src])
 
-        slot = self._meet(member, seq, call, tensor, lambda t: _nbytes([t]), whole)
+        slot = self._meet(member, seq, call, tensor, lambda t: t.nbytes, whole)
         if slot.finished:
             return
         # Every member, the source included, copies its 1/P of the source into all the others: with one
@@ -222,7 +202,7 @@ class ThreadsGroup:
             for m in range(P):
                 gather_for(m, slot)
 
-        slot = self._meet(member, seq, call, (outputs, tensor), lambda p: _nbytes(p[0]), whole)
+        slot = self._meet(member, seq, call, (outputs, tensor), lambda p: sum(t.nbytes for t in p[0]), whole)
         if slot.finished:
             return
         gather_for(member, slot)
@@ -241,7 +221,7 @@ class ThreadsGroup:
             for m, (t, _) in enumerate(slot.payloads):
                 copy_into(t, slot.payloads[src][1][m])
 
-        slot = self._meet(member, seq, call, (tensor, chunks), lambda p: _nbytes([p[0]]), whole)
+        slot = self._meet(member, seq, call, (tensor, chunks), lambda p: p[0].nbytes, whole)
         if slot.finished:
             return
         copy_into(tensor, slot.payloads[src][1][member])
@@ -260,7 +240,7 @@ class ThreadsGroup:
             for s, (t, _) in enumerate(slot.payloads):
                 copy_into(slot.payloads[dst][1][s], t)
 
-        slot = self._meet(member, seq, call, (tensor, outputs), lambda p: _nbytes([p[0]]), whole)
+        slot = self._meet(member, seq, call, (tensor, outputs), lambda p: p[0].nbytes, whole)
         if slot.finished:
             return
         if member == dst:
@@ -289,7 +269,7 @@ class ThreadsGroup:
             for m in range(P):
                 receive(m, slot.payloads[m][0], slot)
 
-        slot = self._meet(member, seq, call, (outputs, inputs), lambda p: _nbytes(p[1]), whole)
+        slot = self._meet(member, seq, call, (outputs, inputs), lambda p: sum(t.nbytes for t in p[1]), whole)
         if slot.finished:
             return
         receive(member, outputs, slot)

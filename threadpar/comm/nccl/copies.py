@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from threadpar.comm.nccl_work import NcclWork
-from threadpar.comm.rendezvous import Call
+from threadpar.comm.common.rendezvous import Call
+from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import ConfigError
 
 
-class CopyOps:
+class NcclCopyCollectives:
     """Mixed into NcclGroup, whose members it uses: _post, _stream, _on, _check_devices, _cuda, devices,
     ranks, size, name, mailboxes."""
 

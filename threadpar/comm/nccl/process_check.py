@@ -3,7 +3,7 @@
 NCCL itself never checks: processes that call different collectives (or the same with other sizes) hang
 or corrupt data, and a process that never comes leaves the others' kernels waiting for ever. The
 hierarchical backend checks every call with a gloo round trip (call_check.py); for an NCCL collective that
-round trip would cost more than the collective, so the nccl backend asks only (nccl_spanning.py):
+round trip would cost more than the collective, so the nccl backend asks only (spanning.py):
 - on a group's first NCCL collective, before anybody enters NCCL's initialisation (which has no timeout);
 - on every NCCL collective when THREADPAR_CHECK_COLLECTIVES=1 (a debugging aid, like TORCH_DISTRIBUTED_DEBUG).
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from threadpar.comm.abort import AbortSignal
+from threadpar.comm.common.abort import AbortSignal
 from threadpar.errors import CollectiveTimeoutError
 
 # How often a waiting leader looks at the stop signal.

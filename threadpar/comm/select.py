@@ -1,0 +1,42 @@
+"""Which backend object a new group gets: the launch's backend, or a spanning one for groups across processes."""
+
+from __future__ import annotations
+
+from threadpar.comm.backend import Backend, BackendSite
+from threadpar.errors import ConfigError
+
+
+def select_backend(site: BackendSite, name: str, ranks: tuple[int, ...]) -> Backend:
+    """The backend for the group `name` of global `ranks` (the registry calls this once per group).
+
+    The backends are imported on first use: a CPU launch never loads the nccl package, a one-process launch
+    never loads gloo.
+    """
+    here = len(ranks) if site.processes is None else sum(r in site.local_ranks for r in ranks)
+    if 0 < here < len(ranks):
+        return _spanning_backend(site, name, ranks)
+    if site.backend == "threads" or here == 0:  # (no member here: a stand-in that is never used)
+        from threadpar.comm.threads.group import ThreadsGroup
+
+        order = None
+        if site.cuda is not None or any(site.devices[r].type == "cuda" for r in ranks):
+            from threadpar.comm.threads.stream_order import StreamOrder
+
+            order = StreamOrder(site.cuda_api(), [site.devices[r] for r in ranks])
+        return ThreadsGroup(name, ranks, site.abort, site.timeout, order)
+    if site.backend == "nccl":
+        from threadpar.comm.nccl.group import NcclGroup
+
+        return NcclGroup(name, ranks, site)
+    raise ConfigError(f"unknown backend {site.backend!r}")
+
+
+def _spanning_backend(site: BackendSite, name: str, ranks: tuple[int, ...]) -> Backend:
+    """A group with members in this process and in others."""
+    if site.backend == "nccl":
+        from threadpar.comm.nccl.spanning import NcclSpanningGroup
+
+        return NcclSpanningGroup(name, ranks, site)
+    from threadpar.comm.hierarchical.group import HierarchicalGroup
+
+    return HierarchicalGroup(name, ranks, site.processes, site.abort, site.timeout)
