@@ -110,15 +110,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         buckets, reducers = plan_buckets(named, [self._names[id(p)] for p in named], group, stage)
         # The probe and the checks above raise before anything changes: now take the parameters over.
         self._schemas = [
-            probe_schema(optimizer_class, {**defaults, **_hyper(g)}, g["params"][0] if g["params"] else None)
-            if g["params"]
-            else None
+            probe_schema(optimizer_class, {**defaults, **_hyper(g)}, g["params"][0]) if g["params"] else None
             for g in self.param_groups
         ]
         self._shards = [Shard(b, master_weights) for b in buckets]
         self.optim = self._local_optimizer(defaults)
         for reducer in reducers:
-            shards = {s.bucket.reducer_bucket: s for s in self._shards if _owned_by(s, reducer)}
+            shards = {
+                s.bucket.reducer_bucket: s
+                for s in self._shards
+                if s.bucket.reducer_bucket is not None and _owned_by(s, reducer)
+            }
             reducer.shard_reduction(_ReducerShards(shards, reducer.parameters))
         self._sync_groups(self.optim.param_groups, self.param_groups)
         self._consolidated: dict[str, Any] | None = None

@@ -98,11 +98,11 @@ def gather_dense(shards: list[Shard], state: dict, schema: StateSchema) -> dict[
         # Scalars and "has state", from the rank holding each parameter's first element: one SUM.
         header = torch.zeros(n, 1 + len(schema.scalars), dtype=torch.float64, device=bucket.flat.device)
         for piece, tensor in zip(bucket.pieces, shard.tensors):
-            entry = state.get(tensor)
-            if piece.lo == 0 and entry:
+            held = state.get(tensor)
+            if piece.lo == 0 and held:
                 header[piece.index, 0] = 1
                 for c, (key, _) in enumerate(schema.scalars, start=1):
-                    header[piece.index, c] = float(entry[key])
+                    header[piece.index, c] = float(held[key])
         if bucket.group.size() > 1:
             bucket.group.all_reduce(header, ReduceOp.SUM)
         columns: dict[str, list[torch.Tensor]] = {}
