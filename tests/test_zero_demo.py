@@ -13,9 +13,8 @@ COMMON = dict(model="tiny", seq_len=16, batch_size=8, microbatches=2, lr=1e-2, s
 
 
 def demo(checkpoint, *, steps, gpus=4, resume=False, out=None, **layout):
-    cfg = DemoConfig(
-        gpus=gpus, steps=steps, checkpoint=checkpoint, resume=resume, out=out, **layout, **COMMON
-    )
+    options = {**COMMON, **layout}
+    cfg = DemoConfig(gpus=gpus, steps=steps, checkpoint=checkpoint, resume=resume, out=out, **options)
     return run_demo(cfg)
 
 
@@ -52,3 +51,17 @@ def test_zero_flag():
         parse_args(["--zero", "3"])
     with pytest.raises(ConfigError, match="--zero 3"):
         DemoConfig(zero=3)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=4, tp=1, pp=1, moe_experts=4, ep=2),  # experts sharded over expert-DP groups of 2
+        dict(dp=2, tp=1, pp=2, schedule="interleaved", microbatches=4),  # two DDP chunks per stage
+    ],
+    ids=["moe-ep2", "interleaved"],
+)
+def test_zero_2_trains_like_adamw_with_experts_and_interleaved_chunks(layout):
+    plain = demo(None, steps=3, zero=0, **layout)
+    sharded = demo(None, steps=3, zero=2, **layout)
+    torch.testing.assert_close(torch.tensor(sharded.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-6)
