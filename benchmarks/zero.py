@@ -23,7 +23,6 @@ import argparse
 import copy
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 import threadpar
-from benchmarks.harness import fmt_time, machine_line, run_gloo, table
+from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
 from threadpar.models.gpt import GPT, model_config
 from threadpar.parallel import DistributedDataParallel, ZeroRedundancyOptimizer, optimizer_state_bytes
 
@@ -83,15 +82,8 @@ def make_step(model: str, module: nn.Module, wrapped: nn.Module, optimizer, gene
     return step
 
 
-def timed(step: Callable[[], None], iters: int, repeats: int, sync: Callable[[], object]) -> float:
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            step()
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
+def _barrier() -> None:
+    threadpar.barrier()
 
 
 def threadpar_rank(
@@ -107,7 +99,7 @@ def threadpar_rank(
     step = make_step(model, module, wrapped, optimizer, threadpar.get_generator())
     for _ in range(3):
         step()  # warm-up: state allocated, DDP's buckets rebuilt
-    seconds = timed(step, iters, repeats, threadpar.barrier)
+    seconds = median_time(step, iters=iters, repeats=repeats, sync=_barrier)
     return seconds, optimizer_state_bytes(optimizer)
 
 
@@ -126,7 +118,9 @@ def gloo_rank(rank: int, world: int, model: str, zero: bool, iters: int, repeats
     step = make_step(model, module, wrapped, optimizer, torch.Generator().manual_seed(rank))
     for _ in range(3):
         step()
-    return timed(step, iters, repeats, dist.barrier), optimizer_state_bytes(optimizer)
+    return median_time(step, iters=iters, repeats=repeats, sync=dist.barrier), optimizer_state_bytes(
+        optimizer
+    )
 
 
 def measure_round(model: str, template: nn.Module, ranks: int, iters: int, repeats: int) -> dict[str, tuple]:
