@@ -27,7 +27,8 @@ import torch
 
 import threadpar
 from benchmarks.harness import fmt_bytes, fmt_time, machine_line, median_time, table
-from threadpar.parallel import MoE, MoEConfig, expert_capacity
+from threadpar.parallel import MoE, MoEConfig
+from threadpar.parallel.expert_parallel.routing import expert_capacity
 
 
 class AllToAllCounter:

@@ -28,7 +28,7 @@ import torch
 import threadpar
 from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
 from tests.fakes.fake_cuda_nccl import run_fake_gpus
-from threadpar.comm.nccl.cuda_api import CliquePool
+from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceInits
 
 ASYNC_BATCH = 10
 
@@ -71,12 +71,14 @@ class NullCuda:
         self.nccl = NullNccl()
         self.launch_lock = threading.Lock()
         self.cliques = CliquePool()
+        self.inits = DeviceInits()
+        self.streams = CommStreams()
         self._stream = NullStream()
 
     def nccl_available(self) -> bool:
         return True
 
-    def comm_stream(self, device):
+    def pool_stream(self, device, priority):
         return NullStream()
 
     def current_stream(self, device):

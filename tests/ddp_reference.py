@@ -3,7 +3,7 @@
 The parity oracle: P ranks with per-rank batch b (rank r takes rows r*b .. (r+1)*b of the global batch)
 against one thread on the whole batch P*b. Losses are means over the batch, so DDP's average of the
 per-rank gradients equals the reference gradient. Models are built in the test's thread and deep-copied
-by each rank, so no rank touches the global RNG (rule 3 of DESIGN.md).
+by each rank, so no rank touches the global RNG (DESIGN.md rule 3).
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ from threadpar.errors import ConfigError
 from threadpar.parallel import (
     gather_sequence,
     get_padding,
-    load_balanced_chunks,
     load_balanced_indices,
     pad_sequence,
     restore_sequence_order,
     split_sequence,
 )
+from threadpar.parallel.context_parallel.sequence import load_balanced_chunks
 from threadpar.testing import run_ranks
 
 

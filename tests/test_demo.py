@@ -35,14 +35,14 @@ def test_default_layout_uses_all_three_axes_when_it_can():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(gpus=8, tp=3), "not divisible by tp\\*pp = 3"),
-        (dict(gpus=8, dp=2, tp=2, pp=1), "make the product equal --gpus"),
+        (dict(gpus=8, tp=3), "--gpus 8 with --tp 3: world size 8 is not divisible by tp\\*cp\\*pp = 3"),
+        (dict(gpus=8, dp=2, tp=2, pp=1), "with --dp 2 --tp 2 --pp 1: .* make the product equal 8"),
         (dict(gpus=4, dp=4, batch_size=6), "must be divisible by dp=4"),
         (dict(gpus=4, tp=2, pp=2, batch_size=6), "divisible by dp\\*microbatches = 4"),
         (dict(gpus=2, resume=True), "--resume needs --checkpoint"),
         (dict(gpus=2, model="huge"), "choose one of"),
         (dict(gpus=8, cp=3), "--cp 3: must be a positive divisor of --gpus 8"),
-        (dict(gpus=8, cp=2, tp=3), "not divisible by cp\\*tp\\*pp = 6"),
+        (dict(gpus=8, cp=2, tp=3), "with --cp 2 --tp 3: .* not divisible by tp\\*cp\\*pp = 6"),
         (dict(gpus=8, cp=2, seq_len=18), "--seq-len 18 does not split over cp=2 .* a multiple of 4"),
         (dict(gpus=8, tp=2, sequence_parallel=True, seq_len=15), "a multiple of 2; choose --seq-len 16"),
         (dict(gpus=8, ep=2), "add --moe-experts N"),
@@ -60,9 +60,13 @@ def test_under_torchrun_the_layout_spans_every_process_and_errors_count_all_rank
     cfg = DemoConfig(gpus=2, processes=2)
     assert cfg.world_size == 4 and (cfg.dp, cfg.tp, cfg.pp) == (1, 2, 2)  # default_layout(4)
     assert parse_args(["--gpus", "2", "--tp", "2", "--batch-size", "6"], processes=3).dp == 3
-    with pytest.raises(ConfigError, match="--gpus 2 x 2 processes = 4 ranks is not divisible by tp\\*pp = 3"):
+    with pytest.raises(
+        ConfigError, match=r"--gpus 2 x 2 processes = 4 ranks with --tp 3: world size 4 is not"
+    ):
         DemoConfig(gpus=2, processes=2, tp=3)
-    with pytest.raises(ConfigError, match="but --gpus 2 x 2 processes = 4 ranks; make the product equal 4"):
+    with pytest.raises(
+        ConfigError, match=r"4 ranks with --dp 1 --tp 2 --pp 1: .* but there are 4 ranks; make"
+    ):
         DemoConfig(gpus=2, processes=2, dp=1, tp=2, pp=1)
 
 
@@ -165,7 +169,7 @@ def test_demo_with_context_parallelism_and_moe_over_ep_matches_the_single_thread
 
 def test_bad_flags_exit_with_a_message(capsys):
     assert main(["--gpus", "8", "--tp", "3"]) == 2
-    assert "not divisible by tp*pp" in capsys.readouterr().err
+    assert "not divisible by tp*cp*pp" in capsys.readouterr().err
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():

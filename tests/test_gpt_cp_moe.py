@@ -36,7 +36,16 @@ def test_context_parallel_gpt_step_equals_single_thread_step(ref, dp, cp, tp, pp
     microbatches = 2 * pp
     world = dp * cp * tp * pp
     results = run_ranks(
-        hybrid_step, world, ref, schedule, microbatches, sequence_parallel=sp, dp=dp, cp=cp, tp=tp, pp=pp
+        hybrid_step,
+        world,
+        ref,
+        schedule,
+        microbatches,
+        kwargs={"sequence_parallel": sp},
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        pp=pp,
     )
     check_against(ref, results)
 
@@ -107,7 +116,7 @@ def test_moe_gpt_step_equals_single_thread_moe_gpt(dp, ep, cp, tp, pp, sp, sched
     assert want_aux > 0.05  # coeff 0.1 times a near-uniform routing: a real part of the loss
     results = run_ranks(
         moe_step, dp * cp * tp * pp, ref, schedule, microbatches,
-        ep=ep, sequence_parallel=sp, dp=dp, cp=cp, tp=tp, pp=pp,
+        kwargs={"ep": ep, "sequence_parallel": sp}, dp=dp, cp=cp, tp=tp, pp=pp,
     )  # fmt: skip
     for parts, _ in results:
         torch.testing.assert_close(parts[1].item(), want_aux, rtol=1e-5, atol=1e-7)

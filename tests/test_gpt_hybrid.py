@@ -30,13 +30,17 @@ def test_hybrid_step_equals_single_thread_model(ref, dp, tp, pp, schedule):
 
 @pytest.mark.parametrize(("dp", "tp", "pp"), [(2, 2, 2), (1, 4, 2)])
 def test_sequence_parallel_hybrid_step(ref, dp, tp, pp):
-    results = run_ranks(hybrid_step, 8, ref, "1f1b", 2 * pp, sequence_parallel=True, dp=dp, tp=tp, pp=pp)
+    results = run_ranks(
+        hybrid_step, 8, ref, "1f1b", 2 * pp, kwargs={"sequence_parallel": True}, dp=dp, tp=tp, pp=pp
+    )
     check_against(ref, results)
 
 
 def test_bf16_autocast_matches_the_single_thread_model_under_the_same_autocast():
     ref = reference(autocast=torch.bfloat16)
-    results = run_ranks(hybrid_step, 8, ref, "1f1b", 4, autocast_dtype=torch.bfloat16, dp=2, tp=2, pp=2)
+    results = run_ranks(
+        hybrid_step, 8, ref, "1f1b", 4, kwargs={"autocast_dtype": torch.bfloat16}, dp=2, tp=2, pp=2
+    )
     for _, grads in results:
         assert all(g.dtype == torch.float32 for g in grads.values()), "master weights and grads stay fp32"
     # bf16 rounds differently when the matmuls are split, so the comparison is at bf16 precision.

@@ -9,13 +9,12 @@ from threadpar.errors import ConfigError
 from threadpar.parallel import (
     MoE,
     MoEConfig,
-    assign,
-    expert_capacity,
     expert_parallel_groups,
     gather_dense_state_dict,
     load_balancing_loss,
 )
 from threadpar.parallel.expert_parallel.dispatch import expert_major_order, inverse_permutation
+from threadpar.parallel.expert_parallel.routing import assign, expert_capacity
 from threadpar.testing import run_ranks
 
 

@@ -139,3 +139,55 @@ def test_a_clique_some_member_never_completed_is_not_pooled():
     pool.give_back(("cuda:0", "cuda:1"), ["comm0", "comm1"])
     assert pool.take(("cuda:1", "cuda:0")) is None  # another device order is another clique
     assert pool.take(("cuda:0", "cuda:1")) == ["comm0", "comm1"]
+
+
+@pytest.mark.parametrize("trouble", ["clean", "async_error", "timeout", "nccl_error", "abort"])
+def test_communicators_of_a_group_in_trouble_are_never_given_to_a_later_launch(trouble):
+    # torch cannot abort or destroy a communicator (torch/csrc/cuda/python_nccl.cpp: destroy_nccl_comm
+    # returns before ncclCommDestroy), and one that saw an error or a hang may hold half-done work:
+    # a later launch on the same devices must make new ones.
+    import gc
+
+    fake = FakeCuda()
+
+    def first():
+        threadpar.all_reduce(torch.ones(2))  # creates the clique
+        if trouble == "async_error":
+            work = threadpar.all_reduce(torch.ones(2), async_op=True)
+            threadpar.barrier()
+            if threadpar.get_rank() == 0:
+                fake.async_error_message = "NCCL error 6: remote process exited"
+            threadpar.barrier()
+            with pytest.raises(NcclError):
+                work.wait(timeout=5)
+        elif trouble == "timeout":
+            threadpar.barrier()
+            if threadpar.get_rank() == 0:
+                fake.hang()
+            threadpar.barrier()
+            work = threadpar.all_reduce(torch.ones(2), async_op=True)
+            with pytest.raises(CollectiveTimeoutError):
+                work.wait(timeout=0.05)
+        elif trouble == "nccl_error":
+            if threadpar.get_rank() == 0:
+                fake.nccl.fail_next["all_reduce"] = "unhandled cuda error"
+            threadpar.barrier()
+            with pytest.raises(NcclError):
+                threadpar.all_reduce(torch.ones(2))
+        elif trouble == "abort" and threadpar.get_rank() == 1:
+            raise ValueError("a rank fails after its collective")
+
+    if trouble == "abort":
+        with pytest.raises(ValueError):
+            run_fake_gpus(first, 2, fake)
+    else:
+        run_fake_gpus(first, 2, fake)
+    fake.resume()
+    fake.async_error_message = None
+    gc.collect()  # the first launch's groups are gone: a clean clique is back in the pool
+    run_fake_gpus(lambda: threadpar.all_reduce(torch.ones(2)), 2, fake)
+    uids = [c.comms[0].uid for c in fake.calls_named("all_reduce")]
+    if trouble == "clean":
+        assert len(fake.nccl.init_calls) == 2 and uids[-1] == uids[0]  # reused
+    else:
+        assert len(fake.nccl.init_calls) == 4 and uids[-1] != uids[0], f"{trouble}: communicators reused"

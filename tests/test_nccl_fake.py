@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes
+from fakes.fake_cuda_nccl import FakeCuda, FakeStream, fake_gpu_processes
 
 
 def clique(fakes, held):
@@ -16,7 +16,8 @@ def clique(fakes, held):
     comms = [[None] * len(ranks) for ranks in held]
 
     def join(p, i, r):
-        comms[p][i] = fakes[p].nccl.init_rank(size, uid, r)
+        with fakes[p].device_guard(torch.device("cpu")):
+            comms[p][i] = fakes[p].nccl.init_rank(size, uid, r)
 
     threads = [
         threading.Thread(target=join, args=(p, i, r)) for p, rs in enumerate(held) for i, r in enumerate(rs)
@@ -48,7 +49,7 @@ def in_processes(fakes, comms, call):
 
 
 def streams(fake, n):
-    return [fake.comm_stream(torch.device("cpu")) for _ in range(n)]
+    return [FakeStream(fake, f"s{i}", torch.device("cpu"), -1) for i in range(n)]
 
 
 def test_reduce_root_must_index_the_local_inputs():
@@ -116,3 +117,15 @@ def test_a_collective_across_processes_is_computed_once_every_part_is_issued():
 
     assert in_processes(fakes, comms, call) == [None, None]
     assert all(torch.equal(t, torch.full((2,), 7.0)) for ts in tensors for t in ts)
+
+
+def test_broadcast_range_checks_root_against_the_local_list_and_always_sends_from_nccl_rank_0():
+    # torch 2.13: THCPModule_nccl_broadcast checks root, torch::cuda::nccl::broadcast calls ncclBcast(..., 0, ...)
+    fake = FakeCuda()
+    (comms,) = clique([fake], [[0, 1]])
+    ins = [torch.full((2,), 5.0), torch.full((2,), 7.0)]
+    with pytest.raises(RuntimeError, match="invalid root"):
+        fake.nccl.broadcast(ins, root=2, streams=streams(fake, 2), comms=comms)
+    with fake.launch_lock:
+        fake.nccl.broadcast(ins, root=1, streams=streams(fake, 2), comms=comms)
+    assert all(torch.equal(t, torch.full((2,), 5.0)) for t in ins)  # rank 0's data, not root 1's

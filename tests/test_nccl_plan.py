@@ -29,6 +29,20 @@ def test_reduction_plan(dtype, op, native_avg, expected):
     assert tuple(reduction_plan(dtype, op, native_avg)) == expected
 
 
+@pytest.mark.parametrize(
+    ("dtype", "size", "native"),
+    [
+        (torch.bfloat16, 4, True),
+        (torch.bfloat16, 3, False),
+        (torch.float16, 6, False),
+        (torch.float32, 3, True),
+    ],
+)
+def test_avg_of_half_types_sums_then_divides_where_one_over_n_is_inexact(dtype, size, native):
+    plan = reduction_plan(dtype, ReduceOp.AVG, True, size)
+    assert (plan.nccl_op, plan.divide) == ((4, False) if native else (0, True))
+
+
 def test_native_avg_from_nccl_2_10():
     assert has_native_avg((2, 10, 3)) and has_native_avg((2, 21, 5, "+cuda12.4"))
     assert not has_native_avg((2, 9, 9))

@@ -10,6 +10,7 @@ from fakes.fake_cuda_nccl import fake_gpu_processes, launch_fake_gpu_processes
 
 import threadpar
 from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, RankFailedError
+from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv
 
 launch_module = importlib.import_module(
@@ -92,7 +93,8 @@ def _world_args(monkeypatch, n_cuda: int, local_rank: int, backend: str):
     monkeypatch.setattr(launch_module, "cuda_device_count", lambda: n_cuda)
     monkeypatch.setattr(launch_module, "process_world", lambda *args, **kwargs: seen.update(args=args))
     env = ProcessEnv(local_rank, 2, local_rank, 2)
-    launch_module._multi_process_world(env, 2, None, None, 1, 1, 1, backend, 5.0, 0, None, None)
+    config = LaunchConfig(backend=backend, timeout=5.0, threads_per_process=2)
+    launch_module._multi_process_world(env, config, 2)
     return seen["args"]
 
 

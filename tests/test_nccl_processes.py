@@ -33,7 +33,7 @@ def test_every_collective_and_message_matches_direct_results(processes, threads)
     assert all(c > 500 for c in flat(counts))
     for fake in fakes:  # NCCL did the collectives (the spanning groups' too), each process its own part
         comms = {c.comms[0].uid for c in fake.calls}
-        assert len(fake.calls) > 1000 and len(comms) >= 4
+        assert len(fake.calls) > 500 and len(comms) >= 4  # (all_gather: one call, not one per member)
 
 
 @pytest.mark.parametrize(
@@ -89,9 +89,10 @@ def test_one_grouped_call_per_process_with_only_its_members_in_group_order():
         assert torch.equal(b, torch.full((5,), 3.0))
     for fake, here in zip(fakes, ([0, 1], [3])):
         calls = [c for c in fake.calls if c.comms[0].size == 3]
-        # all_reduce; reduce and reduce_scatter as all-reduces; all_gather as one broadcast per member; broadcast
-        assert [c.name for c in calls] == ["all_reduce"] * 3 + ["broadcast"] * 4
-        assert [c.extra.get("root") for c in calls[3:]] == [0, 1, 2, 0]
+        # all_reduce; reduce, reduce_scatter and all_gather as all-reduces; broadcast from member 0 is NCCL's
+        # own, with the root torch accepts (a valid local index; torch broadcasts from NCCL rank 0 anyway)
+        assert [c.name for c in calls] == ["all_reduce"] * 4 + ["broadcast"]
+        assert calls[4].extra["root"] == 0
         for call in calls:
             assert [c.rank for c in call.comms] == [members[r] for r in here]  # group order, local only
             assert [c.thread for c in call.comms] == [f"threadpar-rank-{r}" for r in here]

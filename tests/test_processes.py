@@ -19,6 +19,7 @@ from threadpar.comm.hierarchical.router import MAX_DIMS, decode_header, encode_h
 from threadpar.comm.nccl.bootstrap import join_nccl_group, unique_id_key
 from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, RemoteRankError
 from threadpar.runtime.launch import launch_in_process
+from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv, default_local_devices, process_env
 from threadpar.testing import launch_processes, run_processes
 
@@ -187,11 +188,9 @@ def test_threads_per_process_alone_is_the_world_size_of_one_process():
     ],
 )
 def test_bad_process_options_say_what_to_pass(env, kwargs, match):
-    options = dict(world_size=None, devices="cpu", dp=None, tp=1, pp=1, cp=1, backend="threads")
-    options |= dict(timeout=5, seed=0, order=None, intraop_threads=None, print_layout=False)
-    options |= dict(threads_per_process=None) | kwargs
     with pytest.raises(ConfigError, match=match):
-        launch_in_process(env, lambda: None, (), {}, **options)
+        config = LaunchConfig(devices="cpu", backend="threads", timeout=5, **kwargs)
+        launch_in_process(env, lambda: None, (), {}, config)
 
 
 def test_process_env_reads_torchrun_variables(monkeypatch):

@@ -58,7 +58,7 @@ def test_results_come_back_indexed_by_rank_with_args_and_kwargs():
     def body(a, b=0):
         return a + b + threadpar.get_rank()
 
-    assert threadpar.launch(body, 10, b=5, world_size=3, devices="cpu") == [15, 16, 17]
+    assert threadpar.launch(body, 10, kwargs={"b": 5}, world_size=3, devices="cpu") == [15, 16, 17]
 
 
 @on_ranks(4, tp=2)

@@ -62,9 +62,9 @@ def test_configurable_order():
 
 def test_dp_is_derived_and_bad_sizes_are_explained():
     assert Layout.build(12, tp=2, pp=3).dp == 2
-    with pytest.raises(ConfigError, match="not divisible by tp\\*cp\\*pp=4"):
+    with pytest.raises(ConfigError, match="not divisible by tp\\*cp\\*pp = 4"):
         Layout.build(6, tp=2, pp=2)
-    with pytest.raises(ConfigError, match="does not equal world_size=8"):
+    with pytest.raises(ConfigError, match="= 6 but there are 8 ranks; make the product equal 8"):
         Layout.build(8, dp=3, tp=2)
     with pytest.raises(ConfigError, match="tp must be a positive int"):
         Layout.build(8, tp=0)

@@ -13,7 +13,6 @@ from threadpar.errors import ConfigError
 from threadpar.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    ShardSpec,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
     copy_to_tp_region,
@@ -22,6 +21,7 @@ from threadpar.parallel import (
     mark_sequence_parallel,
     reduce_from_tp_region,
 )
+from threadpar.parallel.tensor_parallel.sharding import ShardSpec
 from threadpar.testing import run_ranks
 
 B, T, C, FFN = 2, 8, 16, 64

@@ -156,7 +156,7 @@ def test_splitting_an_uneven_sequence_says_what_to_do():
 
 
 def test_backward_runs_without_a_rank_context():
-    """Rule 2: the Functions use the handle captured in forward, so backward works on any thread (on CUDA
+    """DESIGN.md rule 2: the Functions use the handle captured in forward, so backward works on any thread (on CUDA
     it runs on PyTorch's device threads). Here backward runs on a plain thread started by the rank."""
 
     def body():

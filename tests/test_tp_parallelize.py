@@ -12,7 +12,7 @@ from threadpar.errors import ConfigError
 from threadpar.parallel import (
     ColumnParallelLinear,
     ColwiseParallel,
-    ParallelDropout,
+    TrackedDropout,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
     gather_dense_grads,
@@ -162,10 +162,10 @@ def test_dropout_in_the_plan_draws_masks_that_fit_the_activation(sp):
         train_loss = model(idx, targets)
         train_loss.backward()
         model.eval()
-        flags = [m.in_tp_region for m in model.modules() if isinstance(m, ParallelDropout)]
+        flags = [m.in_tp_region for m in model.modules() if isinstance(m, TrackedDropout)]
         return train_loss.detach(), model(idx, targets).detach(), seen[0], flags
 
-    results = run_ranks(body, 2, tp=2, plan=right)
+    results = run_ranks(body, 2, tp=2, kwargs={"plan": right})
     torch.testing.assert_close(
         results[0][1], copy.deepcopy(dense).eval()(idx, targets)
     )  # eval: the dense result
@@ -173,7 +173,7 @@ def test_dropout_in_the_plan_draws_masks_that_fit_the_activation(sp):
     assert results[0][3] == [True, sp] * 2  # attn_drop in the TP region; resid_drop there only under SP
     if not sp:
         assert torch.equal(results[0][2], results[1][2])  # the replicated residual stream agrees
-        diverged = run_ranks(body, 2, tp=2, plan=wrong)
+        diverged = run_ranks(body, 2, tp=2, kwargs={"plan": wrong})
         assert not torch.allclose(diverged[0][2], diverged[1][2])
 
 

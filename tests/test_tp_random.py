@@ -5,13 +5,14 @@ import torch
 
 import threadpar
 from threadpar.errors import ConfigError
-from threadpar.parallel import INIT, REPLICATED, TP_REGION, ParallelDropout, dropout, get_rng_tracker
+from threadpar.parallel import TrackedDropout, get_rng_tracker
+from threadpar.parallel.tensor_parallel.random import INIT, REPLICATED, TP_REGION, dropout
 from threadpar.testing import run_ranks
 
 
 def masks_on_every_rank():
     """Two successive masks from a TP-region dropout and from a replicated one, and an INIT draw."""
-    inside, outside = ParallelDropout(0.5, in_tp_region=True), ParallelDropout(0.5)
+    inside, outside = TrackedDropout(0.5, in_tp_region=True), TrackedDropout(0.5)
     ones = torch.ones(256)
     return {
         "inside": [inside(ones) != 0 for _ in range(2)],
@@ -57,7 +58,7 @@ def test_pipeline_stages_get_their_own_streams():
 
 def test_dropout_scales_kept_values_and_passes_through_in_eval():
     def body():
-        layer = ParallelDropout(0.25, in_tp_region=True)
+        layer = TrackedDropout(0.25, in_tp_region=True)
         x = torch.full((20000,), 3.0, requires_grad=True)
         y = layer(x)
         y.sum().backward()
@@ -84,4 +85,4 @@ def test_tracker_state_round_trips_and_bad_probability_is_rejected():
 
     assert run_ranks(body, 2, tp=2) == [True, True]
     with pytest.raises(ConfigError, match="between 0 and 1"):
-        run_ranks(lambda: ParallelDropout(1.5), 1)
+        run_ranks(lambda: TrackedDropout(1.5), 1)

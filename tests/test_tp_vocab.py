@@ -18,9 +18,9 @@ from threadpar.parallel import (
     allreduce_sequence_parallel_grads,
     gather_dense_grads,
     mark_sequence_parallel,
-    padded_size,
     vocab_parallel_cross_entropy,
 )
+from threadpar.parallel.tensor_parallel.sharding import padded_size
 from threadpar.testing import run_ranks
 
 B, T, C, V = 2, 8, 16, 30  # V = 30 is padded to 32 below

@@ -47,6 +47,7 @@ from threadpar.errors import (
     ThreadparError,
 )
 from threadpar.runtime import (
+    LaunchConfig,
     get_coords,
     get_device,
     get_generator,
@@ -71,6 +72,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "Coords",
+    "LaunchConfig",
     "Layout",
     "ProcessGroup",
     "RankAborted",

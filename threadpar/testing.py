@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from threadpar.errors import RankFailedError, RemoteRankError
-from threadpar.runtime.launch import launch, launch_in_process
+from threadpar.runtime.launch import launch, launch_in_process, resolve_config
+from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,15 +34,24 @@ F = TypeVar("F", bound=Callable[..., Any])
 TEST_TIMEOUT_S = 20.0
 
 
+# What a test launch uses unless told otherwise: CPU threads, and a timeout that fails a deadlock fast.
+TEST_CONFIG = LaunchConfig(devices="cpu", backend="threads", timeout=TEST_TIMEOUT_S)
+
+
 def run_ranks(
-    fn: Callable[..., Any], world_size: int | None = None, *args: Any, **launch_kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int | None = None,
+    *args: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    config: LaunchConfig = TEST_CONFIG,
+    **options: Any,
 ) -> list[Any]:
-    """`launch(fn, *args, world_size=..., devices="cpu", **launch_kwargs)`; re-raise a rank's own exception."""
-    launch_kwargs.setdefault("devices", "cpu")
-    launch_kwargs.setdefault("backend", "threads")
-    launch_kwargs.setdefault("timeout", TEST_TIMEOUT_S)
+    """`launch(fn, *args, kwargs=kwargs, config=config, world_size=..., **options)` on CPU threads (the
+    `TEST_CONFIG` defaults); re-raise a rank's own exception."""
+    if world_size is not None:
+        options["world_size"] = world_size
     try:
-        return launch(fn, *args, world_size=world_size, **launch_kwargs)
+        return launch(fn, *args, kwargs=kwargs, config=config, **options)
     except RankFailedError as failed:
         error = failed.error
         if hasattr(error, "add_note"):
@@ -49,23 +59,17 @@ def run_ranks(
         raise error from None
 
 
-def on_ranks(world_size: int | None = None, **launch_kwargs: Any) -> Callable[[F], F]:
+def on_ranks(world_size: int | None = None, **options: Any) -> Callable[[F], F]:
     """Decorator: run the decorated test on `world_size` rank threads (pytest fixtures still work)."""
 
     def decorate(test: F) -> F:
         @functools.wraps(test)
         def wrapper(*args: Any, **kwargs: Any) -> None:
-            run_ranks(functools.partial(test, *args, **kwargs), world_size, **launch_kwargs)
+            run_ranks(functools.partial(test, *args, **kwargs), world_size, **options)
 
         return wrapper  # type: ignore[return-value]
 
     return decorate
-
-
-_SIMULATED_DEFAULTS = dict(
-    world_size=None, devices="cpu", dp=None, tp=1, pp=1, cp=1, backend="threads", timeout=TEST_TIMEOUT_S,
-    seed=0, order=None, intraop_threads=None, print_layout=False,
-)  # fmt: skip
 
 
 def launch_processes(
@@ -73,29 +77,27 @@ def launch_processes(
     processes: int,
     threads_per_process: int,
     *args: Any,
-    per_process: Callable[[int], dict] | None = None,
+    per_process: Callable[[int], Mapping[str, Any]] | None = None,
     store: Any = None,
-    **launch_kwargs: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    config: LaunchConfig = TEST_CONFIG,
+    **options: Any,
 ) -> list[Any]:
-    """Launch `fn(*args)` as `processes` simulated processes x `threads_per_process` rank threads in this
-    interpreter, sharing a store (a new HashStore unless given) as torchrun's processes share a TCPStore.
-    Returns, per process, its list of per-thread results or the exception its launch raised.
-    `per_process(p)` may override launch options for process p."""
+    """Launch `fn(*args, **kwargs)` as `processes` simulated processes x `threads_per_process` rank threads
+    in this interpreter, sharing a store (a new HashStore unless given) as torchrun's processes share a
+    TCPStore. Returns, per process, its list of per-thread results or the exception its launch raised.
+    `per_process(p)` may replace launch options for process p."""
     import torch.distributed as dist
 
-    unknown = sorted(set(launch_kwargs) - set(_SIMULATED_DEFAULTS))
-    if unknown:
-        raise TypeError(f"unknown launch options {unknown}")
+    config = resolve_config(config, {**options, "threads_per_process": threads_per_process})
     store = dist.HashStore() if store is None else store
     outcomes: list[Any] = [None] * processes
 
     def process_main(p: int) -> None:
-        options = {**_SIMULATED_DEFAULTS, **launch_kwargs, **(per_process(p) if per_process else {})}
         try:
+            own = config.with_options(per_process(p)) if per_process else config
             env = ProcessEnv(p, processes, store=store)
-            outcomes[p] = launch_in_process(
-                env, fn, args, {}, threads_per_process=threads_per_process, **options
-            )
+            outcomes[p] = launch_in_process(env, fn, args, dict(kwargs or {}), own)
         except BaseException as error:
             outcomes[p] = error
 
@@ -108,11 +110,11 @@ def launch_processes(
 
 
 def run_processes(
-    fn: Callable[..., Any], processes: int, threads_per_process: int, *args: Any, **launch_kwargs: Any
+    fn: Callable[..., Any], processes: int, threads_per_process: int, *args: Any, **options: Any
 ) -> list[list[Any]]:
     """`launch_processes`, re-raising the root-cause rank's own exception (as run_ranks does); returns
     each process's per-thread results."""
-    outcomes = launch_processes(fn, processes, threads_per_process, *args, **launch_kwargs)
+    outcomes = launch_processes(fn, processes, threads_per_process, *args, **options)
     raise_root_cause(outcomes)
     return outcomes
 

@@ -50,7 +50,7 @@ class Coords:
         return getattr(self, Axis.parse(axis).value.lower())
 
 
-def _parse_order(order: Iterable[Axis | str] | str | None) -> tuple[Axis, ...]:
+def parse_order(order: Iterable[Axis | str] | str | None) -> tuple[Axis, ...]:
     if order is None:
         return DEFAULT_ORDER
     if isinstance(order, str):
@@ -81,7 +81,7 @@ class Layout:
             size = self.size(axis)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ConfigError(f"{axis.value.lower()} must be a positive int, got {size!r}")
-        object.__setattr__(self, "order", _parse_order(self.order))
+        object.__setattr__(self, "order", parse_order(self.order))
         strides, stride = {}, 1
         for axis in reversed(self.order):
             strides[axis] = stride
@@ -110,17 +110,17 @@ class Layout:
                 dp = 1
             elif world_size % model:
                 raise ConfigError(
-                    f"world_size={world_size} is not divisible by tp*cp*pp={model} (tp={tp}, cp={cp}, pp={pp}); "
-                    f"choose sizes whose product divides the number of ranks, or pass world_size={model * max(1, world_size // model)}"
+                    f"world size {world_size} is not divisible by tp*cp*pp = {model} (tp={tp}, cp={cp}, pp={pp}); "
+                    f"choose sizes whose product divides {world_size}, or run {model * max(1, world_size // model)} ranks"
                 )
             else:
                 dp = world_size // model
         elif world_size is not None and dp * model != world_size:
             raise ConfigError(
-                f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * model} does not equal world_size={world_size}; "
-                "leave dp=None to derive it, or fix the sizes"
+                f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * model} but there are {world_size} ranks; "
+                f"make the product equal {world_size} (or leave dp out to derive it)"
             )
-        return cls(dp=dp, tp=tp, pp=pp, cp=cp, order=_parse_order(order))
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp, order=parse_order(order))
 
     # sizes and strides ------------------------------------------------------------------------------------------
     def size(self, axis: Axis | str) -> int:

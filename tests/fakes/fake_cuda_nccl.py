@@ -25,9 +25,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.nccl.cuda_api import CliquePool
+from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceInits
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
+from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv
 from threadpar.runtime.world import World
 from threadpar.testing import raise_root_cause
@@ -39,6 +40,9 @@ __all__ = [
     "FakeComm", "FakeCuda", "FakeFabric", "FakeNccl", "fake_gpu_processes", "launch_fake_gpu_processes",
     "run_fake_gpu_processes", "run_fake_gpus",
 ]  # fmt: skip
+
+
+STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp: kStreamsPerPool = 1 << kStreamsPerPoolBits (5)
 
 
 class Node(NamedTuple):
@@ -134,11 +138,15 @@ class FakeCopy:
 class FakeCuda:
     """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (pass it as World(cuda=...))."""
 
-    def __init__(self, nccl_version: tuple[int, ...] = (2, 21, 5), fabric: FakeFabric | None = None) -> None:
+    def __init__(self, nccl_version: tuple[int, ...] = (2, 27, 3), fabric: FakeFabric | None = None) -> None:
         self.lock = threading.RLock()  # guards the fake's own records
         self.nccl = FakeNccl(self, nccl_version, fabric)
         self.launch_lock = OwnedLock()
         self.cliques = CliquePool()  # threadpar's own pool: plain Python, nothing to fake
+        self.inits = DeviceInits()  # threadpar's own bookkeeping, likewise
+        self.streams = CommStreams()  # likewise
+        self._pools: dict[tuple[torch.device, int], list[FakeStream]] = {}
+        self._pool_counters: dict[tuple[torch.device, int], int] = {}
         self.calls: list[FakeCall] = []
         self.copies: list[FakeCopy] = []
         self.comm_streams: list[FakeStream] = []
@@ -154,9 +162,23 @@ class FakeCuda:
     def nccl_available(self) -> bool:
         return True
 
-    def comm_stream(self, device: torch.device) -> FakeStream:
-        stream = FakeStream(self, f"comm{next(self._ids)}", device, priority=-1)
+    def pool_stream(self, device: torch.device, priority: int) -> FakeStream:
+        """torch.cuda.Stream(device, priority): c10/cuda/CUDAStream.cpp, getStreamFromPool, hands out one of
+        kStreamsPerPool = 32 streams per device and priority level, round-robin (get_idx: counter++ % 32), made
+        once per device and never destroyed: the 33rd request gets the 1st stream again. Priorities outside
+        the device's range are clamped (torch.cuda.Stream's docs); the double's range is [-1, 0]."""
+        level = min(max(priority, -1), 0)
         with self.lock:
+            pool = self._pools.get((device, level))
+            if pool is None:
+                pool = [
+                    FakeStream(self, f"pool{level}.{i}", device, priority=level)
+                    for i in range(STREAMS_PER_POOL)
+                ]
+                self._pools[device, level] = pool
+            index = self._pool_counters.get((device, level), 0)
+            self._pool_counters[device, level] = index + 1
+            stream = pool[index % STREAMS_PER_POOL]
             self.comm_streams.append(stream)
         return stream
 
@@ -189,12 +211,24 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def device_guard(self, device: torch.device):
-        yield
+        saved = getattr(self._local, "device", None)
+        self._local.device = device
+        try:
+            yield
+        finally:
+            self._local.device = saved
+
+    def guarded_device(self) -> torch.device | None:
+        """The device a device_guard made current in this thread (None: none; CUDA's would be device 0)."""
+        return getattr(self._local, "device", None)
 
     def copy_(
         self, dst: torch.Tensor, src: torch.Tensor, src_stream: FakeStream, dst_stream: FakeStream
     ) -> None:
-        # As torch does across devices: on the source's stream, fenced both ways with the destination's.
+        # As torch does across devices (aten/src/ATen/native/cuda/Copy.cu, copy_device_to_device): the copy
+        # runs on the source device's current stream, which first waits for an event recorded on the
+        # destination device's current stream; then the destination's stream waits for the copy. (The
+        # double's devices are all one device: distinct streams stand for distinct devices here.)
         if src_stream is not dst_stream:
             before = FakeEvent(self)
             before.record(dst_stream)
@@ -322,12 +356,10 @@ def launch_fake_gpu_processes(
         try:
             world = process_world(
                 ProcessEnv(p, processes, store=store),
-                threads,
+                LaunchConfig(backend=backend, timeout=timeout, threads_per_process=threads),
                 Layout.build(processes * threads, **layout),
                 backend,
                 (torch.device("cpu"),) * threads,
-                timeout,
-                0,
                 1,
                 check_collectives=check_collectives,
                 cuda=fakes[p],

@@ -21,13 +21,20 @@ launches in that process go on, as they would on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
+# torch/csrc/cuda/nccl.cpp, to_nccl_data_type: the dtypes torch maps to an ncclDataType_t (bfloat16 only when
+# built with NCCL >= 2.10). torch also maps bool and the float8 types to ncclUint8; the double accepts bool
+# only for data movement (threadpar never reduces bool through NCCL: nccl/plan.py gathers it), stricter than
+# torch, which would let NCCL add the bytes.
 NCCL_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
 }  # fmt: skip
@@ -35,6 +42,8 @@ INIT_TIMEOUT_S = 5.0
 # How long an issued part waits for the rest of its clique (a real device would wait for ever).
 OP_TIMEOUT_S = 10.0
 SUM = 0
+# The root torch.cuda.nccl.broadcast passes to ncclBcast, whatever root its caller gave (see broadcast).
+NCCL_BCAST_ROOT = 0
 
 
 class FakeComm(NamedTuple):
@@ -43,6 +52,7 @@ class FakeComm(NamedTuple):
     size: int
     thread: str
     process: int  # which FakeNccl (simulated process) created it
+    lazy: bool = False  # NCCL >= 2.22 with NCCL_RUNTIME_CONNECT=1: connects peers on first use (see FakeNccl)
 
 
 class Part(NamedTuple):
@@ -104,7 +114,8 @@ class FakeFabric:
 
     def issue(self, name: str, args: tuple, comms: list[FakeComm], parts: list[Part], release: Any) -> None:
         """Add this process's parts of a collective; compute it once every rank has; wait until then.
-        `release` is a context manager that lets go of the caller's launch lock while it waits."""
+        `release` is a context manager that lets go of the caller's launch lock while it waits (None: the
+        caller keeps it: the real call blocks, connecting to its peers)."""
         uid, size = comms[0].uid, comms[0].size
         with self.cond:
             indices = {self._issued.get((uid, c.rank), 0) for c in comms}
@@ -128,7 +139,7 @@ class FakeFabric:
                 self.cond.notify_all()
         if not op.done:
             # (the launch lock is let go of outside the fabric's lock: launches take them in the other order)
-            with release(), self.cond:
+            with release() if release is not None else contextlib.nullcontext(), self.cond:
                 finished = self.cond.wait_for(lambda: op.done, self.op_timeout)
             if not finished:
                 missing = sorted(set(range(size)) - set(op.parts))
@@ -141,6 +152,8 @@ class FakeFabric:
 
 
 def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
+    if op == 4 and inputs[0].dtype.is_floating_point:
+        return _pre_mul_sum(inputs)
     result = inputs[0].clone()
     for t in inputs[1:]:
         if op in (0, 4):
@@ -150,9 +163,28 @@ def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
         else:
             (torch.maximum if op == 2 else torch.minimum)(result, t, out=result)
     if op == 4:
-        if not result.dtype.is_floating_point:
-            return result.div_(len(inputs), rounding_mode="trunc")
-        result.div_(len(inputs))
+        # ncclAvg on integers: hostToDevRedOp (src/enqueue.cc) picks ncclDevSumPostDiv, FuncSumPostDiv
+        # (src/device/reduce_kernel.h) divides the sum by nRanks with C's integer division (towards zero).
+        return result.div_(len(inputs), rounding_mode="trunc")
+    return result
+
+
+def _pre_mul_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """ncclAvg on floating types, as NCCL computes it: hostToDevRedOp (src/enqueue.cc) turns it into
+    ncclDevPreMulSum with the scalar 1/nRanks held IN THE DATA TYPE (f16 = __float2half(float(1.0/n)),
+    bf16 = __float2bfloat16(float(1.0/n)), f32 = float(1.0/n), f64 = 1.0/n), and FuncPreMulSum
+    (src/device/reduce_kernel.h) multiplies every input by it (rounded to the type) before the sum, which
+    adds in the type. So for n not a power of two the fp16/bf16 average carries the rounding of 1/n: a
+    bias of the same sign on every element (1/3 in bf16 is 0.333984375, +0.2%). (The sum runs in rank order
+    here; NCCL's ring adds in ring order per chunk: a rounding-level difference the double does not model.)"""
+    dtype, n = inputs[0].dtype, len(inputs)
+    exact = 1.0 / n
+    single = float(torch.tensor(exact, dtype=torch.float32))  # float(1.0/n)
+    scale = torch.tensor(exact if dtype == torch.float64 else single, dtype=torch.float64)
+    scale = scale.to(dtype)  # float -> half/bfloat16 rounds to nearest, as __float2half/__float2bfloat16
+    result = inputs[0] * scale
+    for t in inputs[1:]:
+        result.add_(t * scale)
     return result
 
 
@@ -211,6 +243,13 @@ class FakeNccl:
         self.process = self.fabric.new_process()
         self.fail_next: dict[str, str] = {}  # function name -> message of the error its next call raises
         self.init_calls: list[FakeComm] = []
+        # How long ncclCommInitRank works after the clique has joined (a real one takes 0.1-1 s: topology,
+        # buffers, connections); tests raise it to widen the window in which the init rule can be broken.
+        self.init_seconds = 0.0
+        self._initialising: dict[bytes, int] = {}  # clique -> threads of this process inside init_rank
+        self._runtime_connect: bool | None = None  # NCCL_RUNTIME_CONNECT as NCCL read it (once per process)
+        self._connected: set[tuple[bytes, str]] = set()  # (clique, collective) this process has connected
+        self.violations: list[str] = []  # NCCL thread-safety rules broken (also raised to the caller)
 
     def version(self) -> tuple[int, ...]:
         return self._version
@@ -219,8 +258,21 @@ class FakeNccl:
         return self.fabric.unique_id()
 
     def init_rank(self, num_ranks: int, uid: bytes, rank: int) -> FakeComm:
-        self.fabric.join(num_ranks, uid, rank, self.process)
-        comm = FakeComm(uid, rank, num_ranks, threading.current_thread().name, self.process)
+        # torch.cuda.nccl.init_rank is ncclCommInitRank (torch/csrc/cuda/python_nccl.cpp), which binds the new
+        # communicator to the calling thread's CURRENT device (NCCL docs, usage/communicators.html: each
+        # communicator is associated to a fixed rank and CUDA device): without a device guard every rank
+        # thread would create its communicator on device 0.
+        assert self.fake.guarded_device() is not None, "init_rank called without a device guard (device 0)"
+        with self.fake.lock:
+            self._initialising[uid] = self._initialising.get(uid, 0) + 1
+        try:
+            self.fabric.join(num_ranks, uid, rank, self.process)
+            if self.init_seconds:
+                time.sleep(self.init_seconds)
+        finally:
+            with self.fake.lock:
+                self._initialising[uid] -= 1
+        comm = FakeComm(uid, rank, num_ranks, threading.current_thread().name, self.process, self._lazy())
         with self.fake.lock:
             self.init_calls.append(comm)
         return comm
@@ -235,9 +287,9 @@ class FakeNccl:
         )
 
     def reduce(self, inputs, output=None, root=0, op=SUM, streams=None, comms=None) -> None:
-        if not 0 <= root < len(inputs):  # torch: "root" indexes the local inputs
+        if not 0 <= root < len(inputs):  # torch/csrc/cuda/nccl.cpp, reduce: TORCH_CHECK(..., "invalid root")
             raise RuntimeError(
-                f"torch.cuda.nccl.reduce: root {root} is not an index into {len(inputs)} inputs"
+                f"invalid root (torch.cuda.nccl.reduce: root {root} is not an index into {len(inputs)} inputs)"
             )
         output = inputs[root] if output is None else output
         self._check("reduce", inputs, None, streams, comms, reduces=True)
@@ -250,11 +302,19 @@ class FakeNccl:
         )
 
     def broadcast(self, inputs, root=0, streams=None, comms=None) -> None:
+        # torch 2.13 checks `root` against the LOCAL list and then drops it: THCPModule_nccl_broadcast
+        # (torch/csrc/cuda/python_nccl.cpp) asserts 0 <= root < len(inputs) ("invalid root") and calls
+        # torch::cuda::nccl::broadcast(tensors, streams, comms), which has no root parameter
+        # (torch/csrc/cuda/nccl.h) and passes root 0 to ncclBcast (torch/csrc/cuda/nccl.cpp, broadcast).
+        # So every broadcast through torch.cuda.nccl comes from NCCL rank 0, whatever `root` says.
+        if not 0 <= root < len(inputs):
+            raise RuntimeError("invalid root")
         self._check("broadcast", inputs, None, streams, comms)
         parts = [Part(t, t) for t in inputs]
         self._issue(
-            "broadcast", (inputs[0].numel(), inputs[0].dtype, None, root), parts, streams, comms, root=root
-        )
+            "broadcast", (inputs[0].numel(), inputs[0].dtype, None, NCCL_BCAST_ROOT), parts, streams, comms,
+            root=root,
+        )  # fmt: skip
 
     def all_gather(self, inputs, outputs, streams=None, comms=None) -> None:
         self._check("all_gather", inputs, outputs, streams, comms, out_factor=len(inputs))
@@ -273,6 +333,12 @@ class FakeNccl:
         message = self.fail_next.pop(name, None)
         if message is not None:
             raise RuntimeError(f"NCCL Error 3: {message}")
+        # Sources: torch/csrc/cuda/python_nccl.cpp (unpack_streams, unpack_comms: one stream and one
+        # communicator per input), torch/csrc/cuda/nccl.cpp (check_inputs / check_tensor: one dtype, contiguous,
+        # equal sizes, output size = input x multiplier; to_nccl_data_type: the dtypes below), NCCL's docs
+        # (usage/groups.html: a grouped call must include every communicator this thread drives for the
+        # collective, else ncclGroupEnd waits for the missing ones). torch raises RuntimeError; the double
+        # raises AssertionError for what threadpar can never pass (a bug in threadpar, not bad user input).
         n = len(inputs)
         assert n > 0 and comms is not None and len(comms) == n, f"{name}: one communicator per input"
         assert all(isinstance(c, FakeComm) for c in comms), f"{name}: not communicators: {comms}"
@@ -305,6 +371,46 @@ class FakeNccl:
                     f"{inputs[0].numel()}), got {[o.numel() for o in outputs]}"
                 )
 
+    def _lazy(self) -> bool:
+        """Whether a communicator made now connects its peers lazily: src/init.cc sets comm->runtimeConn from
+        ncclParamRuntimeConnect() (NCCL_PARAM(RuntimeConnect, "RUNTIME_CONNECT", 1), NCCL >= 2.22), a value
+        NCCL reads from the environment once per process and caches, hence read once here."""
+        with self.fake.lock:
+            if self._runtime_connect is None:
+                self._runtime_connect = self._version[:2] >= (2, 22) and os.environ.get(
+                    "NCCL_RUNTIME_CONNECT", "1"
+                ).strip() not in ("0", "")
+            return self._runtime_connect
+
+    def _check_not_during_init(self, name: str, uid: bytes) -> None:
+        """NCCL's thread-safety rule (docs: usage/threadsafety.html, "Thread Safety"; usage/communicators.html,
+        "Using multiple NCCL communicators concurrently"): NCCL operations on independent communicators of one
+        device must not be issued in parallel from several threads, and creating a communicator is such an
+        operation. Every device of the double is the one CPU device, so: no collective on one clique while a
+        thread of this process is inside init_rank of another. (Concurrent inits of the SAME clique from its
+        members' threads are how ncclCommInitRank is meant to be used: allowed.)"""
+        with self.fake.lock:
+            busy = [u for u, n in self._initialising.items() if n and u != uid]
+        if busy:
+            message = (
+                f"NCCL thread-safety: {name} issued on clique {uid[:8]!r} while another thread of this process "
+                f"is creating a communicator of clique {busy[0][:8]!r} on the same device"
+            )
+            self.violations.append(message)
+            raise RuntimeError(message)
+
     def _issue(self, name, args, parts, streams, comms, **extra) -> None:
+        self._check_not_during_init(name, comms[0].uid)
         self.fake.log_nccl(name, [p.input for p in parts], [p.output for p in parts], streams, comms, extra)
-        self.fabric.issue(name, args, list(comms), parts, self.fake.released_launch_lock)
+        # With runtime connection, the first use of an algorithm connects the peers inside ncclGroupEnd
+        # (src/enqueue.cc marks algoNeedConnect when !comm->initAlgoChannels[algorithm]; the group's end
+        # sets the connections up, a handshake with the peer processes): the calling thread blocks there,
+        # holding whatever it holds. The double keys "algorithm" by collective (an approximation: NCCL picks
+        # ring/tree/NVLS per call). Otherwise the call returns at once (the device waits), so the double's
+        # wait for the other processes lets go of the launch lock, as a real launch would not be holding it.
+        key = (comms[0].uid, name)
+        with self.fake.lock:
+            connecting = comms[0].lazy and key not in self._connected
+            self._connected.add(key)
+        release = None if connecting else self.fake.released_launch_lock
+        self.fabric.issue(name, args, list(comms), parts, release)

@@ -31,25 +31,31 @@ from threadpar.demo.outputs import (
 from threadpar.demo.train import RunState, train_rank
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPT, model_config
-from threadpar.runtime.devices import cuda_device_count
+from threadpar.runtime.devices import cuda_device_count, resolve_placement
+from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv, default_local_devices
 
 
 def placement(cfg: DemoConfig, env: ProcessEnv | None = None) -> tuple[str, str | None, str]:
-    """(backend, devices, a line saying where the ranks run)."""
+    """(backend, devices, a line saying where the ranks run), as the library places them
+    (threadpar.runtime.devices.resolve_placement). The demo's one policy of its own: with fewer GPUs than
+    --gpus, ranks share GPUs on the 'threads' backend instead of failing as a plain launch would."""
     n_cuda = cuda_device_count()
     if cfg.processes > 1:
         return _placement_across_processes(cfg, env or ProcessEnv(), n_cuda)
+    devices = "cpu" if n_cuda == 0 else None
+    backend = "threads" if 0 < n_cuda < cfg.gpus else "auto"
+    placed = resolve_placement(cfg.gpus, devices, 1, None, backend, n_cuda=n_cuda)
     if n_cuda == 0:
-        return "threads", "cpu", f"no CUDA devices: running {cfg.gpus} ranks as CPU threads"
-    if n_cuda < cfg.gpus:
+        return placed.backend, devices, f"no CUDA devices: running {cfg.gpus} ranks as CPU threads"
+    if placed.backend == "threads":
         return (
-            "threads",
-            None,
+            placed.backend,
+            devices,
             f"{cfg.gpus} ranks but {n_cuda} GPU(s): ranks share GPUs on the 'threads' backend "
             f"(pass --gpus {n_cuda} to give each rank its own GPU with NCCL)",
         )
-    return "nccl", None, f"{cfg.gpus} ranks on {cfg.gpus} GPUs (NCCL)"
+    return placed.backend, devices, f"{cfg.gpus} ranks on {cfg.gpus} GPUs (NCCL)"
 
 
 def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -> tuple[str, str | None, str]:
@@ -57,7 +63,7 @@ def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -
     if n_cuda == 0:
         return "threads", "cpu", f"no CUDA devices: {ranks}, as CPU threads"
     try:  # the GPUs launch would give this process's ranks: fail here, in the demo's words
-        default_local_devices(n_cuda, cfg.gpus, env.local_rank, env.local_count)
+        local = default_local_devices(n_cuda, cfg.gpus, env.local_rank, env.local_count)
     except ConfigError:
         raise ConfigError(
             f"{env.local_count} process(es) on this node with --gpus {cfg.gpus} each need "
@@ -65,7 +71,24 @@ def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -
             "start fewer processes per node"
         ) from None
     # One GPU per rank: NCCL, also for the groups that span processes (threadpar.comm.nccl.spanning).
-    return "nccl", None, f"{ranks} on {cfg.world_size} GPUs (NCCL, also between processes)"
+    placed = resolve_placement(cfg.gpus, local, 1, None, "auto", n_cuda=n_cuda)
+    return placed.backend, None, f"{ranks} on {cfg.world_size} GPUs (NCCL, also between processes)"
+
+
+def launch_config(cfg: DemoConfig, backend: str, devices: str | None) -> LaunchConfig:
+    """The launch options of a demo run: its layout over all processes, placed by `placement`."""
+    return LaunchConfig(
+        world_size=cfg.world_size,
+        dp=cfg.layout.dp,
+        cp=cfg.layout.cp,
+        tp=cfg.layout.tp,
+        pp=cfg.layout.pp,
+        backend=backend,
+        devices=devices,
+        seed=cfg.seed,
+        print_layout=True,
+        threads_per_process=cfg.gpus if cfg.processes > 1 else None,
+    )
 
 
 def prepare(cfg: DemoConfig) -> RunState:
@@ -136,20 +159,7 @@ def _train_and_report(
             flush=True,
         )
     start = time.perf_counter()
-    threadpar.launch(
-        train_rank,
-        run,
-        world_size=cfg.world_size,
-        dp=cfg.dp,
-        cp=cfg.cp,
-        tp=cfg.tp,
-        pp=cfg.pp,
-        backend=backend,
-        devices=devices,
-        seed=cfg.seed,
-        print_layout=True,
-        threads_per_process=cfg.gpus if cfg.processes > 1 else None,
-    )
+    threadpar.launch(train_rank, run, config=launch_config(cfg, backend, devices))
     wall = time.perf_counter() - start
     if cfg.processes > 1:
         processes.gather_to_process_zero(run)

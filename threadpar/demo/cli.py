@@ -4,12 +4,13 @@ fail before any thread starts, with a message that says what to pass instead."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import MODEL_SIZES
 from threadpar.parallel.context_parallel import padding_multiple
+from threadpar.topology import Layout
 
 SCHEDULES = ("afab", "1f1b", "interleaved")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -56,6 +57,8 @@ class DemoConfig:
     sequence_parallel: bool = False
     zero: int = 0  # distributed optimizer: 0 off, 1 shards optimizer state, 2 also the reduced gradients
     log_every: int = 1
+    # The library's Layout of the sizes above (dp, tp, pp derived when not given), over all ranks.
+    layout: Layout = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -74,15 +77,16 @@ class DemoConfig:
         if self.model not in MODEL_SIZES:
             raise ConfigError(f"--model {self.model!r}: choose one of {', '.join(MODEL_SIZES)}")
         if self.microbatches is None:
-            self.microbatches = 2 * self.pp if self.pp > 1 else 1
-        per_replica = self.batch_size // self.dp if self.batch_size % self.dp == 0 else None
+            self.microbatches = 2 * self.layout.pp if self.layout.pp > 1 else 1
+        dp = self.layout.dp
+        per_replica = self.batch_size // dp if self.batch_size % dp == 0 else None
         if per_replica is None:
-            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by dp={self.dp}")
+            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by dp={dp}")
         if per_replica % self.microbatches:
             raise ConfigError(
                 f"each data-parallel replica gets {per_replica} sequences, which do not split into "
                 f"--microbatches {self.microbatches}; choose a batch size divisible by dp*microbatches = "
-                f"{self.dp * self.microbatches}"
+                f"{dp * self.microbatches}"
             )
         if not self.clip_grad >= 0:
             raise ConfigError(
@@ -97,40 +101,30 @@ class DemoConfig:
         self._check_experts()
 
     def _derive_layout(self) -> None:
-        """dp, tp, pp from the flags given: all three left out -> default_layout of the ranks per CP rank."""
-        ranks, total = self.world_size, self._ranks_text()
+        """dp, tp, pp from the flags given: all three left out -> default_layout of the ranks per CP rank;
+        otherwise the library's Layout.build derives dp and checks the sizes."""
+        ranks = self.world_size
         if not isinstance(self.cp, int) or self.cp < 1 or ranks % self.cp:
-            raise ConfigError(f"--cp {self.cp}: must be a positive divisor of {total}")
-        model, names = (self.cp, "cp*tp*pp") if self.cp > 1 else (1, "tp*pp")
+            raise ConfigError(f"--cp {self.cp}: must be a positive divisor of {self._ranks_text()}")
         if all(s is None for s in (self.dp, self.tp, self.pp)):
             self.dp, self.tp, self.pp = default_layout(ranks // self.cp, self.ep if self.moe_experts else 1)
-        else:
-            self.tp = self.tp or 1
-            self.pp = self.pp or 1
-            model *= self.tp * self.pp
-            if self.dp is None:
-                if ranks % model:
-                    raise ConfigError(
-                        f"{total} is not divisible by {names} = {model}; "
-                        f"choose --{names.replace('*', '/--')} whose product divides {ranks}"
-                    )
-                self.dp = ranks // model
-        if self.dp * self.cp * self.tp * self.pp != ranks:
-            sizes = [("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)]
-            sizes = [(n, v) for n, v in sizes if n != "cp" or self.cp > 1]
-            raise ConfigError(
-                f"{'*'.join(n for n, _ in sizes)} = {'*'.join(str(v) for _, v in sizes)} = "
-                f"{self.dp * self.cp * self.tp * self.pp} but {total}; make the product equal "
-                f"{'--gpus' if self.processes == 1 else ranks} (or leave --dp out to derive it)"
-            )
+        try:
+            layout = Layout.build(ranks, dp=self.dp, tp=self.tp or 1, pp=self.pp or 1, cp=self.cp)
+        except ConfigError as error:
+            sizes = {"dp": self.dp, "cp": self.cp if self.cp > 1 else None, "tp": self.tp, "pp": self.pp}
+            given = [f"--{name} {size}" for name, size in sizes.items() if size is not None]
+            raise ConfigError(f"{self._ranks_text()} with {' '.join(given)}: {error}") from None
+        self.layout = layout
+        self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
 
     def _check_sequence_split(self) -> None:
         """Context (and sequence) parallelism split each sequence into equal parts."""
-        multiple = padding_multiple(self.cp, self.tp, self.sequence_parallel)
+        tp = self.layout.tp
+        multiple = padding_multiple(self.cp, tp, self.sequence_parallel)
         if self.seq_len % multiple:
             parts = [f"cp={self.cp} (two chunks per CP rank)"] if self.cp > 1 else []
-            if self.sequence_parallel and self.tp > 1:
-                parts.append(f"tp={self.tp} (--sequence-parallel)")
+            if self.sequence_parallel and tp > 1:
+                parts.append(f"tp={tp} (--sequence-parallel)")
             raise ConfigError(
                 f"--seq-len {self.seq_len} does not split over {' x '.join(parts)}: it must be a multiple of "
                 f"{multiple}; choose --seq-len {multiple * max(1, round(self.seq_len / multiple))}"
@@ -154,7 +148,7 @@ class DemoConfig:
                 f"--moe-top-k {self.moe_top_k}: each token goes to between 1 and --moe-experts "
                 f"{self.moe_experts} experts"
             )
-        if self.dp % self.ep:
+        if self.layout.dp % self.ep:
             raise ConfigError(
                 f"--ep {self.ep} must divide dp={self.dp}: the experts are split over ep of the data-parallel "
                 f"replicas; choose a layout whose dp is a multiple of {self.ep} (e.g. --dp {self.ep})"

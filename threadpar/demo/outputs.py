@@ -17,7 +17,6 @@ from threadpar.demo.train import AUTOCAST, RunState, make_optimizer
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPT, GPTConfig
 from threadpar.pipeline import measured_bubble, write_chrome_trace
-from threadpar.topology import Layout
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECK_STEPS = 3
@@ -27,11 +26,6 @@ CHECK_STEPS = 3
 class Summary:
     text: str
     metrics: dict[str, Any]
-
-
-def _layout(run: RunState) -> Layout:
-    cfg = run.config
-    return Layout.build(cfg.world_size, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp)
 
 
 def layout_sizes(cfg: DemoConfig) -> dict[str, int]:
@@ -48,7 +42,7 @@ def layout_text(cfg: DemoConfig) -> str:
 
 def _pipeline_zero(run: RunState) -> list:
     """The timelines of the pipeline that rank 0 belongs to (one per stage)."""
-    return [run.timelines[r] for r in _layout(run).group_ranks("PP", 0) if r in run.timelines]
+    return [run.timelines[r] for r in run.config.layout.group_ranks("PP", 0) if r in run.timelines]
 
 
 def reference_losses(run: RunState) -> dict[str, Any]:
@@ -84,7 +78,7 @@ def reference_losses(run: RunState) -> dict[str, Any]:
 
 
 def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) -> Summary:
-    cfg, layout = run.config, _layout(run)
+    cfg, layout = run.config, run.config.layout
     timed = run.step_seconds[1:] or run.step_seconds  # the first step includes one-time setup
     tokens_per_s = run.tokens_per_step / statistics.median(timed)
     pipeline = _pipeline_zero(run)

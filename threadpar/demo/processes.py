@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from threadpar.demo.train import RunState
 from threadpar.errors import ConfigError
 from threadpar.pipeline import Timeline
-from threadpar.runtime.launch import DEFAULT_TIMEOUT_S
+from threadpar.runtime.launch_config import DEFAULT_TIMEOUT_S
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store
 
 # RunState fields keyed by global rank, each filled by the ranks of the process they run in. (The losses,

@@ -129,7 +129,7 @@ def parallel_apply(
     ]
     cpu_replicas = sum(d.type == "cpu" for d in devices)
     caller_threads = torch.get_num_threads()
-    # CPU replicas split the caller's cores; a fresh thread must set its own count (see DESIGN.md, rule 3).
+    # CPU replicas split the caller's cores; a fresh thread must set its own count (DESIGN.md rule 4).
     threads_each = max(1, caller_threads // max(1, cpu_replicas))
     results: list[Any] = [None] * len(replicas)
     errors: list[BaseException | None] = [None] * len(replicas)

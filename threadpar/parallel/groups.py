@@ -2,7 +2,7 @@
 
 `group=None` means this rank's group on the wrapper's own axis (TP for the tensor-parallel layers, CP for
 ring attention, DP for the experts of a MoE layer). Resolve it when a layer or autograd Function is
-built, on the rank thread, never inside backward (rule 2 of DESIGN.md).
+built, on the rank thread, never inside backward (DESIGN.md rule 2).
 """
 
 from __future__ import annotations

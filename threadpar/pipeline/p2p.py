@@ -19,6 +19,7 @@ timeline: nothing is read from the rank's thread-local context (backward may run
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Protocol
 
@@ -97,9 +98,10 @@ class Link:
         self.device = device  # where received tensors must live
         self.timeline = timeline
         # Tags of the gradients this rank still owes the peer for activations it received with autograd.
-        # Touched by the rank thread and by its backward (which may run on an engine thread, but while the
-        # rank thread waits for it): set operations are atomic under the GIL.
+        # Touched by the rank thread and by its backward, which may run on an autograd engine thread: every
+        # access holds `_owed_lock` (DESIGN.md rule 10: nothing relies on the GIL to make it atomic).
         self.owed: set[int] = set()
+        self._owed_lock = threading.Lock()
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         t0 = time.perf_counter()
@@ -108,11 +110,18 @@ class Link:
             self.timeline.record(f"send {describe_tag(tag)}", "send", t0, time.perf_counter())
 
     def owe(self, tag: int) -> None:
-        self.owed.add(tag)
+        with self._owed_lock:
+            self.owed.add(tag)
+
+    def owes(self, tag: int | None = None) -> bool:
+        """Whether this rank still owes the peer the gradient `tag` (None: any gradient)."""
+        with self._owed_lock:
+            return bool(self.owed) if tag is None else tag in self.owed
 
     def pay(self, gradient: torch.Tensor, tag: int) -> None:
         """Send a gradient this rank owes the peer."""
-        self.owed.discard(tag)
+        with self._owed_lock:
+            self.owed.discard(tag)
         self.send(gradient, tag)
 
     def recv(self, tag: int) -> torch.Tensor:
@@ -280,10 +289,10 @@ def recv_activation(link: Link, anchor: torch.Tensor | None, *, chunk: int, micr
 def settle_gradient(link: Link, *, chunk: int, microbatch: int) -> None:
     """After chunk `chunk`'s backward of `microbatch`: if it never reached the received activation (the
     chunk did not use its gradient-carrying part), tell the previous rank that no gradient comes."""
-    if not link.owed:  # the usual case once a backward has sent its gradient: nothing to compute
+    if not link.owes():  # the usual case once a backward has sent its gradient: nothing to compute
         return
     tag = message_tag(microbatch, chunk - 1, backward=True)
-    if tag in link.owed:
+    if link.owes(tag):  # only the rank thread pays this tag here: its backward has finished
         link.pay(_no_gradient(link.device), tag)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,19 +38,34 @@ class Timeline:
     def __init__(self, rank: int, stage: int) -> None:
         self.rank = rank  # global rank
         self.stage = stage  # index in the pipeline group
-        self.events: list[Event] = []
+        self.events: list[Event] = []  # read directly only once the launch has ended (ordered by its join)
+        # record() runs on the rank thread and on its backward's autograd engine thread (CUDA): every change
+        # holds the lock (DESIGN.md rule 10: nothing relies on the GIL to make list.append atomic).
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # timelines travel between processes (the demo gathers them): no lock
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def record(self, name: str, category: str, start: float, end: float) -> None:
-        # list.append is atomic: safe even when a backward runs on another thread (CUDA engine threads).
-        self.events.append(Event(name, category, start, end))
+        event = Event(name, category, start, end)
+        with self._lock:
+            self.events.append(event)
 
     def clear(self) -> None:
-        self.events = []  # a new list: snapshots taken before keep their events
+        with self._lock:
+            self.events = []  # a new list: snapshots taken before keep their events
 
     def snapshot(self) -> Timeline:
         """A copy that the next step does not clear."""
         copy = Timeline(self.rank, self.stage)
-        copy.events = list(self.events)
+        with self._lock:
+            copy.events = list(self.events)
         return copy
 
     def action_costs(self) -> dict[str, float]:

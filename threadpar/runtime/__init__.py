@@ -13,12 +13,14 @@ from threadpar.runtime.context import (
     in_rank,
     is_main_rank,
 )
-from threadpar.runtime.launch import DEFAULT_TIMEOUT_S, launch
+from threadpar.runtime.launch import launch
+from threadpar.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from threadpar.runtime.printing import print0, rank_print
 from threadpar.runtime.process_env import ProcessEnv, process_env
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "LaunchConfig",
     "ProcessEnv",
     "RankContext",
     "current",

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +26,12 @@ import torch
 from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError
 from threadpar.runtime.context import RankContext, leave
 from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
+from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
 from threadpar.runtime.processes import Processes
 from threadpar.runtime.world import World
 from threadpar.topology import Layout
 
-DEFAULT_TIMEOUT_S = 300.0
 CHECK_COLLECTIVES_VAR = "THREADPAR_CHECK_COLLECTIVES"
 # After a failure, how long ranks get to notice the stop signal before one is injected, and then to exit.
 ABORT_GRACE_S = 0.75
@@ -84,6 +84,7 @@ class _Launch:
         self.failures: list[_Failure] = []
         self.contexts = [RankContext(world, r) for r in ranks]
         self.running = [False] * n  # inside the user's function: only then may an abort be injected
+        # Guards running, failures and finished (DESIGN.md rule 10); results[i] is written by rank i alone.
         self.lock = threading.Lock()
         self.finished = 0
         self.all_done = threading.Event()
@@ -96,11 +97,13 @@ class _Launch:
         ctx = self.contexts[i]
         try:
             ctx.enter()
-            self.running[i] = True
+            with self.lock:
+                self.running[i] = True
             try:
-                self.results[i] = self.fn(*self.args, **self.kwargs)
+                self.results[i] = self.fn(*self.args, **self.kwargs)  # read after all_done: ordered by it
             finally:
-                self.running[i] = False
+                with self.lock:
+                    self.running[i] = False
         except BaseException as error:
             self._record(ctx.rank, error)
         finally:
@@ -167,68 +170,59 @@ class _Launch:
         stop waiting for any stuck in native code (they are daemon threads and exit with their op)."""
         if self.all_done.wait(ABORT_GRACE_S):
             return
-        for rank, thread in enumerate(self.threads):
-            if thread.is_alive() and self.running[rank]:
-                _inject(thread)
+        with self.lock:  # (a rank cannot leave its function between the check and the injection's request)
+            for rank, thread in enumerate(self.threads):
+                if thread.is_alive() and self.running[rank]:
+                    _inject(thread)
         self.all_done.wait(INJECT_GRACE_S)
 
 
 def launch(
     fn: Callable[..., Any],
     *args: Any,
-    world_size: int | None = None,
-    devices: int | list[int] | str | None = None,
-    dp: int | None = None,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    backend: str = "auto",
-    timeout: float = DEFAULT_TIMEOUT_S,
-    seed: int = 0,
-    order: str | None = None,
-    intraop_threads: int | None = None,
-    print_layout: bool = False,
-    threads_per_process: int | None = None,
-    **kwargs: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    config: LaunchConfig | None = None,
+    **options: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on one thread per rank; return the per-rank results indexed by thread
     rank (which is the global rank when all ranks are threads of this process).
 
-    world_size: number of ranks (default: from devices, dp*tp*cp*pp, or the visible GPUs).
-    devices: an int (that many devices), a list of CUDA device ids, or "cpu" (this process's devices).
-    dp, tp, pp, cp: layout sizes; dp defaults to world_size / (tp * cp * pp).
-    backend: "auto" (nccl with one GPU per rank, else threads on CPU), "threads" or "nccl".
-    timeout: seconds any collective or receive may wait before it fails, naming who did not arrive.
-    seed: base seed of the per-rank generators (threadpar.get_generator()).
-    order: axis order, outermost first (default "PP-DP-CP-TP": TP ranks adjacent).
-    intraop_threads: torch threads per rank (default: the cores divided among the ranks on CPU).
-    print_layout: print every rank's coordinates and groups before starting.
-    threads_per_process: rank threads in each process of a job started by torchrun (or any launcher
-        that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); world size = processes x this, and this
-        process runs global ranks process_rank * T .. + T - 1. Required when there is more than one process.
+    The launch options are LaunchConfig's fields, given as `config=LaunchConfig(...)`, as keywords
+    (`launch(fn, world_size=8, tp=2)`), or both (the keywords replace the config's fields). `fn`'s own
+    keyword arguments go in `kwargs={...}` (as torch.multiprocessing.spawn's `args`), never beside the
+    options: a keyword that is not an option is a ConfigError, not an argument silently kept from `fn`.
+    See LaunchConfig for what each option means.
     """
-    return launch_in_process(
-        process_env(),
-        fn,
-        args,
-        kwargs,
-        world_size=world_size,
-        devices=devices,
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        backend=backend,
-        timeout=timeout,
-        seed=seed,
-        order=order,
-        intraop_threads=intraop_threads,
-        print_layout=print_layout,
-        threads_per_process=threads_per_process,
-    )
+    if not callable(fn):
+        raise ConfigError(f"launch needs a callable to run on each rank, got {type(fn).__name__}")
+    config = resolve_config(config, options)
+    return launch_in_process(process_env(), fn, args, _function_kwargs(kwargs), config)
 
 
-def _threads_per_process(threads: object, env: ProcessEnv, world_size: int | None) -> int | None:
+def resolve_config(config: LaunchConfig | None, options: Mapping[str, Any]) -> LaunchConfig:
+    """`config` (default: LaunchConfig()) with `options` replacing its fields; a ConfigError names an
+    unknown option and says how to pass a function's keyword arguments."""
+    if config is not None and not isinstance(config, LaunchConfig):
+        raise ConfigError(
+            f"config must be a threadpar.LaunchConfig, got {type(config).__name__}; build one with "
+            "LaunchConfig(world_size=..., tp=...) or pass the options as keywords"
+        )
+    return (LaunchConfig() if config is None else config).with_options(options)
+
+
+def _function_kwargs(kwargs: object) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError(
+            f"kwargs= holds the function's keyword arguments as a dict of name -> value, got {kwargs!r}"
+        )
+    return dict(kwargs)
+
+
+def _threads_per_process(config: LaunchConfig, env: ProcessEnv) -> int | None:
+    """The rank threads of each process: checked against the processes torchrun started."""
+    threads = config.threads_per_process
     if threads is None:
         if env.count > 1:
             raise ConfigError(
@@ -237,106 +231,73 @@ def _threads_per_process(threads: object, env: ProcessEnv, world_size: int | Non
                 f"{env.count} x T ranks"
             )
         return None
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ConfigError(f"threads_per_process must be a positive int, got {threads!r}")
-    if world_size is not None and world_size != env.count * threads:
+    if config.world_size is not None and config.world_size != env.count * threads:
         raise ConfigError(
-            f"world_size={world_size} but {env.count} process(es) x threads_per_process={threads} = "
+            f"world_size={config.world_size} but {env.count} process(es) x threads_per_process={threads} = "
             f"{env.count * threads} ranks; leave world_size out, or make them agree"
         )
     return threads
 
 
-def _intraop(intraop_threads: object, ranks_on_node: int, on_cpu: bool) -> int:
-    if intraop_threads is None:
+def _intraop(config: LaunchConfig, ranks_on_node: int, on_cpu: bool) -> int:
+    if config.intraop_threads is None:
         return default_intraop_threads(ranks_on_node, on_cpu)
-    if not isinstance(intraop_threads, int) or intraop_threads < 1:
-        raise ConfigError(f"intraop_threads must be a positive int, got {intraop_threads!r}")
-    return intraop_threads
+    return config.intraop_threads
 
 
 def launch_in_process(
-    env: ProcessEnv,
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    *,
-    world_size: int | None,
-    devices: Any,
-    dp: int | None,
-    tp: int,
-    pp: int,
-    cp: int,
-    backend: str,
-    timeout: float,
-    seed: int,
-    order: str | None,
-    intraop_threads: int | None,
-    print_layout: bool,
-    threads_per_process: int | None,
+    env: ProcessEnv, fn: Callable[..., Any], args: tuple, kwargs: dict, config: LaunchConfig
 ) -> list[Any]:
     """`launch` as process `env.rank` of `env.count` (threadpar.testing simulates processes with it)."""
     if not callable(fn):
         raise ConfigError(f"launch needs a callable to run on each rank, got {type(fn).__name__}")
-    threads = _threads_per_process(threads_per_process, env, world_size)
+    threads = _threads_per_process(config, env)
     if env.count == 1:
-        world_size = threads if threads is not None else world_size
-        model_size = tp * cp * pp if all(isinstance(v, int) for v in (tp, cp, pp)) else 1
-        placement = resolve_placement(world_size, devices, model_size, dp, backend)
-        layout = Layout.build(placement.world_size, dp=dp, tp=tp, pp=pp, cp=cp, order=order)
-        on_cpu = placement.devices[0].type == "cpu"
-        if placement.note:
-            say_once(placement.note)
-        world = World(
-            layout=layout,
-            backend=placement.backend,
-            devices=placement.devices,
-            timeout=timeout,
-            seed=seed,
-            intraop_threads=_intraop(intraop_threads, placement.world_size, on_cpu),
-        )
+        world = _one_process_world(config, threads)
     else:
-        world = _multi_process_world(
-            env, threads, devices, dp, tp, pp, cp, backend, timeout, seed, order, intraop_threads
-        )
-    if print_layout and env.rank == 0:
+        assert threads is not None  # _threads_per_process requires it with several processes
+        world = _multi_process_world(env, config, threads)
+    if config.print_layout and env.rank == 0:
         print(world.layout.overview(), flush=True)
     return _Launch(world, fn, args, kwargs).run()
 
 
-def _multi_process_world(
-    env: ProcessEnv,
-    threads: int,
-    devices: Any,
-    dp: int | None,
-    tp: int,
-    pp: int,
-    cp: int,
-    backend: str,
-    timeout: float,
-    seed: int,
-    order: str | None,
-    intraop_threads: int | None,
-) -> World:
+def _one_process_world(config: LaunchConfig, threads: int | None) -> World:
+    """The World of a launch whose ranks are all threads of this process."""
+    world_size = threads if threads is not None else config.world_size
+    placement = resolve_placement(world_size, config.devices, config.model_size, config.dp, config.backend)
+    layout = config.layout(placement.world_size)
+    on_cpu = placement.devices[0].type == "cpu"
+    if placement.note:
+        say_once(placement.note)
+    return World(
+        layout=layout,
+        backend=placement.backend,
+        devices=placement.devices,
+        timeout=config.timeout,
+        seed=config.seed,
+        intraop_threads=_intraop(config, placement.world_size, on_cpu),
+    )
+
+
+def _multi_process_world(env: ProcessEnv, config: LaunchConfig, threads: int) -> World:
     """This process's World of a job of env.count processes x `threads` rank threads."""
     n_cuda = cuda_device_count()
+    devices = config.devices
     if devices is None and n_cuda > 0:
         devices = default_local_devices(n_cuda, threads, env.local_rank, env.local_count)
-    placement = resolve_placement(threads, devices, 1, None, backend, n_cuda=n_cuda)
-    world_size = env.count * threads
-    layout = Layout.build(world_size, dp=dp, tp=tp, pp=pp, cp=cp, order=order)
+    placement = resolve_placement(threads, devices, 1, None, config.backend, n_cuda=n_cuda)
+    layout = config.layout(env.count * threads)
     on_cpu = placement.devices[0].type == "cpu"
     if env.rank == 0 and on_cpu:
-        say_once(f"{env.count} processes x {threads} rank threads on CPU = {world_size} ranks")
+        say_once(f"{env.count} processes x {threads} rank threads on CPU = {layout.world_size} ranks")
     return process_world(
         env,
-        threads,
+        config,
         layout,
         placement.backend,
         placement.devices,
-        timeout,
-        seed,
-        _intraop(intraop_threads, threads * env.local_count, on_cpu),
+        _intraop(config, threads * env.local_count, on_cpu),
         check_collectives=check_collectives_requested(),
     )
 
@@ -352,27 +313,29 @@ def check_collectives_requested() -> bool:
 
 def process_world(
     env: ProcessEnv,
-    threads: int,
+    config: LaunchConfig,
     layout: Layout,
     backend: str,
     devices: tuple[torch.device, ...],
-    timeout: float,
-    seed: int,
     intraop_threads: int,
     *,
     check_collectives: bool = False,
     cuda: Any = None,
 ) -> World:
-    """Meet the other processes and build this process's World; `devices` are this process's (one per
-    thread). `cuda` is the CudaApi (None: torch.cuda; tests pass the double)."""
-    store = bootstrap_store(env, devices[0].type == "cuda", timeout)
-    processes = Processes(env, threads, store, timeout)
+    """Meet the other processes and build this process's World of `config.threads_per_process` rank
+    threads; `backend` and `devices` (this process's, one per thread) are where `config` placed them.
+    `cuda` is the CudaApi (None: torch.cuda; tests pass the double)."""
+    threads = config.threads_per_process
+    if threads is None:
+        raise ConfigError("a process of a multi-process job needs config.threads_per_process")
+    store = bootstrap_store(env, devices[0].type == "cuda", config.timeout)
+    processes = Processes(env, threads, store, config.timeout)
     processes.handshake(
         {
             "threads_per_process": threads,
             "layout": layout.describe(),
             "backend": backend,
-            "seed": seed,
+            "seed": config.seed,
             CHECK_COLLECTIVES_VAR: check_collectives,
         }
     )
@@ -380,8 +343,8 @@ def process_world(
         layout=layout,
         backend=backend,
         devices=tuple(devices[r % threads] for r in range(layout.world_size)),
-        timeout=timeout,
-        seed=seed,
+        timeout=config.timeout,
+        seed=config.seed,
         intraop_threads=intraop_threads,
         cuda=cuda,
         processes=processes,

@@ -57,6 +57,10 @@ class World:
         self.abort = AbortSignal()
         # Implements threadpar.comm.backend.BackendSite: the backends take what they need from this World.
         self.groups = GroupRegistry(self.world_size, functools.partial(select_backend, self))
+        if processes is not None and backend == "nccl":
+            from threadpar.comm.nccl.bootstrap import connect_eagerly
+
+            connect_eagerly()  # before any communicator exists (NCCL reads it once per process)
 
     @property
     def local_ranks(self) -> range:

@@ -30,11 +30,20 @@ class CudaApi(Protocol):
 
     @property
     def cliques(self) -> Any:
-        """The process's pool of communicator cliques (threadpar.comm.nccl.cuda_api.CliquePool)."""
+        """The process's pool of communicator cliques (threadpar.comm.nccl.resources.CliquePool)."""
+
+    @property
+    def inits(self) -> Any:
+        """The devices whose communicators are being created (threadpar.comm.nccl.resources.DeviceInits)."""
+
+    @property
+    def streams(self) -> Any:
+        """The comm streams live groups hold (threadpar.comm.nccl.resources.CommStreams)."""
 
     def nccl_available(self) -> bool: ...
 
-    def comm_stream(self, device: torch.device) -> Stream: ...
+    def pool_stream(self, device: torch.device, priority: int) -> Stream:
+        """torch.cuda.Stream(device, priority): one of torch's 32 pooled streams (use through `streams`)."""
 
     def current_stream(self, device: torch.device) -> Stream: ...
 

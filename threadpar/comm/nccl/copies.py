@@ -3,7 +3,8 @@
 Inside one process no NCCL point-to-point is needed: a device-to-device copy (over NVLink or PCIe) moves
 the data, issued on the comm streams and ordered by events like the collectives. torch runs a copy across
 devices on the source device's current stream and fences it both ways with the destination device's
-current stream; the CudaApi's `copy_` makes those the two members' comm streams.
+current stream; the CudaApi's `copy_` makes those a copy lane of the source's device (so that copies to
+different destinations run at the same time, see `_copies`) and the destination's comm stream.
 
 - scatter, gather, all_to_all: the leader issues every copy of the collective (posted as usual);
 - send: the sender copies into a new buffer on the receiver's device and posts (buffer, done event) to
@@ -12,6 +13,8 @@ current stream; the CudaApi's `copy_` makes those the two members' comm streams.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -22,7 +25,7 @@ from threadpar.errors import ConfigError
 
 class NcclCopyCollectives:
     """Mixed into NcclGroup, whose members it uses: _post, _stream, _on, _check_devices, _cuda, devices,
-    ranks, size, name, mailboxes."""
+    local, ranks, size, name, mailboxes."""
 
     def scatter(
         self,
@@ -35,8 +38,7 @@ class NcclCopyCollectives:
     ) -> NcclWork:
         def launch(payloads, streams) -> None:
             sources = payloads[src][1]
-            for m, (t, _) in enumerate(payloads):
-                self._cuda.copy_(t, sources[m], streams[src], streams[m])
+            self._copies([(t, sources[m], src, m) for m, (t, _) in enumerate(payloads)], streams)
 
         return self._post(member, seq, call, (tensor, chunks), launch, nccl=False)
 
@@ -51,8 +53,7 @@ class NcclCopyCollectives:
     ) -> NcclWork:
         def launch(payloads, streams) -> None:
             targets = payloads[dst][1]
-            for s, (t, _) in enumerate(payloads):
-                self._cuda.copy_(targets[s], t, streams[s], streams[dst])
+            self._copies([(targets[s], t, s, dst) for s, (t, _) in enumerate(payloads)], streams)
 
         return self._post(member, seq, call, (tensor, outputs), launch, nccl=False)
 
@@ -71,11 +72,45 @@ class NcclCopyCollectives:
                             f"{list(outs[s].shape)} from rank {self.ranks[s]}, which sends {list(sent.shape)}; "
                             "output_tensor_list[i] must have the shape of what rank i puts at this rank's index"
                         )
-            for m, (outs, _) in enumerate(payloads):
-                for s in range(self.size):
-                    self._cuda.copy_(outs[s], payloads[s][1][m], streams[s], streams[m])
+            pairs = [
+                (outs[s], payloads[s][1][m], s, m)
+                for m, (outs, _) in enumerate(payloads)
+                for s in range(self.size)
+            ]
+            self._copies(pairs, streams)
 
         return self._post(member, seq, call, (outputs, inputs), launch, nccl=False)
+
+    def _copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor, int, int]], streams) -> None:
+        """dst <- src for every (dst, src, s, m): from member s to member m (`streams`: their comm streams).
+
+        torch runs a copy across devices on the source device's current stream and fences it both ways with
+        the destination's (aten/src/ATen/native/cuda/Copy.cu): issued on the comm streams, every copy would
+        wait for the ones before it (P^2 copies one after another in an all_to_all). So a copy from s to m
+        runs on lane m of s's device (a stream of its own) that first waits for s's comm stream; copies from
+        one member to different destinations then run at the same time, those into one destination still
+        one after another (its comm stream fences each: its links are the bottleneck anyway). s's comm
+        stream waits for its lanes at the end, so the op's done event and the caching allocator (tensors are
+        recorded on the comm streams) cover the copies."""
+        cuda = self._cuda
+        start: dict[int, Any] = {}  # member -> event on its comm stream before any copy
+        lanes: dict[tuple[int, int], Any] = {}  # (source, destination) -> the lane its copies run on
+        for s in sorted({s for _, _, s, m in pairs if s != m}):  # before any copy fences a comm stream
+            start[s] = cuda.event()
+            start[s].record(streams[s])
+        for dst, src, s, m in pairs:
+            if s == m:  # on one device: torch copies on its current stream, no fence
+                cuda.copy_(dst, src, streams[s], streams[m])
+                continue
+            lane = lanes.get((s, m))
+            if lane is None:
+                lane = lanes[s, m] = cuda.streams.lane(cuda, self.devices[self.local[s]], m)
+                lane.wait_event(start[s])
+            cuda.copy_(dst, src, lane, streams[m])
+        for (s, _), lane in lanes.items():
+            done = cuda.event()
+            done.record(lane)
+            streams[s].wait_event(done)
 
     # point to point ---------------------------------------------------------------------------------------------
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> NcclWork:

@@ -4,10 +4,11 @@ The nccl backend and the `threads` backend on CUDA tensors never call torch.cuda
 `CudaApi` (the launch's `World.cuda`, else `torch_cuda()`), so that tests on a machine without a GPU can pass
 tests/fakes/fake_cuda_nccl.py, which records the calls and computes the collectives on CPU tensors.
 
-Two things here are process-wide on purpose, because what they guard is: the launch lock (NCCL calls are not
-thread-safe across communicators that share a device, whichever launch they belong to) and the pool of
-NCCL communicators (torch never destroys the ones `init_rank` creates, so a finished launch hands its
-cliques back for the next launch on the same devices instead of leaking them).
+The process's instances of what must be process-wide live here (`torch_cuda()`): the launch lock (NCCL calls
+are not thread-safe across communicators that share a device, whichever launch they belong to) and the
+bookkeeping in resources.py: the pool of cliques (torch never destroys the communicators `init_rank`
+creates, so a finished launch hands its cliques back for the next launch on the same devices), the comm
+streams live groups hold, the devices whose communicators are being created.
 """
 
 from __future__ import annotations
@@ -21,46 +22,33 @@ from typing import Any
 
 import torch
 
-# Streams of higher priority are scheduled first when compute and communication kernels compete;
-# torch maps an out-of-range value to the nearest valid priority.
-COMM_STREAM_PRIORITY = -1
+from threadpar.comm.nccl.resources import CliqueHealth, CliquePool, CommStreams, DeviceInits
 
-
-class CliquePool:
-    """NCCL communicators (one clique per group) left by finished launches, keyed by the members' devices."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[tuple[str, ...], list[list[Any]]] = {}
-
-    def take(self, devices: tuple[str, ...]) -> list[Any] | None:
-        with self._lock:
-            free = self._free.get(devices)
-            return free.pop() if free else None
-
-    def give_back(self, devices: tuple[str, ...], comms: list[Any]) -> None:
-        if any(c is None for c in comms):
-            return  # a member never made its communicator: not a usable clique
-        with self._lock:
-            self._free.setdefault(devices, []).append(list(comms))
+# The process-wide bookkeeping (re-exported: the double and the tests import them from here too).
+__all__ = ["CliqueHealth", "CliquePool", "CommStreams", "DeviceInits", "TorchCuda", "torch_cuda"]
 
 
 class TorchCuda:
     """The real thing: torch.cuda streams and events, torch.cuda.nccl, and NCCL's async-error query."""
 
-    def __init__(self, launch_lock: threading.Lock, cliques: CliquePool) -> None:
+    def __init__(
+        self, launch_lock: threading.Lock, cliques: CliquePool, inits: DeviceInits, streams: CommStreams
+    ) -> None:
         import torch.cuda.nccl as nccl
 
         self.nccl = nccl
         self.launch_lock = launch_lock
         self.cliques = cliques
+        self.inits = inits
+        self.streams = streams
 
     def nccl_available(self) -> bool:
         """False on torch builds without NCCL (CPU-only builds), where torch.cuda.nccl cannot run."""
         return hasattr(torch._C, "_nccl_all_reduce") and hasattr(torch._C, "_nccl_init_rank")
 
-    def comm_stream(self, device: torch.device) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=device, priority=COMM_STREAM_PRIORITY)
+    def pool_stream(self, device: torch.device, priority: int) -> torch.cuda.Stream:
+        """One of torch's pooled streams (shared round-robin: use through CommStreams)."""
+        return torch.cuda.Stream(device=device, priority=priority)
 
     def current_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
@@ -150,6 +138,8 @@ def _make_async_error_query():
 
 _LAUNCH_LOCK = threading.Lock()
 _CLIQUES = CliquePool()
+_INITS = DeviceInits()
+_STREAMS = CommStreams()
 _default: list[TorchCuda] = []
 _default_lock = threading.Lock()
 
@@ -158,5 +148,5 @@ def torch_cuda() -> TorchCuda:
     """The process's real CudaApi (created on first use; importing it needs no GPU)."""
     with _default_lock:
         if not _default:
-            _default.append(TorchCuda(_LAUNCH_LOCK, _CLIQUES))
+            _default.append(TorchCuda(_LAUNCH_LOCK, _CLIQUES, _INITS, _STREAMS))
         return _default[0]

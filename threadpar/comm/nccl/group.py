@@ -9,7 +9,8 @@ and records each member's *done* event on its comm stream. Each member gets an `
 
 Communicators: one clique per group (sub-groups get their own), made on the group's first collective by
 every member thread calling `init_rank` concurrently, as NCCL requires (ncclCommInitAll-style within one
-process), then reused. Comm streams: one high-priority stream per member and group.
+process), then reused. Comm streams: one per member and group, never shared with another live group
+(resources.CommStreams: torch's pool would hand the same stream to every 32nd group).
 
 A group whose members live in several processes (spanning.py) is this class with `local` = the
 members in this process: its rendezvous, launch and grouped calls cover those members only (NCCL ranks are
@@ -22,9 +23,10 @@ plan.py describes. Inputs reach this module validated by ProcessGroup.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +37,7 @@ from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.nccl.copies import NcclCopyCollectives
 from threadpar.comm.nccl.plan import (
+    NCCL_OPS,
     ReductionPlan,
     contiguous_span,
     flat,
@@ -42,9 +45,16 @@ from threadpar.comm.nccl.plan import (
     reduction_plan,
     wire,
 )
+from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.nccl.work import Described, NcclWork
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.errors import ConfigError, NcclError
+
+# The NCCL rank torch.cuda.nccl.broadcast broadcasts from, whatever `root` it is given: torch 2.13's
+# torch::cuda::nccl::broadcast (torch/csrc/cuda/nccl.h, nccl.cpp) has no root and calls ncclBcast(..., 0, ...);
+# the Python binding only range-checks `root` against the local list. (A torch that honours `root` as the
+# NCCL rank gives the same result for root 0, so this stays right if torch changes.)
+BROADCAST_ROOT = 0
 
 # Launch = what the leader enqueues: f(payloads in group-rank order, comm streams in group-rank order).
 Launch = Callable[[list[Any], list[Any]], None]
@@ -96,14 +106,17 @@ class NcclGroup(NcclCopyCollectives):
         self._comms: list[Any] = [None] * self.size
         self._clique_key = tuple(str(d) for d in self.devices)
         self._native_avg = has_native_avg(self._cuda.nccl.version())
+        weakref.finalize(self, self._cuda.streams.release, self.devices, self._streams)
+        # Spoiled by any failure of this group's operations: its clique is then never pooled.
+        self._health = CliqueHealth()
 
     # setup ------------------------------------------------------------------------------------------------------
     def _stream(self, member: int) -> Any:
         stream = self._streams[member]
         if stream is None:
             with self._lock:
-                if self._streams[member] is None:
-                    self._streams[member] = self._cuda.comm_stream(self.devices[member])
+                if self._streams[member] is None:  # (one no other live group holds: CommStreams)
+                    self._streams[member] = self._cuda.streams.acquire(self._cuda, self.devices[member])
                 stream = self._streams[member]
         return stream
 
@@ -118,7 +131,9 @@ class NcclGroup(NcclCopyCollectives):
             # A clique a finished launch left on these devices, or a fresh unique id for a new one. The
             # clique goes back to the pool when this group is dropped (the members fill self._comms).
             slot.result = cuda.cliques.take(self._clique_key) or cuda.nccl.unique_id()
-            weakref.finalize(self, cuda.cliques.give_back, self._clique_key, self._comms)
+            weakref.finalize(
+                self, cuda.cliques.give_back, self._clique_key, self._comms, self._health, self._abort
+            )
             return False
 
         # Sequence number 0 is never a collective's (ProcessGroup counts from 1): the members meet there
@@ -128,7 +143,7 @@ class NcclGroup(NcclCopyCollectives):
         slot = self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=choose, final=True)
         if isinstance(slot.result, bytes):
             try:
-                with cuda.device_guard(self.devices[member]):
+                with self._initialising(member):
                     comm = cuda.nccl.init_rank(self.size, slot.result, member)
             except RuntimeError as error:
                 raise NcclError(
@@ -139,6 +154,19 @@ class NcclGroup(NcclCopyCollectives):
             comm = slot.result[member]
         self._comms[member] = comm
         return comm
+
+    @contextlib.contextmanager
+    def _initialising(self, member: int) -> Iterator[None]:
+        """Around this member's ncclCommInitRank: its device is marked (taken under the launch lock, so that
+        no launch is issuing then), and launches on it wait until the init returns (DeviceInits)."""
+        cuda, device = self._cuda, self.devices[member]
+        with cuda.launch_lock:
+            cuda.inits.enter(device)
+        try:
+            with cuda.device_guard(device):
+                yield
+        finally:
+            cuda.inits.leave(device)
 
     def _check_devices(self, member: int, op: str, tensors: Sequence[torch.Tensor]) -> None:
         device = self.devices[member]
@@ -178,6 +206,7 @@ class NcclGroup(NcclCopyCollectives):
             device=self.devices[member],
             abort=self._abort,
             timeout=self._timeout,
+            health=self._health,
             **state,
         )
 
@@ -194,15 +223,19 @@ class NcclGroup(NcclCopyCollectives):
         posted: list[_Posted] = slot.payloads
         streams = [self._stream(m) for m in self.local]
         cuda = self._cuda
-        with cuda.launch_lock:
-            for p, stream in zip(posted, streams):
-                stream.wait_event(p.ready)
-            launch([p.payload for p in posted], streams)
-            for p, stream in zip(posted, streams):
-                p.done.record(stream)
-                for t in p.tensors:
-                    cuda.record_stream(t, stream)
-        return True
+        while True:
+            with cuda.launch_lock:
+                if not cuda.inits.busy(self.local_devices):
+                    for p, stream in zip(posted, streams):
+                        stream.wait_event(p.ready)
+                    launch([p.payload for p in posted], streams)
+                    for p, stream in zip(posted, streams):
+                        p.done.record(stream)
+                        for t in p.tensors:
+                            cuda.record_stream(t, stream)
+                    return True
+            # a communicator of another group is being created on one of these devices: wait, unlocked
+            cuda.inits.wait_idle(self.local_devices, self._abort, self._timeout)
 
     def _nccl(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Call torch.cuda.nccl.<name> with every local member's communicator; failures become NcclError."""
@@ -227,7 +260,7 @@ class NcclGroup(NcclCopyCollectives):
     ):
         """The reduction core. kind "all": outs[i] = reduce(ins); "root": the root's out = reduce(ins);
         "scatter": outs[i] = reduce(ins)[member's 1/size]. Every tensor is contiguous and 1-D."""
-        plan = reduction_plan(ins[0].dtype, op, self._native_avg)
+        plan = reduction_plan(ins[0].dtype, op, self._native_avg, self.size)
         if ins[0].numel() == 0:
             return
         if plan.gather:
@@ -342,9 +375,27 @@ class NcclGroup(NcclCopyCollectives):
     def broadcast(self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int) -> NcclWork:
         def launch(payloads: list[torch.Tensor], streams) -> None:
             if payloads[0].numel():
-                self._nccl("broadcast", [byte_view(t) for t in payloads], root=src, streams=streams)
+                self._broadcast_bytes([byte_view(t) for t in payloads], src, streams)
 
         return self._post(member, seq, call, tensor, launch)
+
+    def _broadcast_bytes(self, data: list[torch.Tensor], src: int, streams) -> None:
+        """Every local member's `data` (uint8, one per local member) <- member `src`'s.
+
+        torch.cuda.nccl.broadcast always broadcasts from NCCL rank 0 (torch 2.13 checks `root` and then
+        drops it; see BROADCAST_ROOT), and NCCL rank = group index. So a broadcast from member 0 is NCCL's
+        own; from any other member it is an all-reduce (SUM of bytes) in which every member but the source
+        contributes zeros: x + 0 + ... + 0 = x exactly, in any dtype's bytes. It moves 2x the bytes of a
+        broadcast (ring all-reduce) but spreads them over every link, unlike device copies from the source
+        (P-1 x the bytes through the source's links), and it works across processes as it is."""
+        if src == BROADCAST_ROOT:
+            self._nccl("broadcast", data, root=BROADCAST_ROOT, streams=streams)
+            return
+        for i, m in enumerate(self.local):
+            if m != src:
+                with self._on(streams[i]):  # (a receiver's old bytes are overwritten by the broadcast anyway)
+                    data[i].zero_()
+        self._nccl("all_reduce", data, op=NCCL_OPS[ReduceOp.SUM], streams=streams)
 
     def all_gather(
         self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], tensor: torch.Tensor

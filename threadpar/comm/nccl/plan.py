@@ -8,8 +8,10 @@ supports bool, int16 and complex; the nccl backend covers them the same way:
 - whatever is left (bool, int16, complex PRODUCT) is all-gathered as bytes and reduced by each member on
   its comm stream, in rank order, with the very function the `threads` backend uses (`accumulate_`).
 
-AVG uses NCCL's own average (ncclAvg, NCCL >= 2.10) for floating dtypes; otherwise SUM, then a division
-on the comm stream that rounds like the `threads` backend (towards zero for integers).
+AVG uses NCCL's own average (ncclAvg, NCCL >= 2.10) for floating dtypes, except fp16/bf16 over a group
+whose size is not a power of two (NCCL pre-multiplies by a 1/n rounded to half precision: a bias on every
+element; see exact_avg_scale); otherwise SUM, then a division on the comm stream that rounds like the
+`threads` backend (towards zero for integers), so those results equal the threads backend's.
 Pure functions only: no CUDA calls here.
 """
 
@@ -42,14 +44,23 @@ def has_native_avg(version: Sequence[int | str]) -> bool:
     return tuple(int(v) for v in version[:2]) >= NCCL_AVG_VERSION
 
 
-def reduction_plan(dtype: torch.dtype, op: ReduceOp, native_avg: bool) -> ReductionPlan:
-    """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16)."""
+def exact_avg_scale(dtype: torch.dtype, size: int) -> bool:
+    """Whether NCCL's AVG on `dtype` over `size` ranks is unbiased: ncclAvg pre-multiplies every input by
+    1/size held in the data type (src/enqueue.cc, hostToDevRedOp), exact when size is a power of two; for
+    fp16/bf16 otherwise a rounded 1/size scales every element the same way (1/3 in bfloat16 is +0.2%).
+    fp32/fp64 round 1/size to 2^-24 / 2^-53: below their own rounding, so they use NCCL's AVG."""
+    power_of_two = size & (size - 1) == 0
+    return power_of_two or dtype not in (torch.float16, torch.bfloat16)
+
+
+def reduction_plan(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int = 2) -> ReductionPlan:
+    """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16); `size`: the group size (for AVG)."""
     as_real = dtype.is_complex and op in (ReduceOp.SUM, ReduceOp.AVG)
     old_bf16 = dtype == torch.bfloat16 and not native_avg
     if old_bf16 or (not as_real and dtype not in NCCL_REDUCIBLE):
         return ReductionPlan(gather=True, as_real=False, nccl_op=-1, divide=False)
     floating = as_real or dtype.is_floating_point
-    if op is ReduceOp.AVG and not (native_avg and floating):
+    if op is ReduceOp.AVG and not (native_avg and floating and exact_avg_scale(dtype, size)):
         return ReductionPlan(gather=False, as_real=as_real, nccl_op=NCCL_OPS[ReduceOp.SUM], divide=True)
     return ReductionPlan(gather=False, as_real=as_real, nccl_op=NCCL_OPS[op], divide=False)
 

@@ -10,7 +10,9 @@ joins the group's clique with `join_nccl_group` (member 0 puts the unique id in 
 They are not pooled across launches (every process would have to agree on reusing them).
 
 torch.cuda.nccl sizes and indexes by the LOCAL lists, so some collectives are built from others:
-- all_reduce, broadcast: as they are (broadcast's root is passed to NCCL as the rank). Optimal.
+- all_reduce: as it is. Optimal. broadcast: NCCL's own from member 0; from another member an all-reduce
+  of bytes in which the others contribute zeros (torch.cuda.nccl.broadcast always sends from NCCL rank 0;
+  see NcclGroup._broadcast_bytes). Cost: 2x the bytes of a broadcast when the source is not member 0.
 - reduce: torch uses `root` both as the index of the output in the local lists and as NCCL's root rank,
   which differ across processes. So: an all-reduce into the root's tensor and into scratch buffers on the
   other members. Cost: 2x the bytes of a reduce on the wire (ring all-reduce = reduce-scatter +
@@ -19,8 +21,9 @@ torch.cuda.nccl sizes and indexes by the LOCAL lists, so some collectives are bu
   input into a scratch buffer, each member keeps its 1/size. Cost: 2x the bytes of a reduce-scatter, and a
   [size x count] buffer per member.
 - all_gather (and the byte gather behind bool/int16/complex-product reductions): torch checks output =
-  len(local inputs) x input. So: one broadcast per member, rooted at it. The same bytes as a ring
-  all-gather ((size-1) x count per member), but `size` NCCL launches in a row: latency size x a broadcast's.
+  len(local inputs) x input, and its broadcast cannot choose a root. So: each member zeroes the others'
+  chunks of the output and puts its own in place, then one all-reduce of the bytes. Cost: 2x the bytes
+  of a ring all-gather, one launch.
 - scatter, gather, all_to_all, barrier: through host memory and gloo, with the hierarchical backend's code
   (comm/hierarchical/group.py). Each member's current stream is synchronized first (the host waits for the device);
   the op is done when it returns, so async_op=True does not overlap it. Cost: a device-to-host and a
@@ -49,9 +52,10 @@ from threadpar.comm.common.rendezvous import Call, Slot
 from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
 from threadpar.comm.nccl.bootstrap import join_nccl_group
 from threadpar.comm.nccl.group import NcclGroup, _tensors
-from threadpar.comm.nccl.plan import ReductionPlan
+from threadpar.comm.nccl.plan import NCCL_OPS, ReductionPlan
 from threadpar.comm.nccl.process_check import ProcessCheck
 from threadpar.comm.nccl.work import NcclWork
+from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import NcclError
 
 
@@ -106,7 +110,7 @@ class NcclSpanningGroup(NcclGroup):
         self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=meet, final=True)
         cuda = self._cuda
         try:
-            with cuda.device_guard(self.devices[member]):
+            with self._initialising(member):
                 comm = join_nccl_group(
                     self._processes.store_client(),
                     f"{self.key:x}",
@@ -149,14 +153,21 @@ class NcclSpanningGroup(NcclGroup):
                 wouts[i].copy_(wholes[i][m * count : (m + 1) * count])
 
     def _all_gather_bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor], streams) -> None:
-        n = ins[0].numel()  # bytes per member; outs[i] is [size * n]
+        """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order, across processes:
+        each member zeroes the chunks of the others and puts its own in place, then one all-reduce (SUM of
+        bytes: x + 0 = x) fills them all. torch.cuda.nccl.all_gather cannot (it sizes the output by the
+        local list) and neither can one broadcast per member (torch.cuda.nccl.broadcast always sends from
+        NCCL rank 0). Cost: 2x the bytes of a ring all-gather, in one launch."""
+        n = ins[0].numel()
         for i, m in enumerate(self.local):
-            own = outs[i][m * n : (m + 1) * n]
-            if own.data_ptr() != ins[i].data_ptr():
-                with self._on(streams[i]):
+            out = outs[i]
+            own = out[m * n : (m + 1) * n]
+            with self._on(streams[i]):
+                out[: m * n].zero_()
+                out[(m + 1) * n :].zero_()
+                if own.data_ptr() != ins[i].data_ptr():  # (all_gather_into_tensor may pass its own chunk)
                     own.copy_(ins[i])
-        for s in range(self.size):  # chunk s comes from member s, wherever it lives
-            self._nccl("broadcast", [out[s * n : (s + 1) * n] for out in outs], root=s, streams=streams)
+        self._nccl("all_reduce", outs, op=NCCL_OPS[ReduceOp.SUM], streams=streams)
 
     # through host memory ----------------------------------------------------------------------------------------
     def _host_staged(

@@ -20,6 +20,7 @@ import torch
 
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.rendezvous import Arrival
+from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.work import Work
 from threadpar.errors import CollectiveTimeoutError, NcclError
 
@@ -57,7 +58,7 @@ class Described:
 
 
 class NcclWork(Work):
-    __slots__ = ("_arrival", "_comm", "_cuda", "_device", "_done_event", "_timeout")
+    __slots__ = ("_arrival", "_comm", "_cuda", "_device", "_done_event", "_health", "_timeout")
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class NcclWork(Work):
         arrival: Arrival | None = None,
         done: Any = None,
         comm: Any = None,
+        health: CliqueHealth | None = None,
     ) -> None:
         # Work's fields, without the threading.Event Work.__init__ makes (it costs more than the rest).
         self._description, self._abort, self._done = description, abort, _Flag()
@@ -82,10 +84,16 @@ class NcclWork(Work):
         self._arrival = arrival  # None: launched at issue time (a send)
         self._done_event = done  # None: nothing on the device to wait for (a barrier)
         self._comm = comm  # this member's communicator, for the asynchronous error check
+        self._health = health  # the group's: told of any failure or timeout (its clique is then not reused)
 
     def _fail(self, error: BaseException) -> BaseException:
+        self._spoil(error)
         self._finish(error=error)
         return error
+
+    def _spoil(self, error: BaseException) -> None:
+        if self._health is not None:
+            self._health.spoil(f"{self._description}: {type(error).__name__}")
 
     def _launched(self, timeout: float | None) -> None:
         """Wait until the leader has launched the operation; raise what went wrong there."""
@@ -94,8 +102,9 @@ class NcclWork(Work):
         if self._arrival is not None:
             try:
                 self._arrival.wait(timeout)
-            except CollectiveTimeoutError:
-                raise  # not failed: a later wait may still succeed
+            except CollectiveTimeoutError as error:
+                self._spoil(error)  # not failed (a later wait may still succeed), but never pooled
+                raise
             except Exception as error:
                 raise self._fail(error) from None
 
@@ -115,6 +124,10 @@ class NcclWork(Work):
             return bool(self._done_event.query())
         except RuntimeError as error:  # a CUDA error surfaced by the event (e.g. a failed kernel)
             raise self._fail(NcclError(f"{self._description} failed on the device: {error}")) from error
+
+    def _spoiled_by(self, error: BaseException) -> BaseException:
+        self._spoil(error)
+        return error
 
     def is_completed(self) -> bool:
         if self._done.is_set():
@@ -156,10 +169,12 @@ class NcclWork(Work):
             if self._abort is not None:
                 self._abort.raise_if_set()
             if time.monotonic() >= deadline:
-                raise CollectiveTimeoutError(
-                    f"{self._description} was launched but the device did not finish it within {timeout:g} s; "
-                    "a peer's stream may be stuck behind other work, or the NCCL kernel is hung "
-                    "(NCCL_DEBUG=INFO shows what it waits for)"
+                raise self._spoiled_by(
+                    CollectiveTimeoutError(
+                        f"{self._description} was launched but the device did not finish it within {timeout:g} s; "
+                        "a peer's stream may be stuck behind other work, or the NCCL kernel is hung "
+                        "(NCCL_DEBUG=INFO shows what it waits for)"
+                    )
                 )
             time.sleep(sleep)
             sleep = min(2 * sleep, POLL_MAX_S)

@@ -13,7 +13,6 @@ from threadpar.parallel.expert_parallel.layer import MoE, MoEStats
 from threadpar.parallel.expert_parallel.routing import (
     Routing,
     TopKRouter,
-    assign,
     expert_capacity,
     load_balancing_loss,
 )
@@ -28,7 +27,6 @@ __all__ = [
     "TopKRouter",
     "all_to_all_rows",
     "allreduce_moe_grads",
-    "assign",
     "expert_capacity",
     "expert_parallel_groups",
     "expert_parameters",

@@ -70,7 +70,7 @@ class AllToAllDispatcher:
     """Sends expert-sorted rows to the experts' EP ranks, runs `experts` there, and brings the outputs back."""
 
     def __init__(self, group: ProcessGroup, num_experts: int) -> None:
-        self.group = group  # captured at build time (rule 2): the Functions keep it for backward
+        self.group = group  # captured at build time (DESIGN.md rule 2): the Functions keep it for backward
         self.ep = group.size()
         self.num_local_experts = num_experts // self.ep
 

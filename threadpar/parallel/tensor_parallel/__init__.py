@@ -1,5 +1,6 @@
 """Tensor and sequence parallelism: autograd mappings, Column/Row/Vocab-parallel layers, vocab-parallel
-cross-entropy, the TP random streams, sequence-parallel gradient sync, and `parallelize`."""
+cross-entropy, the TP random streams, sequence-parallel gradient sync, and `parallelize`. (The stream
+names INIT / REPLICATED / TP_REGION and the functional `dropout` are internals of .random.)"""
 
 from threadpar.parallel.tensor_parallel.cross_entropy import (
     VocabParallelCrossEntropyLoss,
@@ -24,15 +25,7 @@ from threadpar.parallel.tensor_parallel.parallelize import (
     VocabParallel,
     parallelize,
 )
-from threadpar.parallel.tensor_parallel.random import (
-    INIT,
-    REPLICATED,
-    TP_REGION,
-    ParallelDropout,
-    RNGTracker,
-    dropout,
-    get_rng_tracker,
-)
+from threadpar.parallel.tensor_parallel.random import RNGTracker, TrackedDropout, get_rng_tracker
 from threadpar.parallel.tensor_parallel.sequence import (
     allreduce_sequence_parallel_grads,
     mark_sequence_parallel,
@@ -47,25 +40,21 @@ from threadpar.parallel.tensor_parallel.sharding import (
 )
 
 __all__ = [
-    "INIT",
-    "REPLICATED",
-    "TP_REGION",
     "ColumnParallelLinear",
     "ColwiseParallel",
     "DropoutParallel",
-    "ParallelDropout",
     "RNGTracker",
     "RowParallelLinear",
     "RowwiseParallel",
     "SequenceParallel",
     "ShardSpec",
     "TensorParallelModule",
+    "TrackedDropout",
     "VocabParallel",
     "VocabParallelCrossEntropyLoss",
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "copy_to_tp_region",
-    "dropout",
     "gather_dense_grads",
     "gather_dense_state_dict",
     "gather_from_sp_region",

@@ -11,7 +11,7 @@ They come in conjugate pairs (the backward of one is the forward of the other), 
     reduce_scatter_to_sp_region reduce-scatter | all-gather       leave the TP region under SP
 
 Every mapping is the identity for a group of one rank. The group handle is stored on the autograd ctx
-when the forward runs (rule 2 of DESIGN.md): backward may run on a thread with no rank context.
+when the forward runs (DESIGN.md rule 2): backward may run on a thread with no rank context.
 `group=None` resolves this rank's TP group at that moment, so call these on the rank thread; modules
 pass the handle they captured when built. `dim` is the sequence dim: 1 for [batch, seq, hidden].
 """

@@ -42,7 +42,7 @@ from threadpar.parallel.tensor_parallel.layers import (
     RowParallelLinear,
     check_positive_int,
 )
-from threadpar.parallel.tensor_parallel.random import ParallelDropout
+from threadpar.parallel.tensor_parallel.random import TrackedDropout
 from threadpar.parallel.tensor_parallel.sequence import mark_sequence_parallel
 
 
@@ -98,7 +98,7 @@ class SequenceParallel:
 
 @dataclass(kw_only=True)
 class DropoutParallel:
-    """nn.Dropout -> ParallelDropout drawing from a TP-aware stream (nn.Dropout would draw from the
+    """nn.Dropout -> TrackedDropout drawing from a TP-aware stream (nn.Dropout would draw from the
     process-wide generator that all rank threads share, so TP ranks would disagree on replicated masks).
 
     in_tp_region=True ("tp_dropout"): the activation is split across the TP ranks (attention probabilities
@@ -250,7 +250,7 @@ def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence
             old, pad_vocab_to_multiple_of=pad, reduce_scatter_embeddings=sp, **common
         )
     # Dropout. Under SP, activations outside the TP region are sequence shards: each rank needs its own mask.
-    new = ParallelDropout(old.p, in_tp_region=style.in_tp_region or sp)
+    new = TrackedDropout(old.p, in_tp_region=style.in_tp_region or sp)
     return new.train(old.training)
 
 

@@ -1,8 +1,8 @@
 """Random streams for tensor parallelism: which ranks share a dropout mask, and weight init.
 
 torch.nn.functional.dropout draws from the process-wide default generator, which all rank threads share
-(rule 3 of DESIGN.md), and Megatron's trick of swapping that generator's state per region is not
-thread-safe. So each rank has an RNGTracker of named torch.Generators, and ParallelDropout draws its
+(DESIGN.md rule 3), and Megatron's trick of swapping that generator's state per region is not
+thread-safe. So each rank has an RNGTracker of named torch.Generators, and TrackedDropout draws its
 mask from one of them explicitly:
 
 - TP_REGION: seeded with the TP rank. Inside the TP region (attention probabilities over this rank's
@@ -86,8 +86,9 @@ def dropout(x: torch.Tensor, p: float, generator: torch.Generator, training: boo
     return x.masked_fill(~keep, 0.0) * (1.0 / (1.0 - p))
 
 
-class ParallelDropout(nn.Module):
-    """nn.Dropout drawing from this rank's TP_REGION stream (`in_tp_region=True`) or REPLICATED stream.
+class TrackedDropout(nn.Module):
+    """nn.Dropout drawing its mask from this rank's RNG tracker: the TP_REGION stream (`in_tp_region=True`)
+    or the REPLICATED stream. (The module; the `parallelize` plan entry that installs it is DropoutParallel.)
 
     Use in_tp_region=True where TP ranks hold different parts of the activation: after attention softmax
     over a rank's heads, and on activations split along the sequence under sequence parallelism.
