@@ -2,6 +2,7 @@
 parameters and fp32 master weights: parameters after 3 AdamW steps equal one thread's."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,16 +17,17 @@ from threadpar.parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from threadpar.testing import run_ranks
 
 STEPS, LR = 3, 1e-2
+CONFIG = replace(SMALL, n_layer=4)  # two blocks per stage at pp=2: enough, and half the time
 
 
 def gpt_data(batch=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    model = GPT(SMALL).init_weights(g)
-    shape = (batch, SMALL.block_size)
+    model = GPT(CONFIG).init_weights(g)
+    shape = (batch, CONFIG.block_size)
     data = [
         (
-            torch.randint(0, SMALL.vocab_size, shape, generator=g),
-            torch.randint(0, SMALL.vocab_size, shape, generator=g),
+            torch.randint(0, CONFIG.vocab_size, shape, generator=g),
+            torch.randint(0, CONFIG.vocab_size, shape, generator=g),
         )
         for _ in range(STEPS)
     ]
@@ -50,7 +52,7 @@ def test_gpt_parameters_after_three_steps_match_one_thread(stage, layout):
 
     def body():
         layout_, coords = threadpar.get_layout(), threadpar.get_coords()
-        hybrid = parallelize_gpt(SMALL, dense, num_microbatches=2)
+        hybrid = parallelize_gpt(CONFIG, dense, num_microbatches=2)
         zero = ZeroRedundancyOptimizer(
             hybrid.parameters(), torch.optim.AdamW, stage=stage, lr=LR, weight_decay=0.1
         )
@@ -63,10 +65,11 @@ def test_gpt_parameters_after_three_steps_match_one_thread(stage, layout):
     covered = set()
     for state in run_ranks(body, 4, **layout):
         for name, value in state.items():
-            # atol 1e-4: the key bias has an exactly-zero true gradient, where Adam turns float noise into
-            # updates (see test_checkpoint); a wrong shard would be off by ~lr = 1e-2.
+            # atol 1e-3: Adam divides by sqrt(v), so an element whose true gradient is about zero (the key
+            # bias's is exactly zero) turns float noise from another summation order into updates; a wrong
+            # shard or a missing all-gather is off by ~lr = 1e-2.
             torch.testing.assert_close(
-                value, expected[name], rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+                value, expected[name], rtol=1e-3, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}"
             )
             covered.add(name)
     assert covered == set(expected)
