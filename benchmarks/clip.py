@@ -13,12 +13,18 @@ torch.nn.utils.clip_grads_with_norm_. Ratios > 1 mean threadpar is faster.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 import threadpar
-from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
+from benchmarks.harness import (
+    fmt_time,
+    machine_line,
+    median_time,
+    repeats_of,
+    repeats_parser,
+    run_gloo,
+    table,
+)
 
 HIDDEN, LAYERS, ITERS = 1024, 4, 20
 
@@ -79,14 +85,10 @@ def dense_clip(repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = repeats_parser(__doc__)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="3 repeats")
     args = parser.parse_args()
-    repeats = 3 if args.quick else args.repeats
+    repeats = repeats_of(args)
     print(f"# clip_grad_norm_ of a 16 MiB MLP's gradients split over TP ({machine_line()})")
     print(f"# median of {repeats} repeats of {ITERS} clips\n")
     dense = dense_clip(repeats)

@@ -6,6 +6,7 @@ spawned here so both sides run in one process tree, one after the other, on the 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -39,6 +40,18 @@ def median_time(
             fn()
         samples.append((clock() - start) / iters)
     return statistics.median(samples)
+
+
+def repeats_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line with --repeats N and --quick (3 repeats); read them with `repeats_of`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="3 repeats")
+    return parser
+
+
+def repeats_of(args: argparse.Namespace) -> int:
+    return 3 if args.quick else args.repeats
 
 
 def free_port() -> int:

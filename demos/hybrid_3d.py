@@ -1,5 +1,6 @@
 """Recipe: DP x TP x PP on 8 rank threads (2 x 2 x 2): the pipeline schedule over the PP group, TP inside
-each stage, DDP over the DP group with gradients averaged once per step. The same thing the demo
+each stage, DDP over the DP group with gradients averaged once per step, the whole model's gradient norm
+clipped to 1 (one all-reduce over the launch). The same thing the demo
 (`python -m threadpar.demo --gpus 8`) runs, in a page.
 
     python demos/hybrid_3d.py
@@ -11,6 +12,7 @@ import threadpar
 from threadpar.demo.data import Batches, data_parallel_slice, load_tokens
 from threadpar.models.gpt import GPT, model_config
 from threadpar.models.parallelize_gpt import parallelize_gpt
+from threadpar.parallel import clip_grad_norm_
 
 CONFIG = model_config("small", block_size=32)
 
@@ -25,6 +27,7 @@ def train(dense: dict, batches: Batches, steps: int) -> list[float]:
         inputs = data_parallel_slice(inputs, coords.dp, layout.dp)
         targets = data_parallel_slice(targets, coords.dp, layout.dp)
         loss = model.train_step(inputs, targets)
+        clip_grad_norm_(model.parameters(), max_norm=1.0)  # the norm over every shard, stage and replica
         optimizer.step()
         optimizer.zero_grad()
         threadpar.all_reduce(loss, op="avg", group="DP")  # the global batch's mean loss

@@ -165,11 +165,11 @@ MODELS = {"tuple": (tuple_layers, tuple_batch, tuple_loss), "dict": (dict_layers
 
 
 # pipeline helpers -----------------------------------------------------------------------------------------------
-def my_chunks(layers: list[nn.Module], v: int) -> list[Chain]:
+def my_chunks(layers: list[nn.Module], v: int, placement: str = "loop") -> list[Chain]:
     """This rank's chunks: embedding + blocks + head cut like build_chunks does (first/last attached)."""
     pp, stage = threadpar.get_layout().pp, threadpar.get_coords().pp
     blocks = layers[1:-1]
-    info = get_stage_info(len(blocks), pp, stage, v)
+    info = get_stage_info(len(blocks), pp, stage, v, placement)
     chunks = []
     for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk):
         parts = blocks[start:end]

@@ -76,3 +76,21 @@ def test_wait_with_timeout_raises_when_the_peer_is_late():
             threadpar.barrier()
 
     run_ranks(body, 2)
+
+
+def test_async_ops_issued_under_no_grad_from_tensors_that_require_grad():
+    """In backward (grad mode off) a layer gathers a saved input that requires grad into a fresh buffer.
+    torch's c10d ops write outputs outside autograd (ProcessGroup ops are not differentiable), so the comm
+    worker must not run them with grad mode on: writing a requires-grad input into views made under no_grad
+    would raise "A view was created in no_grad mode and is being modified inplace"."""
+
+    def body():
+        rank = threadpar.get_rank()
+        x = torch.full((4, 3), float(rank + 1), requires_grad=True)
+        with torch.no_grad():
+            out = torch.empty(2, 4, 3)
+            work = threadpar.all_gather_into_tensor(out, x, async_op=True)
+            work.wait()
+        return out[:, 0, 0].tolist(), out.requires_grad
+
+    assert run_ranks(body, 2) == [([1.0, 2.0], False)] * 2

@@ -140,7 +140,8 @@ def stack_model():
     return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4)])
 
 
-def test_pipeline_autocast_dtype_runs_every_chunk_and_the_loss_under_autocast():
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])  # zbh1: a split backward (B, then W) of that graph
+def test_pipeline_autocast_dtype_runs_every_chunk_and_the_loss_under_autocast(schedule):
     dense = stack_model()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     y = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
@@ -160,7 +161,7 @@ def test_pipeline_autocast_dtype_runs_every_chunk_and_the_loss_under_autocast():
         seen = []
         chunks[0].register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
         pipe = PipelineParallel(
-            chunks, loss_fn=F.mse_loss, schedule="1f1b", num_microbatches=2, autocast_dtype=BF16
+            chunks, loss_fn=F.mse_loss, schedule=schedule, num_microbatches=2, autocast_dtype=BF16
         )
         loss = pipe.train_step(x, y)
         return stage, seen, loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

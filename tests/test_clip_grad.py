@@ -68,7 +68,7 @@ def test_clip_grad_norm_equals_torch_on_the_dense_model(dp, cp, tp, pp, sp, sche
     max_norms = [0.5 * float(torch.nn.utils.get_total_norm(list(ref.grads.values()), p)) for p in NORM_TYPES]
     results = run_ranks(
         clipped_step, dp * cp * tp * pp, ref, schedule, microbatches, max_norms,
-        sequence_parallel=sp, ep=ep, dp=dp, cp=cp, tp=tp, pp=pp,
+        kwargs={"sequence_parallel": sp, "ep": ep}, dp=dp, cp=cp, tp=tp, pp=pp,
     )  # fmt: skip
     for index, (norm_type, max_norm) in enumerate(zip(NORM_TYPES, max_norms)):
         want_total, want_grads = torch_clip(ref.grads, max_norm, norm_type)

@@ -157,3 +157,63 @@ def test_total_grad_norm_of_shards_over_dp_equals_the_norm_of_the_reduced_gradie
 
     for total in run_ranks(body, 8, dp=4, tp=2):
         torch.testing.assert_close(total, want)
+
+
+def test_ddp_leaves_a_layer_over_an_unknown_group_unmarked_and_clipping_names_it():
+    """A ColumnParallelLinear over a group that is not the layout's TP group: which ranks hold copies of
+    its shards is unknown, so DDP marks it not and clip_grad_norm_ refuses it by name."""
+
+    def body():
+        pair = threadpar.new_group([0, 1]) if threadpar.get_rank() < 2 else threadpar.new_group([2, 3])
+        layer = ColumnParallelLinear(4, 4, group=pair)
+        model = DistributedDataParallel(
+            nn.Sequential(layer),
+            process_group=threadpar.new_group([0, 2])
+            if threadpar.get_rank() in (0, 2)
+            else threadpar.new_group([1, 3]),
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        with pytest.raises(
+            threadpar.ConfigError,
+            match=r"parameter #0 \(shape \[2, 4\], torch.float32\) has no gradient placement.*mark_grad_placement\(param",
+        ):
+            clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(threadpar.ConfigError, match="not this rank's TP group"):
+            mark_grad_placements(model.module)
+
+    run_ranks(body, 4, dp=4)
+
+
+def test_experts_over_ep_without_their_expert_dp_group_are_refused():
+    from threadpar.parallel import MoE, MoEConfig, expert_parallel_groups
+
+    def body():
+        ep_group, _ = expert_parallel_groups(2)
+        moe = MoE(MoEConfig(hidden_size=8, ffn_hidden_size=16, num_experts=4, top_k=2), ep_group)
+        with pytest.raises(
+            threadpar.ConfigError, match=r"expert_data_parallel=expert_parallel_groups\(ep\)\[1\]"
+        ):
+            mark_grad_placements(moe)
+
+    run_ranks(body, 4, dp=4)
+
+
+def test_on_the_nccl_backend_the_norm_and_the_clip_equal_the_dense_model():
+    """Over the CUDA/NCCL test double: the all-reduce is stream-ordered, and the clip reads its result."""
+    from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+
+    want_total, want_grads = dense_clipped(0.05, 2.0)
+
+    def body():
+        model = DistributedDataParallel(tp_mlp())
+        per = X.shape[0] // 2
+        dp = threadpar.get_coords().dp
+        model(X[dp * per : (dp + 1) * per]).square().mean().backward()
+        total = clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True)
+        inner = model.module
+        return total, [inner[2].bias.grad, inner[3].weight.grad, inner[3].bias.grad]
+
+    for total, grads in run_fake_gpus(body, 4, FakeCuda(), dp=2, tp=2):
+        torch.testing.assert_close(total, want_total, rtol=1e-5, atol=1e-7)
+        for got, want in zip(grads, want_grads[3:]):  # the replicated ones: row bias, LayerNorm
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

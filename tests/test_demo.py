@@ -155,6 +155,19 @@ def test_demo_writes_its_outputs_and_matches_the_single_thread_model(tmp_path, c
     assert {e["cat"] for e in trace["traceEvents"] if "cat" in e} >= {"forward", "backward"}
 
 
+@pytest.mark.parametrize("schedule", ["zbh1", "zb_interleaved", "zbv"])
+def test_demo_with_a_zero_bubble_schedule_matches_the_single_thread_model(tmp_path, capsys, schedule):
+    micro = "3" if schedule == "zbv" else "2"  # zbv needs n >= 2 pp - 1
+    batch = "12" if schedule == "zbv" else "8"
+    args = ["--gpus", "4", "--steps", "3", "--seq-len", "16", "--batch-size", batch, "--out", str(tmp_path)]
+    assert main([*args, "--check", "--schedule", schedule, "--model", "small", "--microbatches", micro]) == 0
+    out = capsys.readouterr().out
+    assert "check vs single-thread model, first 3 steps: match" in out
+    assert "waiting for messages" in out
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["cat"] for e in trace["traceEvents"] if "cat" in e} >= {"forward", "backward", "weight"}
+
+
 def test_demo_with_context_parallelism_and_moe_over_ep_matches_the_single_thread_model(tmp_path, capsys):
     args = ["--gpus", "4", "--cp", "2", "--moe-experts", "4", "--ep", "2", "--steps", "3", "--seq-len", "16"]
     assert main([*args, "--batch-size", "8", "--check", "--out", str(tmp_path)]) == 0

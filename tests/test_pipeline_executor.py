@@ -18,6 +18,7 @@ from threadpar.pipeline import (
     build_plan,
     chrome_trace,
     measured_bubble,
+    schedule_placement,
     simulate,
 )
 from threadpar.testing import run_ranks
@@ -46,12 +47,12 @@ def make_batch(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(VOCAB, (batch, SEQ), generator=g), torch.randint(VOCAB, (batch, SEQ), generator=g)
 
 
-def my_chunks(model: nn.Sequential, v: int) -> list[nn.Sequential]:
+def my_chunks(model: nn.Sequential, v: int, placement: str = "loop") -> list[nn.Sequential]:
     layout = threadpar.get_layout()
     blocks = list(model)[1:-1]
     return build_chunks(
         blocks, pp_size=layout.pp, pp_rank=threadpar.get_coords().pp, chunks_per_stage=v,
-        first=model[0], last=model[-1],
+        first=model[0], last=model[-1], placement=placement,
     )  # fmt: skip
 
 
@@ -179,12 +180,17 @@ class CountingDDP(nn.Module):
         return self.module(x)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("afab", 2)])
+@pytest.mark.parametrize(
+    "schedule,v",
+    [("1f1b", 1), ("interleaved", 2), ("afab", 2), ("zbh1", 1), ("zb_interleaved", 2), ("zbv", 2)],
+)
 def test_ddp_chunks_sync_gradients_once_per_step_after_the_last_microbatch(schedule, v):
+    """Zero-bubble schedules too: their W's accumulate through AccumulateGrad, so the sync comes in each
+    chunk's last W."""
     inputs, targets = make_batch(8)
 
     def body():
-        chunks = [CountingDDP(c) for c in my_chunks(make_model(6), v)]
+        chunks = [CountingDDP(c) for c in my_chunks(make_model(6), v, schedule_placement(schedule))]
         pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule=schedule, num_microbatches=4)
         for _ in range(2):
             for c in chunks:

@@ -42,6 +42,17 @@ GOLDEN = {
         "r0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3\n"
         "r1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
     ),
+    # zero bubble: W actions; zbv places chunks in a V (rank 0: chunks 0 and 3; rank 1: 1 and 2)
+    ("zbh1", 2, 3, 1): "r0: 0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2\nr1: 1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2",
+    ("zb_interleaved", 2, 2, 2): (
+        "r0: 0F0 0F1 2F0 2F1 2B0 2W0 2B1 2W1 0B0 0W0 0B1 0W1\n"
+        "r1: 1F0 1F1 3F0 3B0 3F1 3B1 3W0 1B0 3W1 1B1 1W0 1W1"
+    ),
+    # rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2: rank 1 passes 1F to 2F itself
+    ("zbv", 2, 3, 2): (
+        "r0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0B0 0W0 3F2 3B2 3W2 0B1 0W1 0B2 0W2\n"
+        "r1: 1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1B1 2B2 1B2 1W1 2W2 1W2"
+    ),
 }
 
 

@@ -4,9 +4,16 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from tp_parity import assert_grads_close, grads_of, my_chunk, randn, seed_params_
+from tp_parity import (
+    assert_grads_close,
+    dense_mlp_block,
+    grads_of,
+    my_chunk,
+    randn,
+    seed_params_,
+    tp_mlp_block,
+)
 
 import threadpar
 from threadpar.errors import ConfigError
@@ -18,7 +25,6 @@ from threadpar.parallel import (
     copy_to_tp_region,
     gather_dense_grads,
     gather_dense_state_dict,
-    mark_sequence_parallel,
     reduce_from_tp_region,
 )
 from threadpar.parallel.tensor_parallel.sharding import ShardSpec
@@ -27,30 +33,12 @@ from threadpar.testing import run_ranks
 B, T, C, FFN = 2, 8, 16, 64
 
 
-class MLPBlock(nn.Module):
-    """Pre-norm MLP with a residual: x + fc2(gelu(fc1(ln(x))))."""
-
-    def __init__(self, ln, fc1, fc2):
-        super().__init__()
-        self.ln, self.fc1, self.fc2 = ln, fc1, fc2
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
 def dense_mlp():
-    return seed_params_(MLPBlock(nn.LayerNorm(C), nn.Linear(C, FFN), nn.Linear(FFN, C)), seed=1)
+    return dense_mlp_block(C, FFN)
 
 
 def tp_mlp(dense, sp):
-    block = MLPBlock(
-        copy.deepcopy(dense.ln),
-        ColumnParallelLinear.from_dense(dense.fc1, sequence_parallel=sp),
-        RowParallelLinear.from_dense(dense.fc2, sequence_parallel=sp),
-    )
-    if sp:
-        mark_sequence_parallel(block.ln)
-    return block
+    return tp_mlp_block(dense, sp)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])

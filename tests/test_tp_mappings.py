@@ -4,11 +4,10 @@ Rank r's input and upstream gradient are built from (r, seed), so the test rebui
 and checks, for instance, that the backward of copy_to_tp_region is the sum of every rank's gradient.
 """
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
+from tp_parity import backward_off_the_rank_thread
 
 import threadpar
 from threadpar.errors import ConfigError
@@ -165,20 +164,7 @@ def test_backward_runs_without_a_rank_context():
         a = copy_to_tp_region(x) * (rank + 1)  # the ranks' partial products of a replicated input
         b = gather_from_sp_region(scatter_to_tp_region(x), dim=0)  # whole x (rearranged) on every rank
         loss = reduce_from_tp_region(a.sum() + b.sum() * (rank + 1))
-        errors = []
-
-        def backward():
-            try:
-                assert not threadpar.in_rank()
-                loss.backward()
-            except BaseException as e:  # reported below, on the rank thread
-                errors.append(e)
-
-        t = threading.Thread(target=backward)
-        t.start()
-        t.join()
-        if errors:
-            raise errors[0]
+        backward_off_the_rank_thread(loss)
         return x.grad
 
     grads = run_ranks(body, 2, tp=2)

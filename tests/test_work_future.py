@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import threadpar
-from threadpar.comm.work import CompletedWork, Work
+from threadpar.comm.work import CompletedWork, LazyWork, Work
 from threadpar.parallel.ddp.comm_hooks import then
 from threadpar.testing import run_ranks
 
@@ -39,6 +39,21 @@ def test_get_future_after_completion_and_twice():
     assert not future.done()
     pending._finish(result=[1])
     assert future.wait() == [1]
+
+
+def test_future_of_a_lazy_work_taken_before_wait_gets_its_result():
+    # LazyWork (an irecv's Work) once kept its completion function in a slot named like Work's own
+    # _complete(future), so a future taken before wait() called the receive with the future as timeout.
+    calls = []
+
+    def receive(timeout):
+        calls.append(timeout)
+        return 3
+
+    work = LazyWork("irecv", receive, lambda: True)
+    future = work.get_future()
+    assert work.wait()
+    assert future.done() and future.wait() == 3 and calls == [None]
 
 
 def test_errors_keep_their_type_through_get_future_and_then():

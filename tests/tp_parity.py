@@ -6,9 +6,12 @@ The oracle: a dense model runs on the test's own thread; each rank builds the TP
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import threadpar
@@ -58,3 +61,53 @@ def assert_grads_close(got: dict, want: dict, **tol) -> None:
             torch.testing.assert_close(
                 got[name], g, msg=lambda m, name=name: f"gradient of {name}: {m}", **tol
             )
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm MLP with a residual: x + fc2(gelu(fc1(ln(x))))."""
+
+    def __init__(self, ln, fc1, fc2):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = ln, fc1, fc2
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+def dense_mlp_block(hidden: int, ffn: int, seed: int = 1) -> MLPBlock:
+    block = MLPBlock(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden))
+    seed_params_(block, seed)
+    return block
+
+
+def tp_mlp_block(dense: MLPBlock, sp: bool, **column_options) -> MLPBlock:
+    """This rank's TP version of `dense` (fc1 column-, fc2 row-parallel; the norm marked under SP)."""
+    from threadpar.parallel import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+
+    block = MLPBlock(
+        copy.deepcopy(dense.ln),
+        ColumnParallelLinear.from_dense(dense.fc1, sequence_parallel=sp, **column_options),
+        RowParallelLinear.from_dense(dense.fc2, sequence_parallel=sp),
+    )
+    if sp:
+        mark_sequence_parallel(block.ln)
+    return block
+
+
+def backward_off_the_rank_thread(loss: torch.Tensor) -> None:
+    """loss.backward() on a plain thread the rank starts: no rank context there, as on torch's device
+    threads on CUDA. Its error is re-raised here, on the rank thread."""
+    errors = []
+
+    def backward():
+        try:
+            assert not threadpar.in_rank()
+            loss.backward()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]

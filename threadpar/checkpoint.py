@@ -13,7 +13,7 @@ state_dict() is the dense one, so a run saved with ZeRO resumes with or without 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -68,7 +68,7 @@ def _named_params(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter]
     return [(name, p) for module in modules for name, p in unwrap(module).named_parameters()]
 
 
-def gather_optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> dict[str, dict]:
+def gather_optimizer_state(optimizer: torch.optim.Optimizer, modules: Sequence[nn.Module]) -> dict[str, dict]:
     """Per-parameter optimizer state at dense shapes, keyed by parameter name (a collective, like
     gather_model_state: tensors shaped like their parameter are gathered over its TP group)."""
     specs = _shard_specs(unwrap(m) for m in modules)
@@ -94,7 +94,7 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Mo
 
 
 def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, modules: list[nn.Module], dense: dict[str, dict]
+    optimizer: torch.optim.Optimizer, modules: Sequence[nn.Module], dense: dict[str, dict]
 ) -> None:
     """Shard each parameter's dense optimizer state for this rank and load it."""
     specs = _shard_specs(unwrap(m) for m in modules)

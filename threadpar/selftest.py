@@ -93,10 +93,12 @@ def case_op(name: str, nbytes: int, n: int, device: torch.device):
         parts = list(x.split(chunk)) if rank == 0 else None
         return (lambda: threadpar.scatter(out, parts, src=0)), (lambda: [out])
     got = torch.empty_like(x)  # send_recv: a ring; sends are buffered, so everyone sends first
-    return (
-        lambda: (threadpar.send(x, dst=(rank + 1) % n), threadpar.recv(got, src=(rank - 1) % n)),
-        lambda: [got],
-    )
+
+    def send_recv() -> None:
+        threadpar.send(x, dst=(rank + 1) % n)
+        threadpar.recv(got, src=(rank - 1) % n)
+
+    return send_recv, (lambda: [got])
 
 
 def expected(name: str, nbytes: int, n: int) -> list[list[torch.Tensor]]:

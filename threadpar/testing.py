@@ -21,14 +21,14 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ParamSpec
 
 from threadpar.errors import RankFailedError, RemoteRankError
 from threadpar.runtime.launch import launch, launch_in_process, resolve_config
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")  # the decorated test's parameters (pytest fixtures), kept by on_ranks
 
 # Short enough that a deadlock in a test fails fast; long enough for a loaded 2-core CI machine.
 TEST_TIMEOUT_S = 20.0
@@ -59,15 +59,17 @@ def run_ranks(
         raise error from None
 
 
-def on_ranks(world_size: int | None = None, **options: Any) -> Callable[[F], F]:
+def on_ranks(
+    world_size: int | None = None, **options: Any
+) -> Callable[[Callable[P, Any]], Callable[P, None]]:
     """Decorator: run the decorated test on `world_size` rank threads (pytest fixtures still work)."""
 
-    def decorate(test: F) -> F:
+    def decorate(test: Callable[P, Any]) -> Callable[P, None]:
         @functools.wraps(test)
-        def wrapper(*args: Any, **kwargs: Any) -> None:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
             run_ranks(functools.partial(test, *args, **kwargs), world_size, **options)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper
 
     return decorate
 

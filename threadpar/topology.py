@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from threadpar.errors import ConfigError
 
@@ -75,6 +75,9 @@ class Layout:
     pp: int = 1
     cp: int = 1
     order: tuple[Axis, ...] = DEFAULT_ORDER
+    # Derived in __post_init__ (not arguments, not compared: the fields above determine them).
+    _strides: dict[Axis, int] = field(init=False, repr=False, compare=False)
+    _world_size: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for axis in Axis:
@@ -82,7 +85,8 @@ class Layout:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ConfigError(f"{axis.value.lower()} must be a positive int, got {size!r}")
         object.__setattr__(self, "order", parse_order(self.order))
-        strides, stride = {}, 1
+        strides: dict[Axis, int] = {}
+        stride = 1
         for axis in reversed(self.order):
             strides[axis] = stride
             stride *= self.size(axis)

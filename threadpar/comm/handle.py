@@ -38,7 +38,7 @@ def spec(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
-def _contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+def _contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
     """`tensor` itself, or a contiguous staging copy plus the function that writes it back."""
     if tensor.is_contiguous():
         return tensor, None
@@ -46,13 +46,13 @@ def _contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] 
     return staging, lambda: tensor.copy_(staging)
 
 
-def _write_back(result: Any, writebacks: Sequence[Callable[[], None] | None]) -> None:
+def _write_back(result: Any, writebacks: Sequence[Callable[[], object] | None]) -> None:
     """Copy staging buffers back; after a stream-ordered backend's Work, once the caller's stream waits for it."""
-    writebacks = [w for w in writebacks if w is not None]
-    if writebacks:
+    pending = [w for w in writebacks if w is not None]
+    if pending:
         if isinstance(result, Work):
             result.wait()
-        for writeback in writebacks:
+        for writeback in pending:
             writeback()
 
 

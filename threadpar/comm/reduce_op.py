@@ -17,6 +17,8 @@ class ReduceOp(enum.Enum):
     MIN = "MIN"
     MAX = "MAX"
 
+    extra: tuple[tuple[str, str], ...]  # set on every member below (not a member itself: no value here)
+
     @classmethod
     def parse(cls, op: object) -> ReduceOp:
         """Accept a ReduceOp, its name, or torch.distributed.ReduceOp values (matched by name)."""

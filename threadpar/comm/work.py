@@ -22,7 +22,7 @@ class Work:
     __slots__ = ("_abort", "_description", "_done", "_error", "_future", "_result")
 
     def __init__(self, description: str, abort: AbortSignal | None = None) -> None:
-        self._description = description
+        self._description: object = description  # shown with str(); NcclWork passes a lazy Described
         self._abort = abort
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -113,11 +113,11 @@ class CompletedWork(Work):
 class LazyWork(Work):
     """A Work whose completion is performed by the first `wait()` (e.g. a receive from a mailbox)."""
 
-    __slots__ = ("_complete", "_lock", "_probe")
+    __slots__ = ("_lock", "_perform", "_probe")
 
     def __init__(self, description: str, complete: Callable[[float | None], Any], probe: Callable[[], bool]):
         super().__init__(description)
-        self._complete = complete
+        self._perform = complete  # (not `_complete`: that is Work's method that completes the future)
         self._probe = probe
         self._lock = threading.Lock()
 
@@ -130,7 +130,7 @@ class LazyWork(Work):
         with self._lock:
             if not self._done.is_set():
                 try:
-                    self._finish(self._complete(timeout))
+                    self._finish(self._perform(timeout))
                 except CollectiveTimeoutError:
                     raise  # not done yet: a later wait() may still succeed
                 except BaseException as error:

@@ -97,10 +97,12 @@ def prepare(cfg: DemoConfig) -> RunState:
     )
     batches = Batches(load_tokens(cfg.data), cfg.batch_size, cfg.seq_len, cfg.seed)
     if cfg.resume:
+        checkpoint = cfg.checkpoint
+        assert checkpoint is not None  # DemoConfig: --resume needs --checkpoint
         if cfg.processes > 1:  # only process 0 needs to see the checkpoint directory
-            ckpt = processes.from_process_zero(lambda: load_checkpoint(cfg.checkpoint, gpt))
+            ckpt = processes.from_process_zero(lambda: load_checkpoint(checkpoint, gpt))
         else:
-            ckpt = load_checkpoint(cfg.checkpoint, gpt)
+            ckpt = load_checkpoint(checkpoint, gpt)
         written = ckpt["data"]
         if (written["seed"], written["source"]) != (cfg.seed, str(cfg.data or "synthetic")):
             raise ConfigError(

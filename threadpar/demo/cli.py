@@ -10,9 +10,10 @@ from pathlib import Path
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import MODEL_SIZES
 from threadpar.parallel.context_parallel import padding_multiple
+from threadpar.pipeline.schedule import default_chunks_per_rank
 from threadpar.topology import Layout
 
-SCHEDULES = ("afab", "1f1b", "interleaved")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zbh1", "zb_interleaved", "zbv")
 DTYPES = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2)
 
@@ -170,7 +171,7 @@ class DemoConfig:
 
     @property
     def chunks_per_stage(self) -> int:
-        return 2 if self.schedule == "interleaved" else 1
+        return default_chunks_per_rank(self.schedule)
 
 
 def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:

@@ -30,7 +30,7 @@ class Summary:
 
 def layout_sizes(cfg: DemoConfig) -> dict[str, int]:
     """The axis sizes (cp and ep only when used)."""
-    sizes = {"dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep}
+    sizes = {"dp": cfg.layout.dp, "cp": cfg.cp, "tp": cfg.layout.tp, "pp": cfg.layout.pp, "ep": cfg.ep}
     return {k: v for k, v in sizes.items() if k not in ("cp", "ep") or v > 1}
 
 
@@ -49,6 +49,7 @@ def reference_losses(run: RunState) -> dict[str, Any]:
     """Re-run the first steps on one thread with the plain GPT and compare the losses. Each step runs one
     forward per (DP replica, microbatch), as the parallel run does: a MoE routes per forward."""
     cfg = run.config
+    assert cfg.microbatches is not None  # DemoConfig.__post_init__ derived it
     steps = range(run.start_step, min(cfg.steps, run.start_step + CHECK_STEPS))
     model = GPT(run.gpt, autocast_dtype=AUTOCAST[cfg.dtype])
     model.load_state_dict(run.dense_state)
@@ -58,7 +59,7 @@ def reference_losses(run: RunState) -> dict[str, Any]:
     reference, norms = [], []
     for step in steps:
         inputs, targets = run.batches.batch(step)
-        loss = model.accumulate_gradients(inputs, targets, forwards=cfg.dp * cfg.microbatches)
+        loss = model.accumulate_gradients(inputs, targets, forwards=cfg.layout.dp * cfg.microbatches)
         if cfg.clip_grad > 0:  # torch's own clipping on the whole model: what the ranks' clip must equal
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)))
         optimizer.step()
@@ -82,8 +83,8 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
     timed = run.step_seconds[1:] or run.step_seconds  # the first step includes one-time setup
     tokens_per_s = run.tokens_per_step / statistics.median(timed)
     pipeline = _pipeline_zero(run)
-    bubble = measured_bubble(pipeline) if cfg.pp > 1 and pipeline else 0.0
-    peaks = {
+    bubble = measured_bubble(pipeline) if layout.pp > 1 and pipeline else 0.0
+    peaks: dict[int, dict[str, Any]] = {
         r: {
             "saved_activations_bytes": run.activation_peaks.get(r, 0),
             "device_allocated_bytes": run.device_peaks.get(r),
@@ -93,8 +94,9 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
     lines = [
         f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f} over steps {run.start_step + 1}..{cfg.steps}",
         f"throughput {tokens_per_s:,.0f} tokens/s (median step {statistics.median(timed) * 1e3:.1f} ms), wall {wall_seconds:.1f} s",
-        f"pipeline bubble (measured, last step): {bubble:.1%}"
-        if cfg.pp > 1
+        f"pipeline bubble (measured, last step): {bubble:.1%}; waiting for messages "
+        f"{sum(t.waiting_time() for t in pipeline) / len(pipeline) * 1e3:.1f} ms per stage"
+        if layout.pp > 1
         else "pipeline bubble: none (pp=1)",
     ]
     if cfg.moe_experts:

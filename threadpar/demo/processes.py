@@ -88,7 +88,7 @@ def gather_to_process_zero(run: RunState) -> None:
     # machine, the difference is that machine's clock offset (to within a network round trip).
     clock = time.perf_counter()
     mine = {"host": socket.gethostname(), "clock": clock, **{f: getattr(run, f) for f in PER_RANK_FIELDS}}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if parts is not None:
         merge_parts(run, parts)

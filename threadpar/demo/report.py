@@ -69,11 +69,11 @@ def write_loss_png(losses: Sequence[float], path: Path, *, title: str) -> bool:
 
 
 def write_timeline_png(timelines: Sequence[Any], path: Path, *, title: str) -> bool:
-    """One row per pipeline stage (threadpar.pipeline.Timeline), forward and backward actions coloured."""
+    """One row per pipeline stage (threadpar.pipeline.Timeline), forward, backward and W actions coloured."""
     plt = _pyplot()
     if plt is None:
         return False
-    colors = {"forward": "#4c9be8", "backward": "#f28e2b"}
+    colors = {"forward": "#4c9be8", "backward": "#f28e2b", "weight": "#59a14f"}
     timelines = sorted(timelines, key=lambda t: t.stage)
     t0 = min(e.start for t in timelines for e in t.events)
     fig, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len(timelines)), dpi=110)
@@ -88,7 +88,9 @@ def write_timeline_png(timelines: Sequence[Any], path: Path, *, title: str) -> b
     ax.set_yticks(range(len(timelines)), [f"stage {t.stage} (rank {t.rank})" for t in timelines])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    ax.set_title(title + "  (blue: forward, orange: backward, grey: waiting for a message)")
+    ax.set_title(
+        title + "  (blue: forward, orange: backward, green: weight gradients, grey: waiting for a message)"
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

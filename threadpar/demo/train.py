@@ -94,6 +94,7 @@ class RunState:
 
 def train_rank(run: RunState) -> None:
     cfg, rank = run.config, get_rank()
+    assert cfg.microbatches is not None  # __post_init__ derived it
     layout, coords = get_layout(), get_coords()
     scaler = LossScaler(get_group()) if cfg.dtype == "fp16" else None
     if scaler is not None and run.scaler_state:
@@ -135,7 +136,7 @@ def train_rank(run: RunState) -> None:
             run.aux_losses.append(loss_and_aux[1].item())
             run.grad_norms.append(grad_norm)
             run.step_seconds.append(seconds)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            if bar is not None and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
                 bar.update(step + 1, run.losses[-1], run.tokens_per_step / seconds)
     if bar is not None:
         bar.close()

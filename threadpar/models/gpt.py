@@ -62,10 +62,13 @@ IGNORE_INDEX = -100  # targets that take no part in the loss (F.cross_entropy's 
 
 @dataclass(kw_only=True)
 class TensorParallel:
-    """How a GPT is split over a TP group. Under sequence parallelism T must be divisible by the TP size."""
+    """How a GPT is split over a TP group. Under sequence parallelism T must be divisible by the TP size.
+    overlap_grad_comm: the column-parallel layers overlap their input-gradient collective with the
+    weight-gradient GEMM in backward (ColumnParallelLinear's option; None: where it helps)."""
 
     group: ProcessGroup
     sequence_parallel: bool = False
+    overlap_grad_comm: bool | None = None
 
     @property
     def size(self) -> int:
@@ -89,7 +92,7 @@ def _routing_group(tp: TensorParallel | None, cp: ProcessGroup | None) -> Proces
     parallelism), over which a MoE counts routing for its load-balancing loss; None: whole sequences here."""
     sp = tp is not None and tp.sequence_parallel
     if cp is None:
-        return tp.group if sp else None
+        return tp.group if sp and tp is not None else None
     return context_tensor_parallel_group() if sp else cp
 
 
@@ -101,6 +104,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.cp = cp
+        self.wte: nn.Embedding | VocabParallelEmbedding
         if tp is None:
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         else:
@@ -126,7 +130,15 @@ def _linears(config: GPTConfig, tp: TensorParallel | None, d_in: int, d_out: int
     if tp is None:
         return nn.Linear(d_in, d_out, bias=config.bias), nn.Linear(d_out // stride, d_in, bias=config.bias)
     sp = tp.sequence_parallel
-    up = ColumnParallelLinear(d_in, d_out, config.bias, stride=stride, sequence_parallel=sp, group=tp.group)
+    up = ColumnParallelLinear(
+        d_in,
+        d_out,
+        config.bias,
+        stride=stride,
+        sequence_parallel=sp,
+        group=tp.group,
+        overlap_grad_comm=tp.overlap_grad_comm,
+    )
     down = RowParallelLinear(d_out // stride, d_in, config.bias, sequence_parallel=sp, group=tp.group)
     return up, down
 
@@ -211,6 +223,7 @@ class Head(nn.Module):
     def __init__(self, config: GPTConfig, tp: TensorParallel | None) -> None:
         super().__init__()
         self.ln_f = _layer_norm(config, tp)
+        self.lm_head: nn.Linear | ColumnParallelLinear
         if tp is None:
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         else:
@@ -222,6 +235,7 @@ class Head(nn.Module):
                 sequence_parallel=tp.sequence_parallel,
                 group=tp.group,
                 pad_out_features_to_multiple_of=1,
+                overlap_grad_comm=tp.overlap_grad_comm,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -282,7 +296,10 @@ class GPTChunk(nn.Module):
 
     def last_aux_loss(self) -> float:
         """The MoE aux losses of the last forward (this rank's share, times cp like GPTLoss's), 0 without MoE."""
-        return self.cp_size * sum(moe.last_stats.aux_loss for moe in self.moe_layers)
+        stats = [moe.last_stats for moe in self.moe_layers]
+        if any(s is None for s in stats):
+            raise RuntimeError("last_aux_loss() reads the MoE stats of the last forward: run a forward first")
+        return self.cp_size * sum(s.aux_loss for s in stats if s is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """idx [B, T] (first chunk) or hidden states -> hidden states, or logits (last chunk)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from threadpar.parallel.context_parallel import padding_multiple, split_sequence
 from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
-from threadpar.pipeline import PipelineParallel, get_stage_info
+from threadpar.pipeline import PipelineParallel, default_chunks_per_rank, get_stage_info, schedule_placement
 from threadpar.runtime.context import get_coords, get_layout
 
 
@@ -80,12 +81,14 @@ class HybridGPT:
         return parts.sum()
 
     def _check_sequence(self, seq_len: int) -> None:
+        assert self.cp is not None  # checked under context parallelism only
         sp = self.tp is not None and self.tp.sequence_parallel
-        multiple = padding_multiple(self.cp.size(), 1 if self.tp is None else self.tp.size, sp)
+        tp_size = 1 if self.tp is None else self.tp.size
+        multiple = padding_multiple(self.cp.size(), tp_size, sp)
         if seq_len % multiple:
             raise ConfigError(
                 f"a sequence of {seq_len} tokens does not split over cp={self.cp.size()}"
-                + (f" x tp={self.tp.size} (sequence parallel)" if sp else "")
+                + (f" x tp={tp_size} (sequence parallel)" if sp else "")
                 + f": its length must be a multiple of {multiple} (two chunks per CP rank"
                 + (", each split over TP)" if sp else ")")
                 + "; use such a length, or pad inputs and targets at the end (pad_sequence; targets with -100, "
@@ -139,10 +142,14 @@ def parallelize_gpt(
     tp = TensorParallel(group=get_group("TP"), sequence_parallel=sequence_parallel) if layout.tp > 1 else None
     cp = get_group("CP") if layout.cp > 1 else None
     ep_group = expert_parallel_groups(ep)[0] if config.moe_experts else None
-    chunks_per_stage = 2 if schedule == "interleaved" else 1
-    info = get_stage_info(config.n_layer, layout.pp, coords.pp, chunks_per_stage)
+    chunks_per_stage = default_chunks_per_rank(schedule)
+    info = get_stage_info(
+        config.n_layer, layout.pp, coords.pp, chunks_per_stage, schedule_placement(schedule)
+    )
     last_chunk = layout.pp * chunks_per_stage - 1
-    options = dict(tp=tp, cp=cp, ep=ep_group, recompute=recompute, autocast_dtype=autocast_dtype)
+    options: dict[str, Any] = dict(
+        tp=tp, cp=cp, ep=ep_group, recompute=recompute, autocast_dtype=autocast_dtype
+    )
     chunks = [
         GPTChunk(config, range(start, end), first=chunk == 0, last=chunk == last_chunk, **options)
         for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk)

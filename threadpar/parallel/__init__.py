@@ -77,11 +77,10 @@ __all__ = [  # noqa: RUF022 (grouped by kind of parallelism, then by use)
     # data parallelism
     "DataParallel",
     "DistributedDataParallel",
-    "LossScaler",
     # distributed optimizer (ZeRO-1/2 over the DP group)
     "ZeroRedundancyOptimizer",
     "optimizer_state_bytes",
-    # global gradient clipping
+    # gradient clipping and mixed precision (the whole model's norm over every parallel axis)
     "clip_grad_norm_",
     "total_grad_norm",
     "scale_grads_by_norm_",
@@ -89,6 +88,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind of parallelism, then by use)
     "grad_placements",
     "mark_grad_placement",
     "mark_grad_placements",
+    "LossScaler",
     # tensor and sequence parallelism: layers, loss, dropout
     "ColumnParallelLinear",
     "RowParallelLinear",

@@ -28,10 +28,15 @@ from threadpar.pipeline.schedule import (
     ScheduleError,
     afab,
     build_plan,
+    default_chunks_per_rank,
     interleaved_1f1b,
     one_f_one_b,
+    schedule_placement,
+    zb_interleaved,
+    zbh1,
+    zbv,
 )
-from threadpar.pipeline.simulator import Simulation, in_flight_peaks, simulate
+from threadpar.pipeline.simulator import Simulation, awaiting_weight_peaks, in_flight_peaks, simulate
 from threadpar.pipeline.stage import build_chunks
 from threadpar.pipeline.timeline import (
     Event,
@@ -54,10 +59,12 @@ __all__ = [
     "StageInfo",
     "Timeline",
     "afab",
+    "awaiting_weight_peaks",
     "build_chunks",
     "build_plan",
     "chrome_trace",
     "chunk_layer_ranges",
+    "default_chunks_per_rank",
     "describe_tag",
     "get_stage_info",
     "in_flight_peaks",
@@ -66,9 +73,13 @@ __all__ = [
     "message_tag",
     "one_f_one_b",
     "recv_activation",
+    "schedule_placement",
     "send_activation",
     "settle_gradient",
     "simulate",
     "step_time",
     "write_chrome_trace",
+    "zb_interleaved",
+    "zbh1",
+    "zbv",
 ]

@@ -20,9 +20,11 @@ torch.autocast on the rank's device type (InfiniTrain's TrainStep(..., dtype)); 
 the optimizer stay in their own dtype (fp32 master weights), and activations travel between stages in the
 dtype autocast gave them. With float16, scale the loss (threadpar.parallel.LossScaler).
 
-Each microbatch's saved activations are released as soon as its backward has run. A chunk that has a
-`no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its last of the step
-inside `no_sync()`, so its gradients are synchronized once per step, after the last microbatch.
+Each microbatch's saved activations are released as soon as its backward has run (for a split backward:
+its W). A chunk that has a `no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its
+last of the step inside `no_sync()`, so its gradients are synchronized once per step, after the last
+microbatch; with a split backward that last one is the chunk's last W (split_backward.py: W accumulates
+through the parameters' AccumulateGrad nodes, where the reducer's hooks are).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from threadpar.pipeline.p2p import (
     add_note,
     check_tag_range,
     gradient_anchor,
+    message_tag,
     recv_activation,
     run_backward,
     send_activation,
@@ -53,8 +56,18 @@ from threadpar.pipeline.p2p import (
 )
 from threadpar.pipeline.schedule import Action, Plan, build_plan
 from threadpar.pipeline.simulator import Simulation, simulate
+from threadpar.pipeline.split_backward import (
+    PendingWeights,
+    backward_input,
+    backward_weight,
+    loss_gradient,
+    receive_output_gradients,
+)
 from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
+
+_CATEGORY = {"F": "forward", "B": "backward", "W": "weight"}  # timeline categories
+_DESCRIPTION = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
@@ -110,6 +123,7 @@ class PipelineParallel:
         group: ProcessGroup | str | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         autocast_dtype: torch.dtype | None = None,
+        prefetch: bool = True,
     ) -> None:
         chunk_list = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         if not chunk_list or not all(isinstance(c, nn.Module) for c in chunk_list):
@@ -122,6 +136,7 @@ class PipelineParallel:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"PipelineParallel: num_microbatches must be a positive int, got {n!r}")
         self.chunks = chunk_list
+        self.prefetch = bool(prefetch)  # post the next action's receive before the current compute
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.num_microbatches = n
@@ -131,22 +146,33 @@ class PipelineParallel:
         self.plan, self.simulation = self._make_plan(schedule, len(chunk_list))
         check_tag_range(self.plan.num_chunks, n)
         self.actions: tuple[Action, ...] = self.plan.actions[self.stage]
-        self.is_first_stage = self.stage == 0
-        self.is_last_stage = self.stage == self.pp - 1
+        self.is_first_stage = self.plan.rank_of(0) == self.stage
+        self.is_last_stage = self.plan.rank_of(self.plan.num_chunks - 1) == self.stage
         self.expected_peak_saved_activations = self.simulation.peak_in_flight[self.stage]
         self.peak_saved_activations = 0  # measured by the last train_step
         self.timeline = Timeline(self.group.global_rank, self.stage)
         self.device = _device_of(chunk_list)
         self.autocast_dtype = _check_autocast(autocast_dtype, self.device)
-        channel = self.group if self.pp > 1 else LocalChannel()
+        # One link per neighbouring stage, and one to this stage itself for a chunk whose neighbour chunk is
+        # on this rank (pp = 1, or the bottom of ZB-V's V), which keeps its messages in a local channel.
         ranks = self.group.ranks
-        self._from_prev = Link(channel, ranks[(self.stage - 1) % self.pp], self.device, self.timeline)
-        self._to_next = Link(channel, ranks[(self.stage + 1) % self.pp], self.device, self.timeline)
+        self._links: dict[int, Link] = {
+            self.stage: Link(LocalChannel(), ranks[self.stage], self.device, self.timeline)
+        }
+        for peer in ((self.stage - 1) % self.pp, (self.stage + 1) % self.pp):
+            if peer not in self._links:
+                self._links[peer] = Link(self.group, ranks[peer], self.device, self.timeline)
+        self._from_prev = self._links[(self.stage - 1) % self.pp]  # the links of the loop placement
+        self._to_next = self._links[(self.stage + 1) % self.pp]
         self._anchor = gradient_anchor(self.device)
-        # Gradient sync (DDP chunks): only the last backward of each chunk runs outside no_sync().
-        last_backward = {a.chunk: i for i, a in enumerate(self.actions) if not a.forward}
+        self._trainable = [[p for p in c.parameters() if p.requires_grad] for c in chunk_list]
+        self._check_weight_actions()
+        # Gradient sync (DDP chunks): only the last action of each chunk that accumulates weight gradients
+        # (a fused backward or a W) runs outside no_sync().
+        last_backward = {a.chunk: i for i, a in enumerate(self.actions) if self._accumulates(a)}
         self._sync_indices = frozenset(last_backward.values())
         self._forward_plan: tuple[Plan, Simulation] | None = None
+        self._saved: dict[tuple[int, int], torch.Tensor | None] = {}
         self._check_agreement()
 
     # construction helpers ---------------------------------------------------------------------------------------
@@ -167,6 +193,22 @@ class PipelineParallel:
                 f"{self.num_microbatches} and {v} chunks on this rank; pass a training plan of those sizes"
             )
         return schedule, simulate(schedule)
+
+    def _accumulates(self, action: Action) -> bool:
+        """Whether `action` accumulates weight gradients: a W, or a backward that is not split."""
+        return action.weight or (not action.forward and action.key not in self.plan.split)
+
+    def _check_weight_actions(self) -> None:
+        """W actions need weights: a chunk without trainable parameters has no weight gradient to defer."""
+        for local, params in enumerate(self._trainable):
+            chunk = local * self.pp + self.stage
+            if not params and any(c == chunk for c, _ in self.plan.split):
+                raise ConfigError(
+                    f"PipelineParallel: schedule {self.plan.name!r} has W actions (weight gradients) for chunk "
+                    f"{chunk} on stage {self.stage}, but that chunk has no parameter that requires grad; use "
+                    "a schedule without W actions (e.g. '1f1b' or 'interleaved'), or a plan whose backwards "
+                    "of that chunk are fused (a B with no W)"
+                )
 
     def _check_agreement(self) -> None:
         """Every stage must run the same plan with the same chunk count: check once, instead of hanging."""
@@ -200,20 +242,32 @@ class PipelineParallel:
         input_mbs = self._split("inputs", inputs) if self.is_first_stage else None
         target_mbs = self._split("targets", targets) if self.is_last_stage else None
         saved: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk, microbatch) -> backward root
+        pending: dict[tuple[int, int], PendingWeights] = {}  # split B's waiting for their W
+        self._saved = saved  # for _post_receive: whether a backward will get a gradient message
         losses: list[torch.Tensor] = []
         peak = 0
 
         def run(index: int, action: Action) -> None:
             nonlocal peak
-            if action.forward:
+            if action.weight:
+                # W: the weight gradients; then the graph (kept by `saved` until here) is freed.
+                self._backward_weight(action, index, pending.pop(action.key))
+                del saved[action.key]
+            elif not action.forward and action.key in self.plan.split:
+                pending[action.key] = self._backward_input(action, saved[action.key])
+            elif action.forward:
                 output = self._forward(action, input_mbs)
                 if action.chunk == self.plan.num_chunks - 1:
+                    assert target_mbs is not None  # the last chunk runs on the last stage, which has them
                     loss = self._loss(output, target_mbs[action.microbatch])
                     losses.append(loss.detach())
                     saved[(action.chunk, action.microbatch)] = loss / self.num_microbatches
                 else:
                     saved[(action.chunk, action.microbatch)] = send_activation(
-                        output, self._to_next, chunk=action.chunk, microbatch=action.microbatch
+                        output,
+                        self._link_to_next(action.chunk),
+                        chunk=action.chunk,
+                        microbatch=action.microbatch,
                     )
                 peak = max(peak, len(saved))
             else:
@@ -246,7 +300,9 @@ class PipelineParallel:
             if action.chunk == plan.num_chunks - 1:
                 outputs.append(output)
             else:
-                send_activation(output, self._to_next, chunk=action.chunk, microbatch=action.microbatch)
+                send_activation(
+                    output, self._link_to_next(action.chunk), chunk=action.chunk, microbatch=action.microbatch
+                )
 
         with torch.no_grad():
             self._run(plan.actions[self.stage], simulation, run)
@@ -259,28 +315,54 @@ class PipelineParallel:
         for index, action in enumerate(actions):
             t0 = time.perf_counter()
             try:
+                if self.prefetch and index + 1 < len(actions):
+                    self._post_receive(actions[index + 1])
                 run(index, action)
             except RankAborted:
                 raise  # a consequence of another rank's failure, reported there
             except Exception as error:
                 add_note(error, self._failure_report(simulation, index, action))
                 raise
-            record(str(action), "forward" if action.forward else "backward", t0, time.perf_counter())
+            record(str(action), _CATEGORY[action.kind], t0, time.perf_counter())
+
+    def _link_from_prev(self, chunk: int) -> Link:
+        """The link to the rank of chunk - 1 (where chunk's input comes from and its gradient goes)."""
+        return self._links[self.plan.rank_of(chunk - 1)]
+
+    def _link_to_next(self, chunk: int) -> Link:
+        """The link to the rank of chunk + 1 (where chunk's output goes and its gradient comes from)."""
+        return self._links[self.plan.rank_of(chunk + 1)]
+
+    def _post_receive(self, action: Action) -> None:
+        """Post the receive `action` will wait for (its input activation, or its output's gradient), so
+        that its transfer overlaps the current action's compute (see p2p.Channel)."""
+        if action.forward:
+            if action.chunk > 0:
+                self._link_from_prev(action.chunk).post(
+                    message_tag(action.microbatch, action.chunk - 1, False)
+                )
+        elif (
+            not action.weight
+            and action.chunk < self.plan.num_chunks - 1
+            and self._saved.get(action.key) is not None  # None: no gradient comes back for this output
+        ):
+            self._link_to_next(action.chunk).post(message_tag(action.microbatch, action.chunk, backward=True))
 
     def _failure_report(self, simulation: Simulation, index: int, action: Action) -> str:
         grid = simulation.grid(mark=[(self.stage, index)], legend="[x] = the failing action (unit-cost grid)")
         return (
             f"pipeline schedule {simulation.plan.name!r} failed on rank {self.group.global_rank} "
-            f"(stage {self.stage}) in action {action} ({'forward' if action.forward else 'backward'} of "
+            f"(stage {self.stage}) in action {action} ({_DESCRIPTION[action.kind]} of "
             f"microbatch {action.microbatch} through chunk {action.chunk}), its action #{index}:\n{grid}"
         )
 
     def _forward(self, action: Action, input_mbs: list | None) -> Any:
         chunk, microbatch = action.chunk, action.microbatch
         if chunk == 0:
+            assert input_mbs is not None  # chunk 0 runs on the first stage, which has the inputs
             x = input_mbs[microbatch]
         else:
-            x = recv_activation(self._from_prev, self._anchor, chunk=chunk, microbatch=microbatch)
+            x = recv_activation(self._link_from_prev(chunk), self._anchor, chunk=chunk, microbatch=microbatch)
         with self._autocast():
             return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
 
@@ -292,12 +374,7 @@ class PipelineParallel:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
-        module = self.chunks[action.local_chunk(self.pp)]
-        no_sync = getattr(module, "no_sync", None)
-        sync_guard = (
-            no_sync() if callable(no_sync) and index not in self._sync_indices else contextlib.nullcontext()
-        )
-        with sync_guard:
+        with self._sync_guard(self.chunks[action.local_chunk(self.pp)], index):
             if action.chunk == self.plan.num_chunks - 1:
                 if root is not None and root.requires_grad:
                     root.backward()
@@ -306,7 +383,41 @@ class PipelineParallel:
                 # (and drops it, for a frozen chunk whose output needs none).
                 run_backward(root)
         if action.chunk > 0:  # sends dL/d(input) back, or "none" if this backward never reached the input
-            settle_gradient(self._from_prev, chunk=action.chunk, microbatch=action.microbatch)
+            settle_gradient(
+                self._link_from_prev(action.chunk), chunk=action.chunk, microbatch=action.microbatch
+            )
+
+    def _sync_guard(self, module: nn.Module, index: int) -> contextlib.AbstractContextManager:
+        """no_sync() for a DDP chunk, except in the chunk's last gradient-accumulating action of the step."""
+        no_sync = getattr(module, "no_sync", None)
+        if callable(no_sync) and index not in self._sync_indices:
+            return no_sync()
+        return contextlib.nullcontext()
+
+    def _backward_input(self, action: Action, root: torch.Tensor | None) -> PendingWeights:
+        """B of a split backward: dL/d(input) only, sent upstream at once; returns what its W needs."""
+        local = action.local_chunk(self.pp)
+        edges: list = []
+        grads: list[torch.Tensor] = []
+        if root is not None:
+            if action.chunk == self.plan.num_chunks - 1:
+                edges, grads = loss_gradient(root)
+            else:
+                edges, grads = receive_output_gradients(root, self._anchor)
+        # No weight gradient is accumulated here, so no DDP hook fires; no_sync() only for clarity.
+        with self._sync_guard(self.chunks[local], -1):
+            weights = backward_input(edges, grads, self._anchor, self._trainable[local])
+        if action.chunk > 0:
+            settle_gradient(
+                self._link_from_prev(action.chunk), chunk=action.chunk, microbatch=action.microbatch
+            )
+        return weights
+
+    def _backward_weight(self, action: Action, index: int, weights: PendingWeights) -> None:
+        """W of a split backward: the weight gradients from what its B kept."""
+        local = action.local_chunk(self.pp)
+        with self._sync_guard(self.chunks[local], index):
+            backward_weight(weights)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         with self._autocast():
@@ -324,7 +435,7 @@ class PipelineParallel:
         if self.is_last_stage:
             mean = torch.stack(losses).to(torch.float64).mean()
         if self.pp > 1:
-            self.group.broadcast(mean, src=self.group.ranks[-1])
+            self.group.broadcast(mean, src=self.group.ranks[self.plan.rank_of(self.plan.num_chunks - 1)])
         return mean.to(torch.float32)
 
     def _split(self, what: str, batch: Any) -> list:

@@ -63,11 +63,21 @@ def add_note(error: BaseException, text: str) -> None:
 
 
 class Channel(Protocol):
-    """What a link needs from a group: ProcessGroup has both methods."""
+    """What a link needs from a group: ProcessGroup has both methods.
+
+    A channel may also have `post_recv(src, tag) -> PostedReceive`: a receive posted ahead, whose transfer
+    may proceed while this rank computes. A transport where data moves only once the receive is posted
+    needs it (NCCL: ncclSend "is blocking for the GPU" until the peer's matching ncclRecv runs, per its
+    documentation of ncclSend/ncclRecv). threadpar's own backends buffer every send at once, so for them a
+    posted receive would change nothing and they have no post_recv."""
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None: ...
 
     def recv_tensor(self, src: int, tag: int = 0, timeout: float | None = None) -> torch.Tensor: ...
+
+
+class PostedReceive(Protocol):
+    def wait(self) -> torch.Tensor: ...
 
 
 class LocalChannel:
@@ -102,6 +112,18 @@ class Link:
         # access holds `_owed_lock` (DESIGN.md rule 10: nothing relies on the GIL to make it atomic).
         self.owed: set[int] = set()
         self._owed_lock = threading.Lock()
+        # Receives posted ahead (prefetch), by tag; the lock because backward may run on another thread.
+        self._posted: dict[int, PostedReceive] = {}
+        self._lock = threading.Lock()
+
+    def post(self, tag: int) -> None:
+        """Post the receive of `tag` now, if the channel can (see Channel); `recv(tag)` then waits on it."""
+        post_recv = getattr(self.channel, "post_recv", None)
+        if post_recv is None:
+            return
+        with self._lock:
+            if tag not in self._posted:
+                self._posted[tag] = post_recv(self.peer, tag)
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         t0 = time.perf_counter()
@@ -126,8 +148,10 @@ class Link:
 
     def recv(self, tag: int) -> torch.Tensor:
         t0 = time.perf_counter()
+        with self._lock:
+            posted = self._posted.pop(tag, None)
         try:
-            tensor = self.channel.recv_tensor(self.peer, tag)
+            tensor = self.channel.recv_tensor(self.peer, tag) if posted is None else posted.wait()
         except CollectiveTimeoutError as error:
             what = "gradient" if (tag - TAG_BASE) & 1 else "activation"
             add_note(
@@ -157,6 +181,7 @@ class _SendActivation(torch.autograd.Function):
     def forward(ctx, activation: torch.Tensor, link: Link, forward_tag: int, backward_tag: int):
         link.send(activation, forward_tag)
         ctx.link, ctx.backward_tag = link, backward_tag
+        ctx.tensor_inputs = (0,)  # see output_gradients
         return activation.new_empty(0)
 
     @staticmethod
@@ -172,6 +197,7 @@ class _DropGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, link: Link, backward_tag: int):
         ctx.link, ctx.backward_tag = link, backward_tag
+        ctx.tensor_inputs = (0,)
         return anchor.new_empty(0)
 
     @staticmethod
@@ -188,6 +214,7 @@ class _SendLeaves(torch.autograd.Function):
     def forward(ctx, link: Link, message: torch.Tensor, forward_tag: int, backward_tag: int, metas, *flagged):
         link.send(message, forward_tag)
         ctx.link, ctx.backward_tag, ctx.metas = link, backward_tag, metas
+        ctx.tensor_inputs = (1, *range(5, 5 + len(flagged)))  # message, flagged
         return torch.empty(0, device=message.device)
 
     @staticmethod
@@ -294,6 +321,22 @@ def settle_gradient(link: Link, *, chunk: int, microbatch: int) -> None:
     tag = message_tag(microbatch, chunk - 1, backward=True)
     if link.owes(tag):  # only the rank thread pays this tag here: its backward has finished
         link.pay(_no_gradient(link.device), tag)
+
+
+def output_gradients(token: torch.Tensor) -> list[tuple[Any, int, torch.Tensor]]:
+    """Receive dL/d(output) for the token of a send, without running anything else: each gradient that
+    arrived with the graph edge (node, output number) it continues on. The token's node is called directly,
+    not through the engine: asked for its inputs' edges, the engine would also run the nodes between them
+    (an output computed from another one) and sum their gradients in. A custom Function node has one edge
+    per tensor argument of its forward, in order; `tensor_inputs` says which arguments those were."""
+    node: Any = token.grad_fn  # a custom Function's node: it has apply() and what its forward put in ctx
+    grads = node.apply(token.new_empty(0))
+    pairs = []
+    for (child, nr), position in zip(node.next_functions, node.tensor_inputs):
+        grad = grads[position]
+        if child is not None and grad is not None:
+            pairs.append((child, nr, grad))
+    return pairs
 
 
 def run_backward(token: torch.Tensor) -> None:

@@ -142,7 +142,7 @@ def pack_gradients(
     arrived the message is empty."""
     if all(g is None for g in grads):
         return torch.empty(0, dtype=torch.uint8, device=device)
-    if len(grads) == 1:
+    if len(grads) == 1 and grads[0] is not None:  # (not None: not all of them are)
         return grads[0]  # as it is: no copy here (the backend makes the message its own)
     offsets, total = byte_layout(metas)
     buffer = torch.empty(total, dtype=torch.uint8, device=device)

@@ -54,19 +54,30 @@ def chunk_layer_ranges(total_layers: int, num_chunks: int) -> list[tuple[int, in
     return ranges
 
 
-def get_stage_info(total_layers: int, pp_size: int, pp_rank: int, chunks_per_stage: int = 1) -> StageInfo:
-    """The layer ranges of `pp_rank`'s chunks (dealt round-robin over the ranks) and its first/last flags."""
+def get_stage_info(
+    total_layers: int, pp_size: int, pp_rank: int, chunks_per_stage: int = 1, placement: str = "loop"
+) -> StageInfo:
+    """The layer ranges of `pp_rank`'s chunks and its first/last flags. placement "loop": chunks dealt
+    round-robin over the ranks; "v" (ZB-V, 2 chunks per rank): rank r holds chunks r and 2 pp - 1 - r, so
+    rank 0 holds the first and the last chunk."""
     _positive_int("pp_size", pp_size)
     _positive_int("chunks_per_stage", chunks_per_stage)
     if not isinstance(pp_rank, int) or isinstance(pp_rank, bool) or not 0 <= pp_rank < pp_size:
         raise ConfigError(f"pp_rank={pp_rank!r} is outside 0..{pp_size - 1} (pp_size={pp_size})")
+    if placement not in ("loop", "v") or (placement == "v" and chunks_per_stage != 2):
+        raise ConfigError(
+            f"placement={placement!r} with chunks_per_stage={chunks_per_stage}: use 'loop', or 'v' with 2 chunks"
+        )
     ranges = chunk_layer_ranges(total_layers, pp_size * chunks_per_stage)
-    chunk_ids = tuple(local * pp_size + pp_rank for local in range(chunks_per_stage))
+    if placement == "v":
+        chunk_ids: tuple[int, ...] = (pp_rank, 2 * pp_size - 1 - pp_rank)
+    else:
+        chunk_ids = tuple(local * pp_size + pp_rank for local in range(chunks_per_stage))
     return StageInfo(
         pp_rank=pp_rank,
         pp_size=pp_size,
         is_first_stage=pp_rank == 0,
-        is_last_stage=pp_rank == pp_size - 1,
+        is_last_stage=pp_rank == (0 if placement == "v" else pp_size - 1),
         chunk_ids=chunk_ids,
         layer_ranges_per_chunk=tuple(ranges[c] for c in chunk_ids),
     )

@@ -1,22 +1,25 @@
 """Dry-run a plan (pure): blocking receives, buffered sends, unit or given costs; and the grid printer.
 
 Each rank runs its actions in order. An action starts when its rank is free and its inputs have arrived:
-the forward of chunk c needs the forward of chunk c - 1 (same microbatch), the backward of chunk c needs
-its own forward and the backward of chunk c + 1. Sends never block (threadpar's mailboxes buffer them).
+the forward of chunk c needs the forward of chunk c - 1 (same microbatch), the backward (B) of chunk c needs
+its own forward and the B of chunk c + 1, and a W needs its own B. Sends never block (threadpar's
+mailboxes buffer them). Costs: F `forward`, B `backward`, W `weight`; a fused backward (a B without a W in
+the plan) does both halves, so it costs `backward + weight`.
 If no rank can move while some still have work, the plan deadlocks: `simulate` raises a ScheduleError
 with the grid of what ran and the blocked actions marked. Otherwise it reports every action's start and
-finish, each rank's peak number of saved activations (forwards whose backward has not run) and the bubble.
+finish, each rank's peak number of saved activations (forwards whose backward, or W when split, has not
+run: a split B keeps the graph alive for its W), the peak number of B's waiting for their W, and the bubble.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from threadpar.errors import ConfigError
 from threadpar.pipeline.schedule import Action, Plan, ScheduleError
 
-Key = tuple[int, int, bool]  # (chunk, microbatch, forward)
+Key = tuple[int, int, str]  # (chunk, microbatch, kind "F" / "B" / "W")
 # An error grid wider than this many time steps shows only the steps around the marked actions.
 GRID_MAX_STEPS = 24
 
@@ -28,6 +31,7 @@ class Simulation:
     finish: tuple[tuple[float, ...], ...]
     busy: tuple[float, ...]  # per rank: total cost of its actions
     peak_in_flight: tuple[int, ...]  # per rank: most (chunk, microbatch) activations saved at once
+    peak_awaiting_weight: tuple[int, ...]  # per rank: most split B's whose W has not run yet
 
     @property
     def makespan(self) -> float:
@@ -45,12 +49,22 @@ class Simulation:
 
 
 def in_flight_peaks(plan: Plan) -> tuple[int, ...]:
-    """Per rank, the most forwards done whose backward has not (what its executor must keep saved)."""
+    """Per rank, the most forwards done whose backward has not fully run (a split one: its W), i.e. what
+    its executor must keep saved."""
+    return _peaks(plan, lambda a: 1 if a.forward else -1 if a.weight or a.key not in plan.split else 0)
+
+
+def awaiting_weight_peaks(plan: Plan) -> tuple[int, ...]:
+    """Per rank, the most split B's done whose W has not run (their graphs wait for the W)."""
+    return _peaks(plan, lambda a: 0 if a.forward or a.key not in plan.split else -1 if a.weight else 1)
+
+
+def _peaks(plan: Plan, change: Callable[[Action], int]) -> tuple[int, ...]:
     peaks = []
     for row in plan.actions:
         live = peak = 0
         for a in row:
-            live += 1 if a.forward else -1
+            live += change(a)
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
@@ -59,24 +73,34 @@ def in_flight_peaks(plan: Plan) -> tuple[int, ...]:
 def _inputs(a: Action, last_chunk: int) -> list[Key]:
     """The actions whose results `a` waits for."""
     if a.forward:
-        return [(a.chunk - 1, a.microbatch, True)] if a.chunk > 0 else []
-    deps = [(a.chunk, a.microbatch, True)]
+        return [(a.chunk - 1, a.microbatch, "F")] if a.chunk > 0 else []
+    if a.weight:
+        return [(a.chunk, a.microbatch, "B")]
+    deps = [(a.chunk, a.microbatch, "F")]
     if a.chunk < last_chunk:
-        deps.append((a.chunk + 1, a.microbatch, False))
+        deps.append((a.chunk + 1, a.microbatch, "B"))
     return deps
 
 
 def _cost_function(
-    forward: float, backward: float, cost: Callable[[Action], float] | None
+    plan: Plan,
+    forward: float,
+    backward: float,
+    weight: float | None,
+    cost: Callable[[Action], float] | None,
 ) -> Callable[[Action], float]:
     if cost is not None:
         if not callable(cost):
             raise ConfigError(f"cost must be a function of an Action, got {type(cost).__name__}")
         return cost
-    for name, value in (("forward", forward), ("backward", backward)):
+    if weight is None:  # unit costs: a W is a step of its own; without W's, a backward is one step
+        weight = 1.0 if plan.split else 0.0
+    for name, value in (("forward", forward), ("backward", backward), ("weight", weight)):
         if not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"{name} cost must be a non-negative number, got {value!r}")
-    return lambda a: forward if a.forward else backward
+    fused = backward + weight
+    split = plan.split
+    return lambda a: forward if a.forward else weight if a.weight else backward if a.key in split else fused
 
 
 def simulate(
@@ -84,12 +108,15 @@ def simulate(
     *,
     forward: float = 1.0,
     backward: float = 1.0,
+    weight: float | None = None,
     cost: Callable[[Action], float] | None = None,
     latency: float = 0.0,
 ) -> Simulation:
-    """Run `plan` with the given cost per forward and backward (or `cost(action)`), and `latency` from a
-    send on one rank to its receive on another. Raises ScheduleError if the plan deadlocks."""
-    cost_of = _cost_function(forward, backward, cost)
+    """Run `plan` with the given cost per forward, backward (B: input gradient) and weight gradient (W), or
+    `cost(action)`, and `latency` from a send on one rank to its receive on another. A fused backward costs
+    backward + weight. weight=None: 1 for a plan with W actions (each its own unit step), else 0 (so that
+    `backward` is the whole backward, as before). Raises ScheduleError if the plan deadlocks."""
+    cost_of = _cost_function(plan, forward, backward, weight, cost)
     pp, last_chunk = plan.pp, plan.num_chunks - 1
     rows = plan.actions
     start = [[0.0] * len(row) for row in rows]
@@ -108,11 +135,13 @@ def simulate(
                 deps = _inputs(a, last_chunk)
                 if any(d not in done for d in deps):
                     break
-                ready = max((done[d] + (latency if d[0] % pp != r else 0.0) for d in deps), default=0.0)
+                ready = max(
+                    (done[d] + (latency if plan.rank_of(d[0]) != r else 0.0) for d in deps), default=0.0
+                )
                 t0 = max(free[r], ready)
                 t1 = t0 + float(cost_of(a))
                 start[r][pos[r]], finish[r][pos[r]] = t0, t1
-                done[(a.chunk, a.microbatch, a.forward)] = free[r] = t1
+                done[(a.chunk, a.microbatch, a.kind)] = free[r] = t1
                 pos[r] += 1
                 progress = True
     if any(pos[r] < len(rows[r]) for r in range(pp)):
@@ -124,6 +153,7 @@ def simulate(
         finish=tuple(tuple(row) for row in finish),
         busy=busy,
         peak_in_flight=in_flight_peaks(plan),
+        peak_awaiting_weight=awaiting_weight_peaks(plan),
     )
 
 
@@ -137,37 +167,60 @@ def _raise_deadlock(plan: Plan, start: list, pos: list[int], free: list[float], 
             continue
         a = row[pos[r]]
         waits = [
-            f"{c}{'F' if f else 'B'}{m} on rank {c % pp}"
-            for c, m, f in _inputs(a, last_chunk)
-            if (c, m, f) not in done
+            f"{c}{k}{m} on rank {plan.rank_of(c)}"
+            for c, m, k in _inputs(a, last_chunk)
+            if (c, m, k) not in done
         ]
         lines.append(f"  rank {r}: {a} waits for {', '.join(waits)}")
         marks.add((r, pos[r]))
         # What ran, then the blocked action at the time the rank started waiting.
         shown.append([*start[r][: pos[r]], free[r]])
     grid = render_grid(plan, shown, marks, "[x] = blocked forever")
+    cycle = _wait_cycle(plan, pos, done)
     raise ScheduleError(
         f"plan {plan.name!r} (pp={plan.pp}, n={plan.n}, v={plan.v}) deadlocks: no rank can make progress\n"
         + "\n".join(lines)
+        + ("\n  they wait for each other: " + cycle if cycle else "")
         + "\n"
         + grid
     )
 
 
+def _wait_cycle(plan: Plan, pos: list[int], done: dict) -> str:
+    """The blocked actions that wait for each other, as a cycle: "0B0 waits for 1B0, which rank 1 runs after
+    its blocked 1F1; 1F1 waits for 0F1, which rank 0 runs after its blocked 0B0"."""
+    pp, last_chunk = plan.pp, plan.num_chunks - 1
+    order: list[int] = []  # ranks along the chain of waits
+    steps: list[str] = []
+    r = next(r for r in range(pp) if pos[r] < len(plan.actions[r]))
+    while r not in order:
+        order.append(r)
+        a = plan.actions[r][pos[r]]
+        c, m, k = next(d for d in _inputs(a, last_chunk) if d not in done)
+        q = plan.rank_of(c)  # the rank that would produce it is blocked itself (or it could run)
+        blocker = plan.actions[q][pos[q]]
+        if (blocker.chunk, blocker.microbatch, blocker.kind) == (c, m, k):
+            steps.append(f"{a} waits for {c}{k}{m} on rank {q}, blocked itself")
+        else:
+            steps.append(f"{a} waits for {c}{k}{m}, which rank {q} runs after its blocked {blocker}")
+        r = q
+    return "; ".join(steps[order.index(r) :])
+
+
 def render_grid(
-    plan: Plan, starts: Iterable[Iterable[float]], mark: set[tuple[int, int]], legend: str
+    plan: Plan, starts: Sequence[Sequence[float]], mark: set[tuple[int, int]], legend: str
 ) -> str:
     """One row per rank, one column per distinct start time; "." where no action starts."""
-    starts = [list(row) for row in starts]
-    times = sorted({round(t, 9) for row in starts for t in row})
+    rows = [list(row) for row in starts]
+    times = sorted({round(t, 9) for row in rows for t in row})
     column = {t: i for i, t in enumerate(times)}
     width = max((len(str(a)) for row in plan.actions for a in row), default=3) + 2
     cells = [["." for _ in times] for _ in range(plan.pp)]
-    for r, row in enumerate(starts):
+    for r, row in enumerate(rows):
         for i, t in enumerate(row):
             text = str(plan.actions[r][i])
             cells[r][column[round(t, 9)]] = f"[{text}]" if (r, i) in mark else text
-    keep = _visible_columns(len(times), {column[round(starts[r][i], 9)] for r, i in mark})
+    keep = _visible_columns(len(times), {column[round(rows[r][i], 9)] for r, i in mark})
     unit = all(float(t).is_integer() for t in times)
     header = f"{plan.name}: pp={plan.pp} n={plan.n} v={plan.v}" + (
         "" if unit else " (columns: distinct start times)"

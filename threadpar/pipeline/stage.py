@@ -18,11 +18,13 @@ def build_chunks(
     chunks_per_stage: int = 1,
     first: nn.Module | None = None,
     last: nn.Module | None = None,
+    placement: str = "loop",
 ) -> list[nn.Sequential]:
     """This rank's chunks as nn.Sequential modules (the layer objects themselves, not copies).
 
     `first` (e.g. the embedding) is prepended to global chunk 0 and `last` (e.g. final norm and head) is
     appended to the last global chunk, so they live on the first and the last pipeline stage.
+    placement="v" with chunks_per_stage=2: ZB-V's chunks (rank r holds chunks r and 2 pp - 1 - r).
     """
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise ConfigError(
@@ -30,7 +32,7 @@ def build_chunks(
             f"{type(layers).__name__}"
         )
     layers = list(layers)
-    info = get_stage_info(len(layers), pp_size, pp_rank, chunks_per_stage)
+    info = get_stage_info(len(layers), pp_size, pp_rank, chunks_per_stage, placement)
     last_chunk = pp_size * chunks_per_stage - 1
     chunks = []
     for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk):

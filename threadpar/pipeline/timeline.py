@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from threadpar.errors import ConfigError
 
-ACTION_CATEGORIES = ("forward", "backward")
+ACTION_CATEGORIES = ("forward", "backward", "weight")
 COMM_CATEGORIES = ("send", "recv")
 
 
@@ -82,6 +82,10 @@ class Timeline:
         actions = sum(e.duration for e in self.events if e.category in ACTION_CATEGORIES)
         comm = sum(e.duration for e in self.events if e.category in COMM_CATEGORIES)
         return actions - comm
+
+    def waiting_time(self) -> float:
+        """Seconds spent in receives: mostly waiting for the peer's message to arrive."""
+        return sum(e.duration for e in self.events if e.category == "recv")
 
     def __repr__(self) -> str:
         return f"Timeline(rank={self.rank}, stage={self.stage}, {len(self.events)} events)"

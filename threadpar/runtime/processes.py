@@ -209,6 +209,7 @@ class Processes:
             with self._lock:
                 if self.failure is None:
                     self.failure = failure
+            assert self._abort is not None  # attach() sets it before it starts this watcher
             self._abort.trigger(failure.describe())
             return
 
@@ -217,6 +218,7 @@ class Processes:
         """Meet the other processes at the end of the launch and tear down; returns whether it failed."""
         try:
             if not failed:
+                assert self.router is not None and self._abort is not None, "finish() before attach()"
                 self.router.close(self._abort, self.timeout)
             store = self.store_client()
             store.add("finished", 1)

@@ -11,10 +11,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-
-import torch
+from typing import Any
 
 from threadpar.comm.common.abort import AbortSignal, wait_until
+
+# What a backend posts: the tensor (threads), or the tensor and what orders its copy on the device (CUDA).
+Message = Any
 
 
 class Mailboxes:
@@ -27,9 +29,9 @@ class Mailboxes:
         self._conds = [threading.Condition(threading.Lock()) for _ in self.ranks]
         for cond in self._conds:
             abort.register(cond)
-        self._queues: list[dict[tuple[int, int], deque[torch.Tensor]]] = [{} for _ in self.ranks]
+        self._queues: list[dict[tuple[int, int], deque[Message]]] = [{} for _ in self.ranks]
 
-    def put(self, src: int, dst: int, tag: int, message: torch.Tensor) -> None:
+    def put(self, src: int, dst: int, tag: int, message: Message) -> None:
         with self._conds[dst]:
             self._queues[dst].setdefault((src, tag), deque()).append(message)
             self._conds[dst].notify_all()
@@ -44,10 +46,8 @@ class Mailboxes:
         with self._conds[dst]:
             return self._find(dst, src, tag) is not None
 
-    def take(
-        self, dst: int, src: int | None, tag: int, timeout: float | None = None
-    ) -> tuple[int, torch.Tensor]:
-        """Block until a message from `src` (any source if None) with `tag` arrives; return (src, tensor)."""
+    def take(self, dst: int, src: int | None, tag: int, timeout: float | None = None) -> tuple[int, Message]:
+        """Block until a message from `src` (any source if None) with `tag` arrives; return (src, message)."""
         timeout = self._timeout if timeout is None else timeout
         cond = self._conds[dst]
         with cond:
@@ -59,6 +59,7 @@ class Mailboxes:
                 describe_timeout=lambda: self._describe_timeout(dst, src, tag, timeout),
             )
             key = self._find(dst, src, tag)
+            assert key is not None  # wait_until returned: a message is there
             message = self._queues[dst][key].popleft()
         return key[0], message
 

@@ -209,6 +209,7 @@ class Rendezvous:
             raise CollectiveMismatchError(slot.error)
         call = slot.calls[0]
         # An NCCL failure, a timeout or a stop keeps its kind for every member; anything else is the group's failure.
+        kind: type[ThreadparError]
         if isinstance(slot.error, RankAborted):
             kind = RankAborted  # (a subclass may not take a message)
         elif isinstance(slot.error, (NcclError, CollectiveTimeoutError)):

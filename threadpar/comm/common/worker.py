@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from threadpar.comm.work import Work
 
 
@@ -36,6 +38,10 @@ class CommWorker:
         return work
 
     def _loop(self) -> None:
+        # Collectives write their outputs outside autograd, as torch's ProcessGroup ops do (c10d ops are
+        # not differentiable). Grad mode is per thread: with it on here, writing an input that requires grad
+        # into views the rank made under no_grad (in backward) would raise.
+        torch.set_grad_enabled(False)
         if self._on_start is not None:
             self._on_start()
         while True:

@@ -8,6 +8,7 @@ as bytes, so every dtype works; small data rides in the control message (one rou
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -34,6 +35,20 @@ def concat_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 class HierarchicalByteCollectives:
     """Uses HierarchicalGroup's _arrive, _step, _pg, _lanes_for, local_index, proc_index, members_by_proc,
     max_local, local, procs, size and name."""
+
+    # Declared for the type checker; HierarchicalGroup sets or defines them.
+    name: str
+    size: int
+    procs: tuple[int, ...]
+    proc_index: list[int]  # member -> index of its process in `procs`
+    members_by_proc: list[list[int]]
+    max_local: int
+    local: list[int]
+    local_index: dict[int, int]
+    _arrive: Callable[[int, int, Call, Any], tuple[int, Slot]]
+    _step: Callable[..., None]
+    _pg: Callable[[str], Any]
+    _lanes_for: Callable[[int], int]
 
     def _by_member(self, rows: torch.Tensor, like: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(member, its tensor) from every process's local inputs packed in member order, one row each."""
@@ -112,6 +127,7 @@ class HierarchicalByteCollectives:
         li, slot = self._arrive(member, seq, call, (tensor, outputs))
         rows = self._exchange(slot, li, seq, call, lambda p: p[0])
         if member == dst:
+            assert outputs is not None  # ProcessGroup.gather requires gather_list on dst
             for m, value in self._by_member(rows, tensor):
                 copy_into(outputs[m], value)
 

@@ -31,11 +31,12 @@ POLL = datetime.timedelta(milliseconds=100)
 GLOO_REDUCE_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
 }  # fmt: skip
+# The options' reduceOp is a c10d ReduceOp (built from its RedOpType; pybind would also convert implicitly).
 _GLOO_OP = {
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.SUM: dist.ReduceOp(dist.ReduceOp.SUM),
+    ReduceOp.PRODUCT: dist.ReduceOp(dist.ReduceOp.PRODUCT),
+    ReduceOp.MIN: dist.ReduceOp(dist.ReduceOp.MIN),
+    ReduceOp.MAX: dist.ReduceOp(dist.ReduceOp.MAX),
 }
 
 Wait = Callable[[Any], None]  # waits for one gloo Work
@@ -78,7 +79,12 @@ def _on_host(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Calla
     if all(t.device.type == "cpu" for t in tensors):
         return list(tensors), lambda: None
     host = [t.cpu() for t in tensors]
-    return host, lambda: [copy_into(t, h) for t, h in zip(tensors, host)]
+
+    def write_back() -> None:
+        for t, h in zip(tensors, host):
+            copy_into(t, h)
+
+    return host, write_back
 
 
 def all_reduce(pg: Any, tensors: Sequence[torch.Tensor], op: ReduceOp, wait: Wait) -> None:

@@ -165,6 +165,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         if lanes > 1:
             self.rendezvous.sync(slot, li, seq)  # the lane leaders start once the calls agree
         if slot.error is None and inline is None and lane is not None:
+            assert work is not None, "_step: a collective without `inline` runs `work`"
             recorded(lambda: work(wait, lane))
         if slot.error is not None and not isinstance(slot.error, str):
             # gloo operations of this group may be left pending: never destroy its gloo groups

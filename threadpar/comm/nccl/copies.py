@@ -14,10 +14,15 @@ different destinations run at the same time, see `_copies`) and the destination'
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.cuda_seam import CudaApi
+from threadpar.comm.common.mailbox import Mailboxes
 from threadpar.comm.common.rendezvous import Call
 from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import ConfigError
@@ -26,6 +31,21 @@ from threadpar.errors import ConfigError
 class NcclCopyCollectives:
     """Mixed into NcclGroup, whose members it uses: _post, _stream, _on, _check_devices, _cuda, devices,
     local, ranks, size, name, mailboxes."""
+
+    # Declared for the type checker; NcclGroup sets or defines them.
+    name: str
+    ranks: tuple[int, ...]
+    size: int
+    devices: tuple[torch.device, ...]
+    local: tuple[int, ...]  # the members whose threads run in this process
+    mailboxes: Mailboxes
+    _cuda: CudaApi
+    _abort: AbortSignal
+    _timeout: float
+    _post: Callable[..., NcclWork]
+    _stream: Callable[[int], Any]
+    _on: Callable[[Any], contextlib.AbstractContextManager[None]]
+    _check_devices: Callable[[int, str, Sequence[torch.Tensor]], None]
 
     def scatter(
         self,
@@ -113,7 +133,7 @@ class NcclCopyCollectives:
             streams[s].wait_event(done)
 
     # point to point ---------------------------------------------------------------------------------------------
-    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> NcclWork:
+    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> NcclWork | None:
         """Copy `tensor` into a new buffer on the receiver's device, on the comm streams, and post it.
 
         The caller's stream must not overwrite `tensor` before the copy has read it: ProcessGroup.send

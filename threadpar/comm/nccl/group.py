@@ -217,7 +217,9 @@ class NcclGroup(NcclCopyCollectives):
 
     def _launch(self, slot: Slot, seq: int, launch: Launch) -> bool:
         """The leader: payloads and streams of the local members, in group order."""
-        slot.error = self._before_launch(seq, slot.calls[0])
+        call = slot.calls[0]
+        assert call is not None  # the leader runs once every member has posted its call
+        slot.error = self._before_launch(seq, call)
         if slot.error is not None:
             return False
         posted: list[_Posted] = slot.payloads

@@ -74,7 +74,9 @@ class NcclWork(Work):
         health: CliqueHealth | None = None,
     ) -> None:
         # Work's fields, without the threading.Event Work.__init__ makes (it costs more than the rest).
-        self._description, self._abort, self._done = description, abort, _Flag()
+        # (_Flag is not a threading.Event: NcclWork overrides wait and is_completed, the users of _done
+        # other than wait_done, which only the threads backend's comm worker calls, on its own Works.)
+        self._description, self._abort, self._done = description, abort, _Flag()  # type: ignore[assignment]
         self._error: BaseException | None = None
         self._result: Any = None
         self._future = None

@@ -25,7 +25,7 @@ import torch
 
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.fastcopy import copy_into
-from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.mailbox import Mailboxes, Message
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import pieces, split_range
 from threadpar.comm.reduce_op import ReduceOp, accumulate_
@@ -244,6 +244,7 @@ class ThreadsGroup:
         if slot.finished:
             return
         if member == dst:
+            assert outputs is not None  # ProcessGroup.gather requires gather_list on dst
             for s, (t, _) in enumerate(slot.payloads):
                 copy_into(outputs[s], t)
         self._finish(slot, member, seq)
@@ -281,7 +282,7 @@ class ThreadsGroup:
     # point to point ---------------------------------------------------------------------------------------------
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
         # The message is a private copy: the sender may reuse its tensor as soon as send returns.
-        message = tensor.detach().clone(memory_format=torch.contiguous_format)
+        message: Message = tensor.detach().clone(memory_format=torch.contiguous_format)
         if self._order is not None:  # on CUDA: the receiver's stream must wait for the copy
             message = (message, self._order.arrive(member))
         self.mailboxes.put(member, dst, tag, message)

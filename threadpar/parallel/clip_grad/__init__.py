@@ -1,4 +1,5 @@
-"""Global gradient clipping over every parallel axis: `clip_grad_norm_` and the placement markers it reads."""
+"""Global gradient clipping over every parallel axis: `clip_grad_norm_` (norm.py) and the placement markers
+it reads (placement.py)."""
 
 from threadpar.parallel.clip_grad.norm import clip_grad_norm_, scale_grads_by_norm_, total_grad_norm
 from threadpar.parallel.clip_grad.placement import (

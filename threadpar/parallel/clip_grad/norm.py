@@ -130,8 +130,8 @@ def clip_grad_norm_(
     """torch.nn.utils.clip_grad_norm_ for a model split over the launch: the norm of the whole model's
     gradient (every rank's parameters together, each copy counted once), clipped in place on every rank.
 
-    A collective over the launch's world: every rank calls it (a rank with no gradients too), after
-    gradients are reduced. Each parameter must carry its placement (DistributedDataParallel and
+    A collective over the launch's world: every rank calls it (a rank with no gradients too; DESIGN.md
+    rule 6), after gradients are reduced. Arguments are checked before the collective (DESIGN.md rule 11). Each parameter must carry its placement (DistributedDataParallel and
     mark_grad_placements set it); with only pipeline stages (dp = cp = tp = 1) unmarked ones are fine.
     Returns the total norm (float32, the same on every rank)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

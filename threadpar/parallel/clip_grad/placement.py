@@ -36,10 +36,11 @@ from threadpar.runtime.context import get_layout, in_rank
 PLACEMENT_ATTR = "grad_placement"  # on a Parameter: its GradPlacement
 
 HOW_TO_MARK = (
-    "wrap the model in threadpar.parallel.DistributedDataParallel (it marks what it wraps), or call "
-    "threadpar.parallel.mark_grad_placements(model) on every rank after building the model (after "
-    "to_empty, deepcopy or load_state_dict(assign=True), which make new Parameters), or mark the tensor "
-    "itself: mark_grad_placement(param, GradPlacement(replicated_over=(tp_group,), data_parallel=dp_group))"
+    "mark it: wrap the model in threadpar.parallel.DistributedDataParallel or call "
+    "threadpar.parallel.mark_grad_placements(model) on every rank (both mark what the TP layers, the MoE "
+    "experts and the layout tell; mark again after to_empty, deepcopy or load_state_dict(assign=True), which "
+    "make new Parameters); a layer over a group of your own needs mark_grad_placement(param, "
+    "GradPlacement(replicated_over=<groups holding identical copies>, data_parallel=<its DP group>))"
 )
 
 

@@ -85,7 +85,8 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group, causal, q.shape[-2])
         attend = FORWARD[kernel]
         kv = torch.stack([k, v])  # [2, B, H, S, D]: one message per hop
-        out = lse = None
+        out: torch.Tensor | None = None  # set at step 0
+        lse: torch.Tensor | None = None
         for step in range(ring.size):
             sent = group.isend(kv, ring.next, KV_TAG) if step + 1 < ring.size else None
             rows, cols, masked = ring.block(step)
@@ -93,10 +94,12 @@ class _RingAttention(torch.autograd.Function):
             if step == 0:
                 out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
             else:
+                assert out is not None and lse is not None
                 _merge_(_seq(out, rows), lse[..., rows], block_out, block_lse)
             if sent is not None:
                 kv = group.recv_tensor(ring.prev, KV_TAG)
                 sent.wait()
+        assert out is not None  # the ring has at least one step
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.kernel = ring, scale, kernel
@@ -110,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
-        own = None  # this rank's own part of its dk/dv, [2, B, H, S, D]
+        own: torch.Tensor | None = None  # this rank's own part of its dk/dv, [2, B, H, S, D]
         for step in range(ring.size):
             sent = group.isend(kv, ring.next, KV_BACKWARD_TAG) if step + 1 < ring.size else None
             rows, cols, masked = ring.block(step)
@@ -133,6 +136,7 @@ class _RingAttention(torch.autograd.Function):
             if sent is not None:
                 kv = group.recv_tensor(ring.prev, KV_BACKWARD_TAG)
                 sent.wait()
+        assert own is not None  # set at step 0
         if ring.size > 1:
             own.add_(group.recv_tensor(ring.prev, DKV_TAG))  # the other ranks' parts of this rank's dk/dv
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None

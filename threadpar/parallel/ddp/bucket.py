@@ -30,19 +30,23 @@ class Bucket:
         self.views: list[torch.Tensor] | None = None  # with gradient_as_bucket_view: param.grad for each
         self.reduction: Work | torch.futures.Future | None = None  # in flight during a backward
         if with_views:
-            self._allocate()
-            self.views = [
-                piece.view(p.shape) for piece, p in zip(self.buffer.split(self.numels), self.params)
-            ]
+            buffer = self._allocate()
+            self.views = [piece.view(p.shape) for piece, p in zip(buffer.split(self.numels), self.params)]
 
     def _allocate(self) -> torch.Tensor:
         first = self.params[0]
         self.buffer = torch.zeros(sum(self.numels), dtype=first.dtype, device=first.device)
         return self.buffer
 
+    def view(self, slot: int) -> torch.Tensor:
+        """The bucket's view for its `slot`-th parameter (it has views with gradient_as_bucket_view)."""
+        assert self.views is not None, "built without gradient_as_bucket_view: the bucket has no views"
+        return self.views[slot]
+
     def flatten(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The buffer holding `grads` (copied in unless they are its views)."""
         if self.views is not None:
+            assert self.buffer is not None  # the views are views of it
             return self.buffer
         buffer = self.buffer if self.buffer is not None else self._allocate()
         torch.cat([g.reshape(-1) for g in grads], out=buffer)
@@ -51,6 +55,7 @@ class Bucket:
     def scatter(self, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         """Write the flat averages into the gradients (no-op for the bucket's own buffer with views)."""
         if self.views is not None:
+            assert self.buffer is not None  # the views are views of it
             if not shares_memory(flat, self.buffer):
                 self.buffer.copy_(flat)
             return

@@ -94,7 +94,9 @@ def then(future: torch.futures.Future, fn: Callable[[Any], Any]) -> torch.future
 
 def allreduce_hook(process_group: ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
     """The default: average the bucket's gradients over the group in place, in one asynchronous collective."""
-    return process_group.all_reduce_coalesced(bucket.gradients(), ReduceOp.AVG, async_op=True).get_future()
+    work = process_group.all_reduce_coalesced(bucket.gradients(), ReduceOp.AVG, async_op=True)
+    assert work is not None  # async_op=True returns a Work
+    return work.get_future()
 
 
 def _compressed_allreduce(
@@ -104,6 +106,7 @@ def _compressed_allreduce(
     # Divide before summing, as torch's hooks do, so a sum of P values stays within fp16's range.
     compressed = buffer.to(dtype).div_(process_group.size())
     work = process_group.all_reduce(compressed, ReduceOp.SUM, async_op=True)
+    assert work is not None  # async_op=True returns a Work
 
     def decompress(_: Any) -> torch.Tensor:
         # Runs on the communication worker, overlapping the rest of backward.

@@ -172,6 +172,7 @@ class DistributedDataParallel(nn.Module):
                 self.reducer = self._reducer(replicated, group, abort)
         if sharded:
             expert_group = self.expert_process_group
+            assert expert_group is not None  # sharded parameters are experts'
             broadcast_coalesced([p for _, p in sharded], expert_group, expert_group.ranks[0])
             self.expert_reducer = self._reducer(
                 sharded, expert_group, abort, expert_group.size() / group.size()
@@ -233,6 +234,7 @@ class DistributedDataParallel(nn.Module):
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
         if self.expert_reducer is not None and state is not None:
+            assert self.expert_process_group is not None  # the expert reducer reduces over it
             raise ConfigError(
                 "register_comm_hook: this module has MoE experts reduced over their own group "
                 f"'{self.expert_process_group.name}', which a state for process group '{self.process_group.name}' "

@@ -285,7 +285,7 @@ class Reducer:
                 self._placeholders[index] = torch.zeros_like(param)
             return
         bucket, slot = self._locator[index]
-        view = self._buckets[bucket].views[slot]
+        view = self._buckets[bucket].view(slot)
         if grad is None:
             view.zero_()
         elif not shares_memory(grad, view):
@@ -297,7 +297,7 @@ class Reducer:
     def _gradient(self, index: int) -> torch.Tensor:
         if self._options.gradient_as_bucket_view:
             bucket, slot = self._locator[index]
-            return self._buckets[bucket].views[slot]
+            return self._buckets[bucket].view(slot)
         grad = self._params[index].grad
         return self._placeholders[index] if grad is None else grad
 
@@ -411,7 +411,7 @@ class Reducer:
         if assignment == self.bucket_indices():
             return
         views = self._options.gradient_as_bucket_view
-        old_views = [self._buckets[b].views[slot] for b, slot in self._locator] if views else []
+        old_views = [self._buckets[b].view(slot) for b, slot in self._locator] if views else []
         self._build(assignment)
         for i, old_view in enumerate(old_views):
             param = self._params[i]

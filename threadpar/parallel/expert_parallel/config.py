@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 
 from threadpar.errors import ConfigError
 
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
 DROP_POLICIES = ("probs", "position")
 
 

@@ -14,6 +14,7 @@ their tokens arrive grouped by expert with different counts, so they are padded 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,10 +30,16 @@ PARAMS = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
 class GroupedExperts(TensorParallelModule):
     """This rank's E / ep experts. `group`: the EP group (None: all E experts here, no group)."""
 
+    fc1_weight: nn.Parameter  # [E / ep, hidden, ffn]
+    fc1_bias: nn.Parameter | None  # [E / ep, ffn]
+    fc2_weight: nn.Parameter  # [E / ep, ffn, hidden]
+    fc2_bias: nn.Parameter | None  # [E / ep, hidden]
+
     def __init__(self, config: MoEConfig, group: ProcessGroup | None, device=None, dtype=None) -> None:
         if group is None:  # a plain module: outside a launch, or no expert parallelism
             nn.Module.__init__(self)
-            self.group, self.tp_size, self.tp_rank, self.shard_specs = None, 1, 0, {}
+            # No group at all (the TP layers always have one): only read where ep_size > 1.
+            self.group, self.tp_size, self.tp_rank, self.shard_specs = None, 1, 0, {}  # type: ignore[assignment]
         else:
             super().__init__(group)
         self.config = config
@@ -67,7 +74,7 @@ class GroupedExperts(TensorParallelModule):
         cfg = self.config
         if self.fc1_weight.is_meta:
             return
-        like = {"dtype": self.fc1_weight.dtype, "device": self.fc1_weight.device}
+        like: dict[str, Any] = {"dtype": self.fc1_weight.dtype, "device": self.fc1_weight.device}
         if generator is not None:
             like["device"] = generator.device
         dense = {}

@@ -120,7 +120,9 @@ class MoE(nn.Module):
         self.router = TopKRouter(config, device=device, dtype=dtype, aux_loss_group=aux_group)
         self.experts = GroupedExperts(config, group, device=device, dtype=dtype)
         self.ep_size = self.experts.ep_size
-        self.dispatcher = AllToAllDispatcher(group, config.num_experts) if self.ep_size > 1 else None
+        self.dispatcher = (
+            AllToAllDispatcher(group, config.num_experts) if group is not None and self.ep_size > 1 else None
+        )
         self.last_stats: MoEStats | None = None
         # What the training loss is multiplied by before backward; the aux loss's gradient is scaled alike.
         self.aux_loss_scale = 1.0

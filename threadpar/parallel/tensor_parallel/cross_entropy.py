@@ -53,10 +53,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:  # every class of this rank is padding
             local_lse = x.new_full((tokens,), float("-inf"))
             target_logit = x.new_zeros(tokens)
-        stats = [local_lse, target_logit]
+        parts = [local_lse, target_logit]
         if label_smoothing > 0:
-            stats.append(x.sum(-1))
-        stats = torch.stack(stats)  # [k, tokens]
+            parts.append(x.sum(-1))
+        stats = torch.stack(parts)  # [k, tokens]
         if group.size() > 1:
             stats = all_gather_along_dim(stats[None], 0, group)  # [tp, k, tokens], identical on every rank
             lse = torch.logsumexp(stats[:, 0], dim=0)

@@ -55,7 +55,9 @@ class VocabParallelEmbedding(TensorParallelModule):
         self.vocab_end = self.vocab_start + per_rank
         # padding_idx as a row of this rank's shard, if it falls in its range
         in_range = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
-        self.local_padding_idx = padding_idx - self.vocab_start if in_range else None
+        self.local_padding_idx = (
+            padding_idx - self.vocab_start if in_range and padding_idx is not None else None
+        )
         self.shard_specs = {"weight": ShardSpec(0, num_embeddings, self.padded_num_embeddings)}
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()

@@ -14,6 +14,7 @@ Both layers take `group=None` meaning this rank's TP group, resolved (and captur
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.tensor_parallel.async_linear import linear_with_async_grad_comm, resolve_overlap
 from threadpar.parallel.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_sp_region,
@@ -72,7 +74,7 @@ class _ParallelLinear(TensorParallelModule):
         if self.weight.is_meta:
             return
         generator = get_rng_tracker().generator(INIT)
-        like = {"device": generator.device, "dtype": self.weight.dtype}
+        like: dict[str, Any] = {"device": generator.device, "dtype": self.weight.dtype}
         bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) of nn.Linear
         dense = {"weight": torch.empty(self.out_features, self.in_features, **like)}
         if self.bias is not None:
@@ -116,6 +118,11 @@ class ColumnParallelLinear(_ParallelLinear):
     stride: the output holds `stride` blocks (a fused q/k/v projection: 3) that are each split.
     pad_out_features_to_multiple_of: pad out_features so each shard is a multiple of it (a vocabulary
         head; pass the embedding's pad_vocab_to_multiple_of to tie them). Padded outputs are zero.
+    overlap_grad_comm: in backward, run the all-reduce (reduce-scatter under SP) of the input gradient
+        while the weight gradient is computed (async_linear.py); under SP the input is then gathered again
+        in backward instead of being kept. False: the mappings and F.linear, one collective after the other.
+        None (default): on where it helps (nccl; threads with a spare core: `resolve_overlap`). No effect
+        with input_is_parallel=True (no collective on the input gradient here).
     """
 
     def __init__(
@@ -132,10 +139,12 @@ class ColumnParallelLinear(_ParallelLinear):
         stride: int = 1,
         pad_out_features_to_multiple_of: int | None = None,
         sequence_dim: int = 1,
+        overlap_grad_comm: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, group, sequence_dim, device, dtype)
+        self.overlap_grad_comm = resolve_overlap(overlap_grad_comm, self.group)
         if sequence_parallel and input_is_parallel:
             raise ConfigError(
                 "ColumnParallelLinear: sequence_parallel=True means the input arrives split along the "
@@ -174,11 +183,16 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # x: [..., in] (split along sequence_dim under SP) -> [..., out / tp], or [..., out] gathered
-        if self.sequence_parallel:
-            x = gather_from_sp_region(x, self.group, dim=self.sequence_dim)
-        elif not self.input_is_parallel:
-            x = copy_to_tp_region(x, self.group)
-        out = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        bias = None if self.skip_bias_add else self.bias
+        if self.overlap_grad_comm and not self.input_is_parallel:
+            sequence_dim = self.sequence_dim if self.sequence_parallel else None
+            out = linear_with_async_grad_comm(x, self.weight, bias, self.group, sequence_dim=sequence_dim)
+        else:
+            if self.sequence_parallel:
+                x = gather_from_sp_region(x, self.group, dim=self.sequence_dim)
+            elif not self.input_is_parallel:
+                x = copy_to_tp_region(x, self.group)
+            out = F.linear(x, self.weight, bias)
         if self.gather_output:
             out = gather_from_tp_region(out, self.group)
             if self.padded_out_features != self.out_features:
@@ -188,6 +202,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         names = ("gather_output", "input_is_parallel", "skip_bias_add", "sequence_parallel")
         flags = [f"{f}=True" for f in names if getattr(self, f)]
+        flags.append(f"overlap_grad_comm={self.overlap_grad_comm}")
         stride = [f"stride={self.stride}"] if self.stride > 1 else []
         return ", ".join([self._extra(), *stride, *flags])
 

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.tensor_parallel.async_linear import resolve_overlap
 from threadpar.parallel.tensor_parallel.collectives import resolve_tp_group
 from threadpar.parallel.tensor_parallel.embedding import VocabParallelEmbedding
 from threadpar.parallel.tensor_parallel.layers import (
@@ -44,6 +45,7 @@ from threadpar.parallel.tensor_parallel.layers import (
 )
 from threadpar.parallel.tensor_parallel.random import TrackedDropout
 from threadpar.parallel.tensor_parallel.sequence import mark_sequence_parallel
+from threadpar.parallel.tensor_parallel.sharding import TensorParallelModule
 
 
 def _check_bool(owner: object, *names: str) -> None:
@@ -113,7 +115,7 @@ class DropoutParallel:
 
 
 Style = ColwiseParallel | RowwiseParallel | VocabParallel | SequenceParallel | DropoutParallel
-STYLES = {
+STYLES: dict[str, Callable[[], Style]] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "vocab": VocabParallel,
@@ -197,16 +199,20 @@ def parallelize(
     group: ProcessGroup | str | None = None,
     sequence_parallel: bool = False,
     sequence_dim: int = 1,
+    overlap_grad_comm: bool | None = None,
 ) -> nn.Module:
     """Swap the modules the plan names for tensor-parallel layers holding this rank's shards (in place);
     return `module`. With sequence_parallel=True the embedding reduce-scatters along `sequence_dim`,
-    column layers all-gather their input and row layers reduce-scatter their output."""
+    column layers all-gather their input and row layers reduce-scatter their output.
+    `overlap_grad_comm`: the column layers' option (their backward overlaps the input-gradient
+    collective with the weight-gradient GEMM; None: where it helps)."""
     group = resolve_tp_group(group)
+    overlap_grad_comm = resolve_overlap(overlap_grad_comm, group)
     assigned = _assign(module, plan, bool(sequence_parallel))
     ties = _tied_weights(module)
     # A head tied to a padded vocabulary embedding must be padded the same way to share its weight.
     for tie in ties:
-        vocab = [assigned[m] for m, _ in tie if isinstance(assigned.get(m), VocabParallel)]
+        vocab = [v for m, _ in tie if isinstance(v := assigned.get(m), VocabParallel)]
         for mod_name, _ in tie:
             style = assigned.get(mod_name)
             if vocab and isinstance(style, ColwiseParallel) and style.pad_out_features_to_multiple_of is None:
@@ -218,7 +224,7 @@ def parallelize(
         if isinstance(style, SequenceParallel):
             mark_sequence_parallel(old)  # stays as it is; its gradients get summed over the TP group
             continue
-        new = _build(old, style, group, bool(sequence_parallel), sequence_dim)
+        new = _build(old, style, group, bool(sequence_parallel), sequence_dim, overlap_grad_comm)
         parent_name, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent_name), child, new)
 
@@ -227,10 +233,14 @@ def parallelize(
     return module
 
 
-def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int) -> nn.Module:
+def _build(
+    old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence_dim: int, overlap: bool
+) -> nn.Module:
     """The replacement of `old`, holding this rank's shard of its weights."""
     common = {"group": group, "sequence_dim": sequence_dim}
+    # _assign matched each style only to its module type (_NEEDS); SequenceParallel is never built.
     if isinstance(style, ColwiseParallel):
+        assert isinstance(old, nn.Linear)
         return ColumnParallelLinear.from_dense(
             old,
             gather_output=style.gather_output,
@@ -238,17 +248,21 @@ def _build(old: nn.Module, style: Style, group: ProcessGroup, sp: bool, sequence
             stride=style.stride,
             pad_out_features_to_multiple_of=style.pad_out_features_to_multiple_of,
             sequence_parallel=sp,
+            overlap_grad_comm=overlap,
             **common,
         )
     if isinstance(style, RowwiseParallel):
+        assert isinstance(old, nn.Linear)
         return RowParallelLinear.from_dense(
             old, input_is_parallel=style.input_is_parallel, sequence_parallel=sp, **common
         )
     if isinstance(style, VocabParallel):
+        assert isinstance(old, nn.Embedding)
         pad = style.pad_vocab_to_multiple_of
         return VocabParallelEmbedding.from_dense(
             old, pad_vocab_to_multiple_of=pad, reduce_scatter_embeddings=sp, **common
         )
+    assert isinstance(old, nn.Dropout) and not isinstance(style, SequenceParallel)
     # Dropout. Under SP, activations outside the TP region are sequence shards: each rank needs its own mask.
     new = TrackedDropout(old.p, in_tp_region=style.in_tp_region or sp)
     return new.train(old.training)
@@ -267,9 +281,11 @@ def _retie(module: nn.Module, tie: list[tuple[str, str]], assigned: dict[str, St
             "give the tied modules matching styles (e.g. 'vocab' for the embedding and 'colwise' for the head)"
         )
     first_module, first_name = module.get_submodule(tie[0][0]), tie[0][1]
+    assert isinstance(first_module, TensorParallelModule)  # swapped: all of them are TP layers now
     first, first_spec = getattr(first_module, first_name), first_module.shard_specs.get(first_name)
     for mod_name, param_name in tie[1:]:
         sub = module.get_submodule(mod_name)
+        assert isinstance(sub, TensorParallelModule)
         other, spec = getattr(sub, param_name), sub.shard_specs.get(param_name)
         if other.shape != first.shape or spec != first_spec:
             raise ConfigError(

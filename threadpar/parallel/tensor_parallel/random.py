@@ -44,7 +44,7 @@ class RNGTracker:
         self._generators: dict[str, torch.Generator] = {}
 
     def seed(self, name: str) -> int:
-        keys = ("tp-rng", name, self._coords.pp)
+        keys: tuple[str | int, ...] = ("tp-rng", name, self._coords.pp)
         if name != INIT:  # CP ranks hold replicas of one model (same init) but different tokens (masks)
             keys += (self._coords.cp,)
         if name in _PER_TP_RANK:
