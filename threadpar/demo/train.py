@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -34,12 +35,13 @@ AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def make_optimizer(params, lr: float, zero: int = 0) -> torch.optim.Optimizer:
     """AdamW; with zero=1 or 2 a ZeroRedundancyOptimizer around it, sharded over each parameter's DDP group
     (over the DP group of one rank when dp x cp = 1: parallelize_gpt wraps no DDP then)."""
-    hyper = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     if not zero:
-        return torch.optim.AdamW(params, **hyper)
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     layout = get_layout()
     group = None if layout.dp * layout.cp > 1 else "DP"
-    return ZeroRedundancyOptimizer(params, torch.optim.AdamW, stage=zero, process_group=group, **hyper)
+    return ZeroRedundancyOptimizer(
+        params, torch.optim.AdamW, stage=zero, process_group=group, lr=lr, betas=(0.9, 0.95), weight_decay=0.0
+    )
 
 
 def clip_and_step(
@@ -47,12 +49,14 @@ def clip_and_step(
 ) -> float | None:
     """Unscale (fp16), clip the whole model's gradient to max_norm (0: measure it only), step. Returns the
     gradient norm before clipping, the same on every rank; None when an fp16 overflow skipped the step."""
-    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
-    overflow = scaler is not None and scaler.unscale_and_check(optimizer.grad_holders() if zero else params)
+    zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    # The scaler reads and writes `.grad` only: ZeRO-2's pieces are plain tensors holding the reduced shards.
+    holders = params if zero is None else cast(list[torch.nn.Parameter], zero.grad_holders())
+    overflow = scaler is not None and scaler.unscale_and_check(holders)
     norm = None
     if not overflow:  # the same branch on every rank: the overflow flag is agreed over the world
-        if zero:  # the norm over its shards, which it clips (ZeRO-2 keeps no param.grad)
-            norm = float(optimizer.clip_grad_norm_(max_norm if max_norm > 0 else math.inf))
+        if zero is not None:  # the norm over its shards, which it clips (ZeRO-2 keeps no param.grad)
+            norm = float(zero.clip_grad_norm_(max_norm if max_norm > 0 else math.inf))
         elif max_norm > 0:
             norm = float(clip_grad_norm_(params, max_norm))
         else:
