@@ -14,13 +14,14 @@ from threadpar.models.gpt import GPT, model_config
 from threadpar.models.parallelize_gpt import parallelize_gpt
 from threadpar.parallel import clip_grad_norm_
 
+LR = 1e-2
 CONFIG = model_config("small", block_size=32)
 
 
 def train(dense: dict, batches: Batches, steps: int) -> list[float]:
     layout, coords = threadpar.get_layout(), threadpar.get_coords()
     model = parallelize_gpt(CONFIG, dense, schedule="interleaved", num_microbatches=4, sequence_parallel=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
         inputs, targets = batches.batch(step)  # the global batch; this replica takes its share
@@ -36,9 +37,14 @@ def train(dense: dict, batches: Batches, steps: int) -> list[float]:
     return losses
 
 
-def main(steps: int = 30) -> list[float]:
+def start() -> tuple[dict, Batches]:
+    """The dense model's initial weights and the data (the same for the parallel run and any reference)."""
     dense = GPT(CONFIG).init_weights(torch.Generator().manual_seed(0)).state_dict()
-    batches = Batches(load_tokens(None), batch_size=16, seq_len=32, seed=0)
+    return dense, Batches(load_tokens(None), batch_size=16, seq_len=32, seed=0)
+
+
+def main(steps: int = 30) -> list[float]:
+    dense, batches = start()
     return threadpar.launch(
         train, dense, batches, steps, world_size=8, dp=2, tp=2, pp=2, devices="cpu", print_layout=True
     )[0]

@@ -12,12 +12,13 @@ from threadpar.models.gpt import GPT, model_config
 from threadpar.models.parallelize_gpt import parallelize_gpt
 from threadpar.pipeline import measured_bubble
 
+LR = 2e-2
 CONFIG = model_config("tiny", block_size=32)
 
 
 def train(dense: dict, batches: Batches, steps: int, timelines: dict) -> list[float]:
     model = parallelize_gpt(CONFIG, dense, schedule="1f1b", num_microbatches=8)  # pp = world size here
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
         inputs, targets = batches.batch(step)  # only the first stage uses inputs, the last targets
@@ -29,9 +30,14 @@ def train(dense: dict, batches: Batches, steps: int, timelines: dict) -> list[fl
     return losses
 
 
-def main(steps: int = 40) -> list[float]:
+def start() -> tuple[dict, Batches]:
+    """The dense model's initial weights and the data (the same for the parallel run and any reference)."""
     dense = GPT(CONFIG).init_weights(torch.Generator().manual_seed(0)).state_dict()
-    batches = Batches(load_tokens(None), batch_size=16, seq_len=32, seed=0)
+    return dense, Batches(load_tokens(None), batch_size=16, seq_len=32, seed=0)
+
+
+def main(steps: int = 40) -> list[float]:
+    dense, batches = start()
     timelines: dict = {}
     losses = threadpar.launch(train, dense, batches, steps, timelines, world_size=4, pp=4, devices="cpu")[0]
     print(f"measured bubble of the last step: {measured_bubble(timelines.values()):.1%}")

@@ -1,6 +1,6 @@
 """Asynchronous collectives: Work handles, overlap with computation, issue order."""
 
-import time
+import threading
 
 import pytest
 import torch
@@ -22,22 +22,23 @@ def test_async_all_reduce_returns_work_that_completes():
 
 
 def test_async_op_progresses_while_the_rank_computes():
-    """Rank 0 issues an async all-reduce and then computes for 0.5 s; rank 1's blocking all-reduce must
-    finish long before that, which is only possible if rank 0's communication worker runs it meanwhile."""
+    """Rank 0 issues an async all-reduce and then "computes" until rank 1's blocking all-reduce has returned.
+    That can only happen if rank 0's communication worker runs the all-reduce meanwhile: were it run on
+    rank 0's own thread (at wait()), rank 1 would never return and rank 0's wait for it would time out."""
+    rank1_returned = threading.Event()
 
     def body():
         t = torch.ones(4)
         if threadpar.get_rank() == 0:
             work = threadpar.all_reduce(t, async_op=True)
-            time.sleep(0.5)  # stands for computation
+            progressed = rank1_returned.wait(timeout=30)  # stands for computation that outlasts rank 1
             work.wait()
-            return None
-        start = time.monotonic()
+            return progressed
         threadpar.all_reduce(t)
-        return time.monotonic() - start
+        rank1_returned.set()
+        return t[0].item()
 
-    waited = run_ranks(body, 2)[1]
-    assert waited < 0.3, waited
+    assert run_ranks(body, 2) == [True, 2.0]
 
 
 def test_sync_op_after_async_ops_keeps_issue_order():
@@ -65,14 +66,17 @@ def test_async_errors_surface_at_wait():
 
 
 def test_wait_with_timeout_raises_when_the_peer_is_late():
+    timed_out = threading.Event()  # rank 1 arrives only after rank 0's wait(timeout=0.1) has given up
+
     def body():
         if threadpar.get_rank() == 0:
             work = threadpar.barrier(async_op=True)
             with pytest.raises(threadpar.CollectiveTimeoutError, match=r"did not complete within 0\.1 s"):
                 work.wait(timeout=0.1)
+            timed_out.set()
             work.wait()
         else:
-            time.sleep(0.4)
+            assert timed_out.wait(timeout=30)
             threadpar.barrier()
 
     run_ranks(body, 2)

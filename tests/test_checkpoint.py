@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers.gpt_reference import train_losses
 
 from threadpar.demo.__main__ import run_demo
 from threadpar.demo.cli import DemoConfig
@@ -22,14 +23,7 @@ def single_thread_losses(steps):
     model = GPT(gpt).init_weights(torch.Generator().manual_seed(COMMON["seed"]))
     optimizer = make_optimizer(model.parameters(), COMMON["lr"])
     batches = Batches(load_tokens(None), COMMON["batch_size"], 16, COMMON["seed"])
-    losses = []
-    for step in range(steps):
-        loss = model.loss(*batches.batch(step))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return model, losses
+    return model, train_losses(model, optimizer, batches, steps)
 
 
 def test_checkpoint_loads_into_a_plain_gpt_with_the_single_thread_weights(tmp_path):

@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.tp_parity import assert_grads_close, grads_of, seed_params_
 from torch import nn
-from tp_parity import assert_grads_close, grads_of, seed_params_
 
 import threadpar
 from threadpar.parallel import (

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from ddp_reference import DTYPE, assert_same, batches, grads_of, mlp, mse, rank_slice
+from helpers.ddp_reference import DTYPE, assert_same, batches, grads_of, mlp, mse, rank_slice
 from torch import nn
 
 import threadpar

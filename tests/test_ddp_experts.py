@@ -3,7 +3,7 @@ but reduced over the ranks holding the same experts, and the result is the singl
 
 import pytest
 import torch
-from tp_parity import assert_grads_close, grads_of, randn, seed_params_
+from helpers.tp_parity import assert_grads_close, grads_of, randn, seed_params_
 
 import threadpar
 from threadpar.parallel import (

@@ -4,8 +4,8 @@ stream-ordered, so the reducer must wait on them rather than on futures that onl
 import copy
 
 import pytest
-from ddp_reference import adam, assert_same, batches, ddp_run, mlp, reference_run
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from helpers.ddp_reference import adam, assert_same, batches, ddp_run, mlp, reference_run
 
 from threadpar import ConfigError
 from threadpar.parallel import DistributedDataParallel

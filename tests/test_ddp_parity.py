@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from ddp_reference import (
+from helpers.ddp_reference import (
     DTYPE,
     adam,
     assert_same,

@@ -1,9 +1,9 @@
 """`python -m threadpar.demo`: flags, outputs, the --check comparison, fp16 loss scaling, the default run."""
 
 import json
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -79,6 +79,7 @@ def test_placement_across_processes(monkeypatch):
         "no CUDA devices: 2 processes x 2 ranks = 4 ranks, as CPU threads",
     )
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 4)
+    monkeypatch.setattr("threadpar.runtime.devices.nccl_built", lambda: True)  # a CUDA torch with NCCL
     backend, devices, line = placement(cfg, env)  # a GPU per rank: NCCL across processes, launch's GPUs
     assert (backend, devices, line) == (
         "nccl",
@@ -133,10 +134,17 @@ def test_batches_are_a_function_of_seed_and_step():
 
 def test_fewer_gpus_than_ranks_says_what_it_does(monkeypatch):
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 2)
-    backend, _devices, line = placement(DemoConfig(gpus=8))
-    assert backend == "threads" and "ranks share GPUs" in line and "--gpus 2" in line
+    backend, devices, line = placement(DemoConfig(gpus=8))  # ranks must not share a GPU (issue 14, defect 4)
+    assert (backend, devices) == ("threads", "cpu") and "hang in backward" in line and "--gpus 2" in line
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 0)
     assert placement(DemoConfig(gpus=8))[1] == "cpu"
+    monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 8)
+    monkeypatch.setattr("threadpar.runtime.devices.nccl_built", lambda: False)  # issue 14, defect 10
+    assert placement(DemoConfig(gpus=8)) == (
+        "threads",
+        None,
+        "8 ranks on 8 GPUs (no NCCL in this torch: threads)",
+    )
 
 
 def test_demo_writes_its_outputs_and_matches_the_single_thread_model(tmp_path, capsys):
@@ -201,27 +209,41 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
         assert torch.equal(param, torch.ones(3))  # nobody stepped
 
 
-def test_fp16_demo_runs_with_agreed_loss_scaling(tmp_path, capsys):
-    args = ["--gpus", "4", "--steps", "3", "--seq-len", "16", "--batch-size", "8", "--out", str(tmp_path)]
-    assert main([*args, "--dtype", "fp16"]) == 0
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert len(metrics["losses"]) == 3 and all(loss == loss for loss in metrics["losses"])  # no nan
+def test_fp16_demo_runs_with_agreed_loss_scaling_and_tracks_the_fp32_run(tmp_path):
+    args = ["--gpus", "4", "--steps", "3", "--seq-len", "16", "--batch-size", "8"]
+    runs = {}
+    for dtype in ("fp32", "fp16"):
+        assert main([*args, "--out", str(tmp_path / dtype), "--dtype", dtype]) == 0
+        runs[dtype] = json.loads((tmp_path / dtype / "metrics.json").read_text())
+    fp32, fp16 = runs["fp32"]["losses"], runs["fp16"]["losses"]
+    assert len(fp16) == 3 and runs["fp16"]["skipped_steps"] == 0  # the scaler agreed on every step
+    assert fp16 != fp32  # autocast to fp16 did run
+    # fp16 autocast of this tiny GPT moves each loss by ~5e-4 (measured); 2e-2 is a 40x margin, not noise: the
+    # numerics are deterministic, so a busy machine cannot move them.
+    torch.testing.assert_close(fp16, fp32, rtol=0, atol=2e-2)
+
+
+# The issue this test comes from asks for the default run in under 2 minutes on 2 cores. Wall time on a shared
+# machine says little, so the check is on CPU time: 2 cores x 120 s. Measured: 48 CPU-s (124 s wall while
+# 8 agents shared the 2 cores).
+DEFAULT_RUN_CPU_BUDGET_S = 2 * 120
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_the_default_demo_run_learns_and_finishes_in_time(tmp_path):
-    """`python -m threadpar.demo --gpus 8` as a user runs it (the issue asks for < 2 minutes on 2 cores)."""
-    start = time.monotonic()
+    """`python -m threadpar.demo --gpus 8` as a user runs it."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(
         [sys.executable, "-m", "threadpar.demo", "--gpus", "8", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=170,
     )
-    elapsed = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the demo's process only: it has been waited for
+    cpu_seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert cpu_seconds < DEFAULT_RUN_CPU_BUDGET_S, cpu_seconds
     losses = json.loads((tmp_path / "metrics.json").read_text())["losses"]
     assert len(losses) == 100
     assert losses[-1] < 0.6 * losses[0], (losses[0], losses[-1])
-    print(f"default demo: {elapsed:.1f} s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from gpt_reference import SMALL, Reference, check_against, dp_slice, hybrid_step, reference
+from helpers.gpt_reference import SMALL, Reference, check_against, dp_slice, hybrid_step, reference
 
 import threadpar
 from threadpar.models.gpt import GPT, TensorParallel

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from gpt_reference import SMALL, check_against, hybrid_step, reference
+from helpers.gpt_reference import SMALL, check_against, hybrid_step, reference
 
 import threadpar
 from threadpar.models.gpt import GPT, GPTConfig, TensorParallel

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from moe_reference import naive_moe
-from tp_parity import assert_grads_close, grads_of, randn
+from helpers.moe_reference import naive_moe
+from helpers.tp_parity import assert_grads_close, grads_of, randn
 
 import threadpar
 from threadpar.parallel import (

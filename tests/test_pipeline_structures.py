@@ -6,7 +6,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 import torch.nn.functional as F
-from pipeline_models import (
+from helpers.pipeline_models import (
     DIM,
     MODELS,
     SEQ,

@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from ddp_reference import DTYPE, batches, mse, rank_slice
-from pipeline_models import MODELS
-from pipeline_models import my_chunks as structured_chunks
-from pipeline_models import my_gradients as structured_gradients
-from pipeline_models import reference as structured_reference
+from helpers.ddp_reference import DTYPE, batches, mse, rank_slice
+from helpers.pipeline_models import MODELS
+from helpers.pipeline_models import my_chunks as structured_chunks
+from helpers.pipeline_models import my_gradients as structured_gradients
+from helpers.pipeline_models import reference as structured_reference
 from test_pipeline_executor import (
     assert_matches_reference,
     lm_loss,

@@ -15,7 +15,7 @@ from procs import checks
 
 import threadpar
 import threadpar.comm.hierarchical.group as hierarchical
-from threadpar.comm.hierarchical.router import MAX_DIMS, decode_header, encode_header
+from threadpar.comm.hierarchical.router import MAX_DIMS, MessageRouter, decode_header, encode_header
 from threadpar.comm.nccl.bootstrap import join_nccl_group, unique_id_key
 from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, RemoteRankError
 from threadpar.runtime.launch import launch_in_process
@@ -44,13 +44,24 @@ def test_ddp_over_ranks_in_different_processes_matches_one_thread_on_the_whole_b
     assert checks.check_ddp(runner, 4) == 2 * 4 * 12  # 2 optimizers x 4 ranks x (6 grads + 6 params)
 
 
-def test_messages_for_a_group_the_receiving_process_has_not_created_yet_wait_for_it():
+def test_messages_for_a_group_the_receiving_process_has_not_created_yet_wait_for_it(monkeypatch):
+    kept = threading.Event()  # set once process 1's router holds a message for a group it does not have yet
+    deliver = MessageRouter._deliver
+
+    def deliver_and_tell(router, key, *message):
+        deliver(router, key, *message)
+        with router._lock:
+            if router._pending.get(key):
+                kept.set()
+
+    monkeypatch.setattr(MessageRouter, "_deliver", deliver_and_tell)
+
     def body():
         rank = threadpar.get_rank()
         if rank == 0:
             threadpar.new_group([0, 3]).send(torch.arange(3), dst=3, tag=4)
         elif rank == 3:
-            time.sleep(0.3)  # the message reaches this process before its group exists here
+            assert kept.wait(timeout=30)  # the message reached this process before its group exists here
             got = threadpar.new_group([0, 3]).recv_tensor(0, tag=4)
             assert torch.equal(got, torch.arange(3))
         threadpar.barrier()

@@ -1,9 +1,13 @@
-"""The recipe scripts in demos/ run, learn, and (TP) match the dense model."""
+"""The recipe scripts in demos/ run, learn, and match the same model trained on one thread."""
 
 import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
+from helpers.gpt_reference import train_losses
+
+from threadpar.models.gpt import GPT
 
 DEMOS = Path(__file__).parent.parent / "demos"
 
@@ -15,10 +19,30 @@ def load(name):
     return module
 
 
-@pytest.mark.parametrize(("name", "steps"), [("ddp_only", 60), ("pp_only", 12), ("hybrid_3d", 8)])
-def test_recipe_learns(name, steps):
-    losses = load(name).main(steps=steps)
-    assert losses[-1] < losses[0]
+def single_thread_losses(recipe, steps: int) -> list[float]:
+    """The recipe's GPT, weights, data and optimizer, trained on the whole batch in this thread."""
+    dense, batches = recipe.start()
+    model = GPT(recipe.CONFIG)
+    model.load_state_dict(dense)
+    return train_losses(model, torch.optim.AdamW(model.parameters(), lr=recipe.LR), batches, steps)
+
+
+@pytest.mark.timeout(180)  # 8 rank threads of the 3D recipe take ~45 s on a shared 2-core machine
+@pytest.mark.parametrize(("name", "steps"), [("pp_only", 8), ("hybrid_3d", 5)])
+def test_gpt_recipe_learns_what_one_thread_learns(name, steps):
+    recipe = load(name)
+    losses = recipe.main(steps=steps)
+    reference = single_thread_losses(recipe, steps)
+    # Same weights, data and optimizer: only summation order differs (measured: max |diff| 1e-5 over the steps).
+    torch.testing.assert_close(losses, reference, rtol=1e-4, atol=1e-4)
+    assert reference[-1] < 0.7 * reference[0], reference  # and it learns: measured 5.57 -> 3.07 / 3.04
+
+
+def test_ddp_recipe_learns():
+    # The replicas start from rank 0's weights, drawn from the process-wide generator the rank threads share,
+    # so there is no exact reference; the named drop (measured: 0.54 -> 0.08, i.e. to 15%) has a 3x margin.
+    losses = load("ddp_only").main(steps=60)
+    assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
 
 
 def test_tp_recipe_equals_the_dense_model():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import threadpar
+import threadpar.runtime.devices as devices_module
 from threadpar.runtime.devices import resolve_placement
 from threadpar.runtime.launch import available_cores
 from threadpar.testing import on_ranks, run_ranks
@@ -105,19 +106,38 @@ class TestPlacement:
         assert "running 4 ranks as CPU threads" in p.note
 
     def test_nccl_when_enough_gpus(self):
-        p = resolve_placement(None, None, 1, None, "auto", n_cuda=8)
+        p = resolve_placement(None, None, 1, None, "auto", n_cuda=8, nccl=True)
         assert p.world_size == 8 and p.backend == "nccl" and p.devices[7] == torch.device("cuda", 7)
-        p = resolve_placement(None, [2, 5], 1, None, "auto", n_cuda=8)
+        p = resolve_placement(None, [2, 5], 1, None, "auto", n_cuda=8, nccl=True)
         assert p.devices == (torch.device("cuda", 2), torch.device("cuda", 5))
+        p = resolve_placement(2, None, 1, None, "threads", n_cuda=2, nccl=True)
+        assert p.backend == "threads" and [d.index for d in p.devices] == [0, 1] and p.note is None
 
     def test_more_ranks_than_gpus_explains_the_choices(self):
         with pytest.raises(
             threadpar.ConfigError, match=r"8 ranks but only 2 GPU\(s\): NCCL needs one GPU per rank"
         ):
-            resolve_placement(8, None, 1, None, "auto", n_cuda=2)
-        p = resolve_placement(4, None, 1, None, "threads", n_cuda=2)
-        assert p.backend == "threads" and [d.index for d in p.devices] == [0, 1, 0, 1]
-        assert "share 2 GPU(s)" in p.note
+            resolve_placement(8, None, 1, None, "auto", n_cuda=2, nccl=True)
+
+    def test_several_ranks_on_one_gpu_with_threads_are_refused_saying_why(self):
+        # Issue 14, defect 4: they would hang in backward (tests/test_shared_device_thread.py shows the hang).
+        for devices in (None, [1]):
+            with pytest.raises(threadpar.ConfigError) as info:
+                resolve_placement(4, devices, 1, None, "threads", n_cuda=2, nccl=True)
+            text = str(info.value)
+            assert "would hang in backward" in text and "engine.cpp" in text
+            assert "world_size=" in text and "devices='cpu'" in text
+
+    def test_auto_without_nccl_falls_back_to_threads_with_a_note(self, monkeypatch):
+        # Issue 14, defect 10: a CUDA build without NCCL. The query itself is what is patched here.
+        monkeypatch.setattr(devices_module, "nccl_built", lambda: False)
+        p = resolve_placement(2, None, 1, None, "auto", n_cuda=2)
+        assert p.backend == "threads" and p.devices == (torch.device("cuda", 0), torch.device("cuda", 1))
+        assert "has no NCCL" in p.note and "backend 'threads'" in p.note and "\n" not in p.note
+        with pytest.raises(threadpar.ConfigError, match=r"backend='nccl': this torch build .* has no NCCL"):
+            resolve_placement(2, None, 1, None, "nccl", n_cuda=2)
+        monkeypatch.setattr(devices_module, "nccl_built", lambda: True)
+        assert resolve_placement(2, None, 1, None, "auto", n_cuda=2).backend == "nccl"
 
     def test_cpu_requested_and_int_devices(self):
         p = resolve_placement(None, 3, 1, None, "auto", n_cuda=0)

@@ -3,7 +3,9 @@
 import pytest
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
+import threadpar
 from threadpar import selftest
+from threadpar.selftest_models import check_models
 from threadpar.testing import run_ranks
 
 
@@ -11,14 +13,24 @@ def test_without_gpus_it_says_so_and_runs_the_cpu_checks(capsys):
     assert selftest.main(["--sizes", "4K", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "no CUDA devices are visible" in out and "NCCL checks are skipped" in out
-    assert "9 of 9 checks passed" in out
-    for name in selftest.COLLECTIVES:
-        assert f"\n{name} " in out
+    assert "14 of 14 checks passed" in out
+    labels = selftest.LABELS | {"ddp_step": "DDP step", "pipeline_step": "pipeline step"}
+    for name in (*selftest.COLLECTIVES, "ddp_step", "pipeline_step"):
+        assert f"\n{labels.get(name, name)}" in out
+
+
+def fake_gpus(world_size, fake):
+    return lambda fn, **layout: run_fake_gpus(fn, world_size, fake, **layout)
+
+
+def threads(world_size):
+    return lambda fn, **layout: run_ranks(fn, world_size, **layout)
 
 
 def test_the_nccl_backend_agrees_with_the_threads_backend_and_a_wrong_result_fails():
     fake = FakeCuda()
-    rows = selftest.check(lambda fn: run_fake_gpus(fn, 3, fake), lambda fn: run_ranks(fn, 3), 3, [4096], 1)
+    rows = selftest.check(fake_gpus(3, fake), threads(3), 3, [4096], 1)
+    assert [r[0] for r in rows] == list(selftest.COLLECTIVES)
     assert [r[2] for r in rows] == ["pass"] * len(selftest.COLLECTIVES)
     assert all(r[3] > 0 and r[5] > 0 for r in rows)  # timed, with a bus bandwidth
 
@@ -30,10 +42,52 @@ def test_the_nccl_backend_agrees_with_the_threads_backend_and_a_wrong_result_fai
         (outputs or inputs)[1].add_(1)  # rank 1's result is wrong
 
     broken.nccl.all_reduce = off_by_one
-    rows = selftest.check(lambda fn: run_fake_gpus(fn, 3, broken), lambda fn: run_ranks(fn, 3), 3, [4096], 0)
+    rows = selftest.check(fake_gpus(3, broken), threads(3), 3, [4096], 0)
     verdicts = {r[0]: r[2] for r in rows}
-    assert verdicts.pop("all_reduce") == "rank 1: FAIL (max |diff| 1.0)"
+    assert verdicts["all_reduce"] == "rank 1: FAIL (max |diff| 1.0)"
+    # Broadcasts are all-reduces of a buffer zeroed off the source (issue 14, defect 1), so they fail too; the
+    # copies and the other NCCL calls do not, and only rank 1 (whose result was corrupted) is named.
+    assert {name for name, v in verdicts.items() if v != "pass"} <= {
+        "all_reduce", "avg_3_ranks", "broadcast", "subgroup_bcast"
+    }  # fmt: skip
+    assert all(
+        v.startswith("rank 1: ") for name, v in verdicts.items() if v != "pass" and "bcast" not in name
+    )
+    assert verdicts["send_recv_ends"] == verdicts["scatter"] == verdicts["reduce_scatter"] == "pass"
+
+
+def test_a_broadcast_that_ignores_its_root_fails_both_broadcast_rows(monkeypatch):
+    """torch.cuda.nccl.broadcast sends from NCCL rank 0 whatever root it is given (issue 14, defect 1); a
+    root-0 check cannot see that. Here broadcast is made to behave so: its group's member 0 is the source."""
+    broadcast = threadpar.broadcast
+
+    def from_member_0(tensor, src, group=None, **kwargs):
+        return broadcast(tensor, src=0 if group is None else 1, group=group, **kwargs)  # group 1..n-1
+
+    monkeypatch.setattr(threadpar, "broadcast", from_member_0)
+    verdicts = {r[0]: r[2] for r in selftest.check(threads(3), None, 3, [4096], 0)}
+    assert verdicts.pop("broadcast").startswith("rank 0: FAIL")  # src=last
+    assert verdicts.pop("subgroup_bcast").startswith("rank 1: FAIL")  # the sub-group's first member
     assert set(verdicts.values()) == {"pass"}
+
+
+def test_the_model_steps_agree_across_backends_and_with_one_thread():
+    rows = check_models(fake_gpus(3, FakeCuda()), threads(3), 3)
+    assert [(r[0], r[2]) for r in rows] == [("ddp_step", "pass"), ("pipeline_step", "pass")]
+    rows = check_models(threads(2), None, 2)  # against the same step on this thread
+    assert [(r[0], r[2]) for r in rows] == [("ddp_step", "pass"), ("pipeline_step", "pass")]
+
+
+def test_a_wrong_pipeline_loss_fails_the_pipeline_row(monkeypatch):
+    # The pipeline shares its loss from the last stage (issue 14, defect 1 made it 0.0 on fake GPUs).
+    from threadpar.pipeline.executor import PipelineParallel
+
+    train_step = PipelineParallel.train_step
+    monkeypatch.setattr(PipelineParallel, "train_step", lambda self, *a, **k: train_step(self, *a, **k) * 0)
+    rows = check_models(threads(2), None, 2)
+    verdicts = dict((r[0], r[2]) for r in rows)
+    assert verdicts["ddp_step"] == "pass"
+    assert verdicts["pipeline_step"].startswith("rank 0: FAIL (loss: max |diff|")
 
 
 @pytest.mark.parametrize(

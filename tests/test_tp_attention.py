@@ -8,8 +8,8 @@ row-parallel output projection; under sequence parallelism the input and output 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.tp_parity import assert_grads_close, grads_of, my_chunk, randn, seed_params_
 from torch import nn
-from tp_parity import assert_grads_close, grads_of, my_chunk, randn, seed_params_
 
 from threadpar.parallel import (
     ColumnParallelLinear,

@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-from tp_parity import (
+from helpers.tp_parity import (
     assert_grads_close,
     dense_mlp_block,
     grads_of,
@@ -14,6 +13,7 @@ from tp_parity import (
     seed_params_,
     tp_mlp_block,
 )
+from torch import nn
 
 import threadpar
 from threadpar.errors import ConfigError

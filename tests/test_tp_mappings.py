@@ -7,7 +7,7 @@ and checks, for instance, that the backward of copy_to_tp_region is the sum of e
 import pytest
 import torch
 import torch.nn.functional as F
-from tp_parity import backward_off_the_rank_thread
+from helpers.tp_parity import backward_off_the_rank_thread
 
 import threadpar
 from threadpar.errors import ConfigError

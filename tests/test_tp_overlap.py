@@ -7,9 +7,8 @@ import threading
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
-from gpt_reference import check_against, hybrid_step, reference
-from torch import nn
-from tp_parity import (
+from helpers.gpt_reference import check_against, hybrid_step, reference
+from helpers.tp_parity import (
     assert_grads_close,
     backward_off_the_rank_thread,
     dense_mlp_block,
@@ -19,6 +18,7 @@ from tp_parity import (
     seed_params_,
     tp_mlp_block,
 )
+from torch import nn
 
 import threadpar
 from threadpar.errors import ConfigError

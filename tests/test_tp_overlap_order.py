@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from helpers.tp_overlap_probe import CollectiveLog, GemmLog
+from helpers.tp_parity import my_chunk, randn, seed_params_
 from torch import nn
-from tp_overlap_probe import CollectiveLog, GemmLog
-from tp_parity import my_chunk, randn, seed_params_
 
 import threadpar
 from threadpar.parallel import ColumnParallelLinear

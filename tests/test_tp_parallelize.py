@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.tp_parity import assert_grads_close, grads_of, seed_params_
 from torch import nn
-from tp_parity import assert_grads_close, grads_of, seed_params_
 
 from threadpar.errors import ConfigError
 from threadpar.parallel import (

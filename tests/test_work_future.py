@@ -1,7 +1,6 @@
 """Work.get_future(): torch's API for chaining work onto an asynchronous collective (used by DDP's hooks)."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -13,15 +12,20 @@ from threadpar.testing import run_ranks
 
 
 def test_future_of_an_async_all_reduce_holds_its_tensor_and_callbacks_run_on_the_comm_worker():
+    chained_while_pending = threading.Event()  # rank 1 joins the all-reduce only after rank 0 chained on it
+
     def body():
         rank = threadpar.get_rank()
         t = torch.full((1000,), float(rank + 1))
         rank_thread = threading.current_thread().name
         ran_on = []
         if rank == 1:
-            time.sleep(0.2)  # so rank 0's all-reduce is still pending when it chains its callback
+            assert chained_while_pending.wait(timeout=30)
         future = threadpar.all_reduce(t, async_op=True).get_future()
         chained = future.then(lambda f: ran_on.append(threading.current_thread().name) or f.value()[0] * 2)
+        if rank == 0:
+            assert not future.done()  # cannot be: rank 1 has not called all_reduce yet
+            chained_while_pending.set()
         assert chained.wait()[0].item() == 6.0
         assert future.value()[0] is t
         return rank_thread, ran_on

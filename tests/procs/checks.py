@@ -280,7 +280,7 @@ def check_pipeline_structures() -> int:
     """The same layout with chunks that pass tuples (an int64 mask, a bf16 leaf, a leaf that gets no
     gradient) and dicts (a 0-dim aux loss, constants): packed messages through the router. Loss and every
     gradient this stage holds equal the whole model in this thread."""
-    from pipeline_models import MODELS, my_chunks, my_gradients, reference
+    from helpers.pipeline_models import MODELS, my_chunks, my_gradients, reference
 
     from threadpar.pipeline import PipelineParallel
 
@@ -307,7 +307,7 @@ def check_ddp(runner, world: int) -> int:
 
     Runs in the launching thread of each process: `runner(body, world)` runs `body` on the ranks (simulated
     processes or torchrun's) and returns this process's per-rank results."""
-    from ddp_reference import adam, assert_same, batches, ddp_run, mlp, reference_run, sgd
+    from helpers.ddp_reference import adam, assert_same, batches, ddp_run, mlp, reference_run, sgd
 
     template = mlp()  # built before any rank starts (it seeds the global generator)
     data = batches(steps=3, rows=2 * world, n_in=6, n_out=3)

@@ -39,21 +39,28 @@ from threadpar.runtime.process_env import ProcessEnv, default_local_devices
 def placement(cfg: DemoConfig, env: ProcessEnv | None = None) -> tuple[str, str | None, str]:
     """(backend, devices, a line saying where the ranks run), as the library places them
     (threadpar.runtime.devices.resolve_placement). The demo's one policy of its own: with fewer GPUs than
-    --gpus, ranks share GPUs on the 'threads' backend instead of failing as a plain launch would."""
+    --gpus, the ranks run as CPU threads instead of failing as a plain launch would."""
     n_cuda = cuda_device_count()
     if cfg.processes > 1:
         return _placement_across_processes(cfg, env or ProcessEnv(), n_cuda)
-    devices = "cpu" if n_cuda == 0 else None
-    backend = "threads" if 0 < n_cuda < cfg.gpus else "auto"
-    placed = resolve_placement(cfg.gpus, devices, 1, None, backend, n_cuda=n_cuda)
+    # Ranks cannot share a GPU (they would hang in backward: runtime.devices.SHARED_GPU_HINT), so with fewer
+    # GPUs than ranks the demo runs on CPU threads.
+    devices = "cpu" if n_cuda < cfg.gpus else None
+    placed = resolve_placement(cfg.gpus, devices, 1, None, "auto", n_cuda=n_cuda)
     if n_cuda == 0:
         return placed.backend, devices, f"no CUDA devices: running {cfg.gpus} ranks as CPU threads"
-    if placed.backend == "threads":
+    if devices == "cpu":
         return (
             placed.backend,
             devices,
-            f"{cfg.gpus} ranks but {n_cuda} GPU(s): ranks share GPUs on the 'threads' backend "
-            f"(pass --gpus {n_cuda} to give each rank its own GPU with NCCL)",
+            f"{cfg.gpus} ranks but {n_cuda} GPU(s): running the ranks as CPU threads, since ranks sharing a GPU "
+            f"would hang in backward (pass --gpus {n_cuda} to give each rank its own GPU with NCCL)",
+        )
+    if placed.backend == "threads":  # a CUDA build of torch without NCCL (resolve_placement's fallback)
+        return (
+            placed.backend,
+            devices,
+            f"{cfg.gpus} ranks on {cfg.gpus} GPUs (no NCCL in this torch: threads)",
         )
     return placed.backend, devices, f"{cfg.gpus} ranks on {cfg.gpus} GPUs (NCCL)"
 
@@ -72,7 +79,8 @@ def _placement_across_processes(cfg: DemoConfig, env: ProcessEnv, n_cuda: int) -
         ) from None
     # One GPU per rank: NCCL, also for the groups that span processes (threadpar.comm.nccl.spanning).
     placed = resolve_placement(cfg.gpus, local, 1, None, "auto", n_cuda=n_cuda)
-    return placed.backend, None, f"{ranks} on {cfg.world_size} GPUs (NCCL, also between processes)"
+    how = "NCCL, also between processes" if placed.backend == "nccl" else "no NCCL in this torch: threads"
+    return placed.backend, None, f"{ranks} on {cfg.world_size} GPUs ({how})"
 
 
 def launch_config(cfg: DemoConfig, backend: str, devices: str | None) -> LaunchConfig:

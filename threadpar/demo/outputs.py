@@ -67,7 +67,9 @@ def reference_losses(run: RunState) -> dict[str, Any]:
         reference.append(loss.item())
     parallel = run.losses[: len(reference)]
     diff = max(abs(a - b) for a, b in zip(parallel, reference))
-    tolerance = 1e-4 if cfg.dtype == "fp32" else 5e-2
+    # Relative to the loss: the parallel run sums in another order, and from the second step on Adam turns
+    # last-bit differences of near-zero gradients into lr-sized updates (measured: 2e-5 of the loss in fp32).
+    tolerance = (1e-4 if cfg.dtype == "fp32" else 5e-2) * max(1.0, max(abs(r) for r in reference))
     return {
         "steps": len(reference),
         "parallel": parallel,

@@ -32,7 +32,7 @@ from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
 from threadpar.pipeline import PipelineParallel, default_chunks_per_rank, get_stage_info, schedule_placement
-from threadpar.runtime.context import get_coords, get_layout
+from threadpar.runtime.context import get_coords, get_device, get_layout
 
 
 @dataclass(eq=False)
@@ -154,6 +154,9 @@ def parallelize_gpt(
         GPTChunk(config, range(start, end), first=chunk == 0, last=chunk == last_chunk, **options)
         for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk)
     ]
+    # On this rank's GPU (a no-op on CPU threads) before the dense weights load there.
+    device = get_device()
+    chunks = [c.to(device) for c in chunks]
     load_model_state(chunks, dense_state)
     modules: list[nn.Module] = list(chunks)
     if layout.dp * layout.cp > 1:  # DDP's default group: DP, or DP x CP under context parallelism

@@ -30,6 +30,25 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def nccl_built() -> bool:
+    """Whether this torch build can run torch.cuda.nccl (CUDA builds may lack it, e.g. some ROCm or custom ones)."""
+    from threadpar.comm.nccl.cuda_api import torch_cuda  # here, not at the top: comm imports the runtime
+
+    return torch_cuda().nccl_available()
+
+
+# Why several ranks must not share a CUDA device on the threads backend (issue 14, defect 4). Autograd keeps one
+# ready queue and one worker thread per device, shared by every backward in the process
+# (torch/csrc/autograd/engine.cpp: Engine::start_device_threads / ready_queue_by_index; CUDA work of any graph
+# task goes to its device's queue). A collective inside one rank's backward blocks that thread in the
+# rendezvous, while the other ranks' backward waits behind it in the same queue: a hang, never an error.
+SHARED_GPU_HINT = (
+    "several ranks on one CUDA device with backend='threads' would hang in backward: autograd runs every "
+    "backward for a device on one shared thread (torch/csrc/autograd/engine.cpp, one ready queue per device), "
+    "so a collective inside one rank's backward blocks the other ranks' backward behind it"
+)
+
+
 @dataclass(frozen=True)
 class Placement:
     world_size: int
@@ -75,10 +94,12 @@ def resolve_placement(
     dp: int | None,
     backend: str,
     n_cuda: int | None = None,
+    nccl: bool | None = None,
 ) -> Placement:
     """Decide world size, backend and each rank's device. `model_size` is tp * cp * pp.
 
-    `n_cuda` is the number of visible CUDA devices (queried when None; tests pass it).
+    `n_cuda` is the number of visible CUDA devices and `nccl` whether this torch build has NCCL (both queried
+    when None; tests pass them).
     """
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -120,19 +141,30 @@ def resolve_placement(
         missing = [i for i in ids if i >= n_cuda]
         if missing:
             raise ConfigError(f"devices={ids} asks for CUDA devices {missing}, but only {n_cuda} are visible")
-        if len(ids) == world_size and backend in ("auto", "nccl"):
-            return Placement(world_size, "nccl", tuple(torch.device("cuda", i) for i in ids))
+        if backend != "threads" and not (nccl_built() if nccl is None else nccl):
+            if backend == "nccl":
+                raise ConfigError(
+                    f"backend='nccl': this torch build ({torch.__version__}) has no NCCL support; "
+                    "use backend='threads' (or 'auto'), or install a torch built with NCCL"
+                )
+            if len(ids) == world_size:  # "auto" on a CUDA build without NCCL
+                fallback = (
+                    f"this torch build ({torch.__version__}) has no NCCL: {world_size} ranks on {world_size} "
+                    "GPU(s) use backend 'threads' (collectives through shared memory, not NCCL)"
+                )
+                return Placement(world_size, "threads", tuple(torch.device("cuda", i) for i in ids), fallback)
+        if len(ids) == world_size:
+            devs = tuple(torch.device("cuda", i) for i in ids)
+            return Placement(world_size, "threads" if backend == "threads" else "nccl", devs)
         if backend == "threads":
-            # Several ranks may share a GPU: rank r runs on ids[r % len(ids)].
-            devs = tuple(torch.device("cuda", ids[r % len(ids)]) for r in range(world_size))
-            note = None
-            if len(ids) < world_size:
-                note = f"{world_size} ranks share {len(ids)} GPU(s) on the 'threads' backend (rank r on cuda:ids[r % {len(ids)}])"
-            return Placement(world_size, "threads", devs, note)
+            raise ConfigError(
+                f"{world_size} ranks on {len(ids)} GPU(s): {SHARED_GPU_HINT}. Give each rank its own GPU "
+                f"(world_size={len(ids)}), or run the ranks as CPU threads with devices='cpu'"
+            )
         raise ConfigError(
             f"{world_size} ranks but only {len(ids)} GPU(s): NCCL needs one GPU per rank. Pass world_size={len(ids)} "
-            f"(or fewer ranks), backend='threads' to let ranks share GPUs (to try TP/PP code on one GPU), "
-            "or devices='cpu' to run on CPU threads"
+            "(or fewer ranks), or devices='cpu' to run the ranks as CPU threads (ranks cannot share a GPU: "
+            "autograd runs a device's backward on one shared thread)"
         )
 
     if ids is not None and len(ids) != world_size:

@@ -127,9 +127,7 @@ class _Launch:
         saved_threads = torch.get_num_threads()
         processes = self.world.processes
         try:
-            for t in self.threads:
-                t.start()
-            self._wait()
+            self._start_and_wait()
         finally:
             for ctx in self.contexts:
                 ctx.worker.stop()
@@ -150,8 +148,11 @@ class _Launch:
             raise RankFailedError(first.rank, first.error, first.traceback_text, others) from first.error
         return self.results
 
-    def _wait(self) -> None:
+    def _start_and_wait(self) -> None:
         try:
+            # Starting is inside the try: a Ctrl-C while the threads start must stop those already running.
+            for t in self.threads:
+                t.start()
             while not self.all_done.wait(0.05):
                 if self.world.abort.is_set:
                     self._stop_stragglers()

@@ -62,11 +62,15 @@ def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+    """Copies on the CPU (where the single-thread reference runs), also of a model on a GPU."""
+    return {
+        n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+        for n, p in model.named_parameters()
+    }
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
 def reference_run(template: nn.Module, data, make_optimizer: OptimizerFactory, loss=mse) -> tuple[dict, dict]:
@@ -94,14 +98,15 @@ def ddp_run(
     """The same on `world` rank threads with DDP; per rank: (first-step gradients, final parameters)."""
 
     def body():
-        rank = threadpar.get_rank()
-        model = copy.deepcopy(template)
+        rank, device = threadpar.get_rank(), threadpar.get_device()  # a GPU in the cuda tier (tests/cuda/)
+        model = copy.deepcopy(template).to(device)
         ddp = DistributedDataParallel(model, **ddp_kwargs)
         optimizer = make_optimizer(list(model.parameters()))
         first_grads = None
         for x, y in data:
             optimizer.zero_grad()
-            loss(ddp, rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+            mine = rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device)
+            loss(ddp, *mine).backward()
             first_grads = first_grads or grads_of(model)
             optimizer.step()
         return first_grads, params_of(model)

@@ -48,11 +48,13 @@ def hybrid_step(ref, schedule, microbatches, **options):
     model = parallelize_gpt(
         ref.config, ref.dense, schedule=schedule, num_microbatches=microbatches, **options
     )
-    x = dp_slice(ref.inputs, coords.dp, layout.dp)
-    y = dp_slice(ref.targets, coords.dp, layout.dp)
+    device = threadpar.get_device()  # a GPU in the cuda tier (tests/cuda/); results come back on the CPU
+    x = dp_slice(ref.inputs, coords.dp, layout.dp).to(device)
+    y = dp_slice(ref.targets, coords.dp, layout.dp).to(device)
     loss = model.train_step(x, y)
     threadpar.all_reduce(loss, op="avg", group="DP")
-    return loss, model.dense_grads()
+    grads = {name: None if g is None else g.cpu() for name, g in model.dense_grads().items()}
+    return loss.cpu(), grads
 
 
 def check_against(ref, results, *, rtol=1e-4, atol=1e-6):
@@ -65,3 +67,17 @@ def check_against(ref, results, *, rtol=1e-4, atol=1e-6):
             )
             covered.add(name)
     assert covered == set(ref.grads), "every parameter's gradient must be checked on some rank"
+
+
+def train_losses(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int
+) -> list[float]:
+    """Train `model` (a plain GPT) on this thread on batches.batch(step) for each step; the loss of each."""
+    losses = []
+    for step in range(steps):
+        loss = model.loss(*batches.batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

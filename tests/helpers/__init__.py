@@ -1,0 +1,1 @@
+"""Shared test helpers: single-thread references and parity checks the test modules build on."""
