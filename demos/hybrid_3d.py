@@ -15,6 +15,7 @@ from threadpar.models.parallelize_gpt import parallelize_gpt
 from threadpar.parallel import clip_grad_norm_
 
 LR = 1e-2
+MAX_NORM = 1.0  # the whole model's gradient norm is clipped to this, as LLM recipes do
 CONFIG = model_config("small", block_size=32)
 
 
@@ -28,7 +29,7 @@ def train(dense: dict, batches: Batches, steps: int) -> list[float]:
         inputs = data_parallel_slice(inputs, coords.dp, layout.dp)
         targets = data_parallel_slice(targets, coords.dp, layout.dp)
         loss = model.train_step(inputs, targets)
-        clip_grad_norm_(model.parameters(), max_norm=1.0)  # the norm over every shard, stage and replica
+        clip_grad_norm_(model.parameters(), MAX_NORM)  # the norm over every shard, stage and replica
         optimizer.step()
         optimizer.zero_grad()
         threadpar.all_reduce(loss, op="avg", group="DP")  # the global batch's mean loss

@@ -3,7 +3,7 @@ gradients equal torch.nn.utils.clip_grad_norm_ on the single-thread model's grad
 
 import pytest
 import torch
-from gpt_reference import SMALL, dp_slice, reference
+from helpers.gpt_reference import SMALL, dp_slice, reference
 from test_gpt_cp_moe import MOE, moe_reference
 
 import threadpar

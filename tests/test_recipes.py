@@ -20,11 +20,12 @@ def load(name):
 
 
 def single_thread_losses(recipe, steps: int) -> list[float]:
-    """The recipe's GPT, weights, data and optimizer, trained on the whole batch in this thread."""
+    """The recipe's GPT, weights, data, optimizer and clipping, trained on the whole batch in this thread."""
     dense, batches = recipe.start()
     model = GPT(recipe.CONFIG)
     model.load_state_dict(dense)
-    return train_losses(model, torch.optim.AdamW(model.parameters(), lr=recipe.LR), batches, steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.LR)
+    return train_losses(model, optimizer, batches, steps, getattr(recipe, "MAX_NORM", None))
 
 
 @pytest.mark.timeout(180)  # 8 rank threads of the 3D recipe take ~45 s on a shared 2-core machine

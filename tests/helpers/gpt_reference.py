@@ -70,13 +70,20 @@ def check_against(ref, results, *, rtol=1e-4, atol=1e-6):
 
 
 def train_losses(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches,
+    steps: int,
+    max_norm: float | None = None,
 ) -> list[float]:
-    """Train `model` (a plain GPT) on this thread on batches.batch(step) for each step; the loss of each."""
+    """Train `model` (a plain GPT) on this thread on batches.batch(step) for each step; the loss of each.
+    max_norm: clip the gradient norm with torch's clip_grad_norm_ before each step."""
     losses = []
     for step in range(steps):
         loss = model.loss(*batches.batch(step))
         loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
