@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from ddp_reference import assert_same, batches, mlp, mse, params_of, rank_slice
-from gpt_reference import SMALL, dp_slice
+from helpers.ddp_reference import assert_same, batches, mlp, mse, params_of, rank_slice
+from helpers.gpt_reference import SMALL, dp_slice
 
 import threadpar
 from threadpar.models.gpt import GPT

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from ddp_reference import batches, mlp, mse, rank_slice
+from helpers.ddp_reference import batches, mlp, mse, rank_slice
 from torch import nn
 
 import threadpar

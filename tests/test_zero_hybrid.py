@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from ddp_reference import batches, mlp, rank_slice
-from gpt_reference import SMALL, dp_slice
+from helpers.ddp_reference import batches, mlp, rank_slice
+from helpers.gpt_reference import SMALL, dp_slice
 from torch import nn
 
 import threadpar

@@ -3,8 +3,8 @@ dense optimizer state after 3 steps, state bytes per rank, gradient accumulation
 
 import pytest
 import torch
-from ddp_reference import assert_same, batches, mlp
-from zero_reference import assert_same_state, plain, reference, zero, zero_run
+from helpers.ddp_reference import assert_same, batches, mlp
+from helpers.zero_reference import assert_same_state, plain, reference, zero, zero_run
 
 OPTIMIZERS = [torch.optim.AdamW, torch.optim.SGD]
 

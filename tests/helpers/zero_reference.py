@@ -7,10 +7,10 @@ import copy
 from collections.abc import Callable
 
 import torch
-from ddp_reference import mse, params_of, rank_slice
 from torch import nn
 
 import threadpar
+from helpers.ddp_reference import mse, params_of, rank_slice
 from threadpar.parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from threadpar.testing import run_ranks
 
