@@ -106,6 +106,7 @@ def test_process_zero_merges_the_other_processes_results_onto_its_clock():
             "timelines": {rank: timeline(rank, 100.0)},
             "activation_peaks": {rank: rank + 1},
             "device_peaks": {rank: None},
+            "optimizer_state_bytes": {rank: 10 * rank},
             "model_parts": {rank // 2: {f"w{rank}": torch.ones(1)}},
             "optimizer_parts": {rank // 2: {}},
         }
@@ -116,6 +117,7 @@ def test_process_zero_merges_the_other_processes_results_onto_its_clock():
         getattr(run, name).update(parts[0][name])
     merge_parts(run, parts)
     assert run.activation_peaks == {0: 1, 1: 2, 2: 3}
+    assert run.optimizer_state_bytes == {0: 0, 1: 10, 2: 20}
     assert set(run.model_parts) == {0, 1} and set(run.model_parts[1]) == {"w2"}
     starts = {r: t.events[0].start for r, t in run.timelines.items()}
     assert starts == {0: 100.0, 1: 100.0, 2: 110.0}  # same machine: one clock; another: shifted by 50 - 40

@@ -6,7 +6,9 @@ into one state dict with the names of the unsplit model. A plain single-thread m
 
 Loading: each rank loads the dense tensors of its own modules; TP layers keep their shard of each (their
 `load_state_dict` accepts dense tensors). Optimizer state (Adam's moments) is gathered and sharded the
-same way, by the parameter it belongs to, so a run resumed on another layout continues exactly.
+same way, by the parameter it belongs to, so a run resumed on another layout continues exactly. A
+distributed optimizer (threadpar.parallel.ZeroRedundancyOptimizer) first gathers its DP shards: its
+state_dict() is the dense one, so a run saved with ZeRO resumes with or without it, on any dp.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.tensor_parallel import ShardSpec, TensorParallelModule, gather_dense_state_dict
+from threadpar.parallel.zero.state import packed_param_groups
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -69,9 +72,14 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, modules: Sequence[n
     """Per-parameter optimizer state at dense shapes, keyed by parameter name (a collective, like
     gather_model_state: tensors shaped like their parameter are gathered over its TP group)."""
     specs = _shard_specs(unwrap(m) for m in modules)
+    # Through state_dict(): a plain optimizer's refers to its state, a ZeroRedundancyOptimizer's is its
+    # shards gathered over DP (a collective over its groups, on every rank that holds a part).
+    packed = optimizer.state_dict()["state"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    per_param = {id(params[i]): entry for i, entry in packed.items()}
     out: dict[str, dict] = {}
     for name, param in _named_params(modules):  # the same order on every rank of a TP group
-        state = optimizer.state.get(param)
+        state = per_param.get(id(param))
         if not state:
             continue
         entry = {}
@@ -106,4 +114,4 @@ def load_optimizer_state(
                 value = value.to(param.device if value.dim() else value.device, copy=True)
             entry[key] = value
         state[index[id(param)]] = entry
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+    optimizer.load_state_dict({"state": state, "param_groups": packed_param_groups(optimizer.param_groups)})

@@ -164,6 +164,7 @@ def _train_and_report(
             + (", sequence parallel" if cfg.sequence_parallel else "")
             + (f", MoE {cfg.moe_experts} experts (top-{cfg.moe_top_k})" if cfg.moe_experts else "")
             + (", recompute" if cfg.recompute else "")
+            + (f", ZeRO-{cfg.zero}" if cfg.zero else "")
             + (f", resuming at step {run.start_step}" if run.start_step else ""),
             flush=True,
         )

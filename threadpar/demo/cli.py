@@ -15,6 +15,7 @@ from threadpar.topology import Layout
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zbh1", "zb_interleaved", "zbv")
 DTYPES = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (0, 1, 2)
 
 
 def default_layout(n: int, ep: int = 1) -> tuple[int, int, int]:
@@ -55,6 +56,7 @@ class DemoConfig:
     check: bool = False
     recompute: bool = False
     sequence_parallel: bool = False
+    zero: int = 0  # distributed optimizer: 0 off, 1 shards optimizer state, 2 also the reduced gradients
     log_every: int = 1
     # The library's Layout of the sizes above (dp, tp, pp derived when not given), over all ranks.
     layout: Layout = field(init=False, repr=False)
@@ -69,6 +71,10 @@ class DemoConfig:
             raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.zero not in ZERO_STAGES:
+            raise ConfigError(
+                f"--zero {self.zero!r}: choose 0 (off), 1 (shard optimizer state) or 2 (and gradients)"
+            )
         if self.model not in MODEL_SIZES:
             raise ConfigError(f"--model {self.model!r}: choose one of {', '.join(MODEL_SIZES)}")
         if self.microbatches is None:
@@ -219,6 +225,13 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
     p.add_argument("--moe-experts", type=int, default=0, help="make each MLP a mixture of N experts")
     p.add_argument("--moe-top-k", type=int, default=defaults.moe_top_k, help="experts per token")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size: experts split over ep DP ranks")
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=ZERO_STAGES,
+        default=0,
+        help="distributed optimizer over DP: 1 shards AdamW's state, 2 also the reduced gradients (ZeRO-1/2)",
+    )
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     args = p.parse_args(argv)
     names = {f.name for f in fields(DemoConfig)}

@@ -111,6 +111,12 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
         lines.append(f"fp16: {run.skipped_steps} step(s) skipped on overflow (agreed across all ranks)")
     per_rank = ", ".join(f"r{r} {format_bytes(p['saved_activations_bytes'])}" for r, p in peaks.items())
     lines.append(f"peak saved activations per rank: {per_rank}")
+    state = run.optimizer_state_bytes
+    sharded = f"ZeRO-{cfg.zero}, sharded over DP" if cfg.zero else "AdamW, not sharded"
+    lines.append(
+        f"optimizer state per rank ({sharded}): "
+        + ", ".join(f"r{r} {format_bytes(state[r])}" for r in sorted(state))
+    )
     if any(p["device_allocated_bytes"] for p in peaks.values()):
         device = ", ".join(f"r{r} {format_bytes(p['device_allocated_bytes'])}" for r, p in peaks.items())
         lines.append(f"peak device memory per rank: {device}")
@@ -137,6 +143,10 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
         "tokens_per_s": tokens_per_s,
         "bubble": bubble,
         "peak_memory": peaks,
+        "zero": cfg.zero,
+        "optimizer_state_bytes": {
+            str(r): run.optimizer_state_bytes[r] for r in sorted(run.optimizer_state_bytes)
+        },
         "skipped_steps": run.skipped_steps,
         "clip_grad": cfg.clip_grad,
         "grad_norms": run.grad_norms,  # the whole model's, before clipping; null: an fp16 step was skipped

@@ -26,7 +26,14 @@ from threadpar.runtime.process_env import ProcessEnv, bootstrap_store
 
 # RunState fields keyed by global rank, each filled by the ranks of the process they run in. (The losses,
 # step times and loss-scaler state come from rank 0, which always runs in process 0.)
-PER_RANK_FIELDS = ("timelines", "activation_peaks", "device_peaks", "model_parts", "optimizer_parts")
+PER_RANK_FIELDS = (
+    "timelines",
+    "activation_peaks",
+    "device_peaks",
+    "optimizer_state_bytes",
+    "model_parts",
+    "optimizer_parts",
+)
 
 T = TypeVar("T")
 

@@ -8,8 +8,10 @@ each process has its own, filled by its own ranks; process 0 then gathers the ot
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -22,6 +24,7 @@ from threadpar.demo.report import ProgressBar
 from threadpar.models.gpt import GPTConfig
 from threadpar.models.parallelize_gpt import parallelize_gpt
 from threadpar.parallel import LossScaler, clip_grad_norm_, grad_placements, total_grad_norm
+from threadpar.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from threadpar.pipeline import Timeline
 from threadpar.runtime.context import get_coords, get_device, get_layout
 from threadpar.runtime.memory import SavedActivationTracker, device_peak_bytes
@@ -29,8 +32,16 @@ from threadpar.runtime.memory import SavedActivationTracker, device_peak_bytes
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+def make_optimizer(params, lr: float, zero: int = 0) -> torch.optim.Optimizer:
+    """AdamW; with zero=1 or 2 a ZeroRedundancyOptimizer around it, sharded over each parameter's DDP group
+    (over the DP group of one rank when dp x cp = 1: parallelize_gpt wraps no DDP then)."""
+    if not zero:
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    layout = get_layout()
+    group = None if layout.dp * layout.cp > 1 else "DP"
+    return ZeroRedundancyOptimizer(
+        params, torch.optim.AdamW, stage=zero, process_group=group, lr=lr, betas=(0.9, 0.95), weight_decay=0.0
+    )
 
 
 def clip_and_step(
@@ -38,10 +49,15 @@ def clip_and_step(
 ) -> float | None:
     """Unscale (fp16), clip the whole model's gradient to max_norm (0: measure it only), step. Returns the
     gradient norm before clipping, the same on every rank; None when an fp16 overflow skipped the step."""
-    overflow = scaler is not None and scaler.unscale_and_check(params)
+    zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    # The scaler reads and writes `.grad` only: ZeRO-2's pieces are plain tensors holding the reduced shards.
+    holders = params if zero is None else cast(list[torch.nn.Parameter], zero.grad_holders())
+    overflow = scaler is not None and scaler.unscale_and_check(holders)
     norm = None
     if not overflow:  # the same branch on every rank: the overflow flag is agreed over the world
-        if max_norm > 0:
+        if zero is not None:  # the norm over its shards, which it clips (ZeRO-2 keeps no param.grad)
+            norm = float(zero.clip_grad_norm_(max_norm if max_norm > 0 else math.inf))
+        elif max_norm > 0:
             norm = float(clip_grad_norm_(params, max_norm))
         else:
             with_grad = [p for p in params if p.grad is not None]
@@ -69,6 +85,7 @@ class RunState:
     timelines: dict[int, Timeline] = field(default_factory=dict)
     activation_peaks: dict[int, int] = field(default_factory=dict)
     device_peaks: dict[int, int | None] = field(default_factory=dict)
+    optimizer_state_bytes: dict[int, int] = field(default_factory=dict)
     model_parts: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     optimizer_parts: dict[int, dict[str, dict]] = field(default_factory=dict)
     final_scaler_state: dict | None = None
@@ -98,7 +115,7 @@ def train_rank(run: RunState) -> None:
         loss_scaler=scaler,
     )
     params = list(model.parameters())
-    optimizer = make_optimizer(params, cfg.lr)
+    optimizer = make_optimizer(params, cfg.lr, cfg.zero)
     if run.optimizer_state is not None:
         load_optimizer_state(optimizer, model.chunks, run.optimizer_state)
     tracker = SavedActivationTracker()
@@ -131,6 +148,7 @@ def train_rank(run: RunState) -> None:
     run.timelines[rank] = model.pipeline.timeline.snapshot()
     run.activation_peaks[rank] = tracker.peak
     run.device_peaks[rank] = device_peak_bytes(get_device())
+    run.optimizer_state_bytes[rank] = optimizer_state_bytes(optimizer)
     if scaler is not None and rank == 0:
         run.final_scaler_state = scaler.state_dict()
         run.skipped_steps = scaler.skipped_steps

@@ -71,11 +71,15 @@ from threadpar.parallel.tensor_parallel import (
     sequence_parallel_parameters,
     vocab_parallel_cross_entropy,
 )
+from threadpar.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 __all__ = [  # noqa: RUF022 (grouped by kind of parallelism, then by use)
     # data parallelism
     "DataParallel",
     "DistributedDataParallel",
+    # distributed optimizer (ZeRO-1/2 over the DP group)
+    "ZeroRedundancyOptimizer",
+    "optimizer_state_bytes",
     # gradient clipping and mixed precision (the whole model's norm over every parallel axis)
     "clip_grad_norm_",
     "total_grad_norm",

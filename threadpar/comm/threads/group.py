@@ -192,16 +192,20 @@ class ThreadsGroup:
     ) -> None:
         P = self.size
 
+        def gather_for(m: int, slot: Slot) -> None:
+            for s in range(P):
+                out, src = slot.payloads[m][0][s], slot.payloads[s][1]
+                if s != m or out.data_ptr() != src.data_ptr():  # in place: this member's part is there
+                    copy_into(out, src)
+
         def whole(slot: Slot) -> None:
             for m in range(P):
-                for s in range(P):
-                    copy_into(slot.payloads[m][0][s], slot.payloads[s][1])
+                gather_for(m, slot)
 
         slot = self._meet(member, seq, call, (outputs, tensor), lambda p: sum(t.nbytes for t in p[0]), whole)
         if slot.finished:
             return
-        for s in range(P):
-            copy_into(outputs[s], slot.payloads[s][1])
+        gather_for(member, slot)
         self._finish(slot, member, seq)
 
     def scatter(

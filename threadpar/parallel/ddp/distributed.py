@@ -29,6 +29,7 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.clip_grad.placement import mark_grad_placements
 from threadpar.parallel.context_parallel import data_context_parallel_group
+from threadpar.parallel.ddp import owners
 from threadpar.parallel.ddp.comm_hooks import CommHook
 from threadpar.parallel.ddp.experts import expert_data_parallel_group, sharded_experts
 from threadpar.parallel.ddp.reducer import Reducer, ReducerOptions
@@ -180,6 +181,11 @@ class DistributedDataParallel(nn.Module):
         mark_grad_placements(
             module, data_parallel=group, expert_data_parallel=self.expert_process_group, strict=False
         )
+        # For the distributed optimizer: where each parameter's gradient is reduced (frozen ones included).
+        owners.record((p for p in module.parameters() if id(p) not in expert_ids), group, self.reducer)
+        if self.expert_process_group is not None:
+            expert_params = [p for e in experts for p in e.parameters()]
+            owners.record(expert_params, self.expert_process_group, self.expert_reducer)
 
     def _reducer(self, named: list, group: ProcessGroup, abort, scale: float = 1.0) -> Reducer:
         return Reducer([p for _, p in named], [n for n, _ in named], group, self.options, abort, scale)

@@ -32,7 +32,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -50,6 +50,20 @@ NAMES_SHOWN = 8
 
 # Identifies the running backward (torch.utils.checkpoint uses it too); -1 where torch lacks it.
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+class ShardedReduction(Protocol):
+    """Takes over the reduction of every bucket (the distributed optimizer's ZeRO-2: a reduce-scatter into
+    the optimizer's shards instead of an all-reduce), see `Reducer.shard_reduction`."""
+
+    def reduce_bucket(self, index: int, grads: list[torch.Tensor], async_op: bool) -> Work | None:
+        """Start reducing bucket `index` (its gradients in bucket order, zeros for missing ones)."""
+        ...
+
+    def backward_done(self, used: list[bool] | None) -> None:
+        """After every bucket's reduction finished; `used[i]`: parameter i got a gradient on some rank
+        (None: every parameter did)."""
+        ...
 
 
 @dataclass(kw_only=True)
@@ -116,6 +130,7 @@ class Reducer:
         self.require_backward_grad_sync = True
         self._hook: CommHook | None = None  # None: the built-in in-place average, without futures
         self._hook_state: Any = group
+        self._sharded: ShardedReduction | None = None
         self._ran_backward = False
         self._rebuilt = False
         self._build(assign_buckets(self._specs, options.caps))
@@ -136,11 +151,36 @@ class Reducer:
     def parameter_names(self) -> list[str]:
         return list(self._names)
 
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self._params)
+
+    @property
+    def group(self) -> ProcessGroup:
+        return self._group
+
+    def shard_reduction(self, sharded: ShardedReduction) -> None:
+        """Let `sharded` reduce every bucket from now on, and freeze the buckets (its shards follow them)."""
+        if self._hook is not None or self._sharded is not None:
+            what = "a comm hook" if self._hook is not None else "another distributed optimizer"
+            raise ConfigError(
+                f"DistributedDataParallel: {what} already reduces this module's gradients; a ZeRO-2 "
+                "optimizer reduce-scatters them itself (use one of the two, or stage=1)"
+            )
+        with self._lock:
+            self._sharded = sharded
+            self._rebuilt = True
+
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
         if self._hook is not None:
             raise ConfigError("register_comm_hook can be called only once per DistributedDataParallel module")
+        if self._sharded is not None:
+            raise ConfigError(
+                "register_comm_hook: a ZeRO-2 optimizer already reduce-scatters this module's gradients; "
+                "a comm hook cannot be combined with it (use stage=1)"
+            )
         if self._ran_backward:
             raise ConfigError(
                 "register_comm_hook must be called before the first backward through the module"
@@ -271,7 +311,9 @@ class Reducer:
             grads = [self._gradient(i) for i in bucket.members]
             if self._scale != 1.0:
                 torch._foreach_mul_(grads, self._scale)
-            if self._hook is None:
+            if self._sharded is not None:
+                bucket.reduction = self._sharded.reduce_bucket(k, grads, async_op=k != last)
+            elif self._hook is None:
                 # The default: one coalesced all-reduce, in place. Its Work's wait() blocks until done on
                 # the threads backend and orders the caller's stream after it on nccl.
                 bucket.reduction = self._group.all_reduce_coalesced(grads, ReduceOp.AVG, async_op=k != last)
@@ -319,6 +361,8 @@ class Reducer:
             self._settle_unused(used)
         if not self._rebuilt:
             self._rebuild()
+        if self._sharded is not None:
+            self._sharded.backward_done(used)
 
     def _globally_used(self) -> list[bool]:
         """Which parameters have a gradient on at least one rank (the others keep grad None everywhere)."""
