@@ -23,7 +23,8 @@ def single_thread_losses(steps):
     model = GPT(gpt).init_weights(torch.Generator().manual_seed(COMMON["seed"]))
     optimizer = make_optimizer(model.parameters(), COMMON["lr"])
     batches = Batches(load_tokens(None), COMMON["batch_size"], 16, COMMON["seed"])
-    return model, train_losses(model, optimizer, batches, steps)
+    # The demo clips the gradient norm (--clip-grad, default 1.0): so does the reference, with torch's function.
+    return model, train_losses(model, optimizer, batches, steps, max_norm=DemoConfig.clip_grad)
 
 
 def test_checkpoint_loads_into_a_plain_gpt_with_the_single_thread_weights(tmp_path):

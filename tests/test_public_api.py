@@ -10,7 +10,7 @@ import threadpar
 import threadpar.parallel as parallel
 from threadpar.parallel.tensor_parallel.parallelize import STYLES
 
-SUBPACKAGES = ("clip_grad", "context_parallel", "ddp", "expert_parallel", "tensor_parallel")
+SUBPACKAGES = ("clip_grad", "context_parallel", "ddp", "expert_parallel", "tensor_parallel", "zero")
 # Internals of one module: importable from it, in no package's __all__.
 INTERNALS = {
     "threadpar.parallel.tensor_parallel.random": ("INIT", "REPLICATED", "TP_REGION", "dropout"),
