@@ -63,7 +63,9 @@ class FakeStream:
             return Node(self, len(self.ops) - 1)
 
     def wait_event(self, event: FakeEvent) -> None:
-        self._append("wait", event, event.node)  # waits for the event's latest record, as CUDA does
+        # Waits for the event's most recent record only, as cudaStreamWaitEvent does (CUDA runtime API docs;
+        # torch.cuda.Stream.wait_event -> c10/cuda/CUDAStream.h). Recorded later: not waited for.
+        self._append("wait", event, event.node)
 
     def synchronize(self) -> None:
         """The host waits for everything enqueued so far (the double computes at enqueue: just recorded)."""
