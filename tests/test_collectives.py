@@ -261,7 +261,7 @@ def test_integer_avg_truncates_like_nccl():
 def test_new_group_same_ranks_same_group_and_non_members():
     def body():
         rank = threadpar.get_rank()
-        g = threadpar.new_group([1, 3], name="odd")
+        g = threadpar.new_group([1, 3], group_desc="odd")
         assert threadpar.new_group([1, 3]) is g
         assert threadpar.comm.new_group([3, 1]) is not g  # order matters: a different group
         if rank in (1, 3):

@@ -170,7 +170,7 @@ def test_no_collective_runs_while_a_communicator_of_another_group_is_being_creat
         t = torch.ones(2)
         threadpar.all_reduce(t, group="TP")  # both TP cliques exist
         threadpar.barrier()
-        pair = threadpar.new_group([0, 1], name="pair")
+        pair = threadpar.new_group([0, 1], group_desc="pair")
         if rank < 2:
             pair.all_reduce(t)  # creates the pair's clique (0.3 s)
             created.set()
@@ -201,7 +201,10 @@ def test_two_processes_launching_two_groups_first_collectives_in_opposite_orders
 
     def body():
         rank = threadpar.get_rank()
-        one, two = threadpar.new_group([0, 2], name="one"), threadpar.new_group([1, 3], name="two")
+        one, two = (
+            threadpar.new_group([0, 2], group_desc="one"),
+            threadpar.new_group([1, 3], group_desc="two"),
+        )
         mine = one if rank in (0, 2) else two
         t = torch.full((2,), float(rank))
         for group in (one, two):  # communicators, one group after the other everywhere

@@ -28,7 +28,7 @@ SHAPES = [(), (0,), (5,), (3, 7)]
 
 def groups_to_check(world_size: int) -> list:
     """World, the layout's DP and TP groups (tp=2), and a group whose member order interleaves processes."""
-    odd = threadpar.new_group([world_size - 1, 0, 1], name="interleaved")
+    odd = threadpar.new_group([world_size - 1, 0, 1], group_desc="interleaved", sort_ranks=False)
     return [None, "DP", "TP", odd]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+import torch
+
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.worker import CommWorker
 from threadpar.comm.group import GroupState, ProcessGroup
@@ -31,6 +33,9 @@ class GroupSource(Protocol):
     world_size: int
     groups: GroupRegistry
     abort: AbortSignal
+    backend: str  # "threads" or "nccl"
+    devices: tuple[torch.device, ...]  # one per global rank
+    timeout: float  # seconds: the launch's, and every group's unless new_group(timeout=...) gives its own
 
     def world_group(self) -> GroupState: ...
 
@@ -54,6 +59,11 @@ class RankGroups:
                 state, self.rank, self._worker, self.source.abort
             )
         return handle
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.source.devices[self.rank]
 
     def group(self, which: Axis | str | ProcessGroup | None = None) -> ProcessGroup:
         """None: the world; an axis ("TP" or Axis.TP): this rank's group on it; a name ("TP1"): that group."""

@@ -423,8 +423,7 @@ class NcclGroup(NcclCopyCollectives):
 
         return self._post(member, seq, call, (outputs, tensor), launch)
 
-    def barrier(self, member: int, seq: int, call: Call) -> NcclWork:
+    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> NcclWork:
         """A host barrier: done when every member has reached it (it orders no device work)."""
-        return self._work(
-            member, seq, call, arrival=self.rendezvous.post(self.local_index[member], seq, call, None)
-        )
+        arrival = self.rendezvous.post(self.local_index[member], seq, call, None, timeout=timeout)
+        return self._work(member, seq, call, arrival=arrival)

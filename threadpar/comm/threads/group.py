@@ -276,8 +276,8 @@ class ThreadsGroup:
         receive(member, outputs, slot)
         self._finish(slot, member, seq)
 
-    def barrier(self, member: int, seq: int, call: Call) -> None:
-        self.rendezvous.arrive(member, seq, call, None, final=True)
+    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> None:
+        self.rendezvous.arrive(member, seq, call, None, final=True, timeout=timeout)
 
     # point to point ---------------------------------------------------------------------------------------------
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
