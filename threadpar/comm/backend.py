@@ -25,6 +25,7 @@ class Backend(Protocol):
     """
 
     stream_ordered: bool  # a class attribute: True when ops return their own Work (ordered on device streams)
+    backend_name: str  # a class attribute: what threadpar.get_backend(group) says ("threads", "nccl", ...)
 
     def all_reduce(
         self, member: int, seq: int, call: Call, tensors: list[torch.Tensor], op: ReduceOp

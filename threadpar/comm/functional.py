@@ -214,6 +214,17 @@ def barrier(
     return pg.barrier(async_op, torch_args.seconds("barrier", timeout))
 
 
+def monitored_barrier(
+    group: GroupLike = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+) -> None:
+    """A barrier that fails after `timeout` (the launch's when None) with an error naming every rank that
+    did not arrive; threadpar always names all of them (torch's `wait_all_ranks=True`). Unlike torch's,
+    which only gloo implements, it works on every backend."""
+    if not isinstance(wait_all_ranks, bool):
+        raise ConfigError(f"monitored_barrier: wait_all_ranks must be True or False, got {wait_all_ranks!r}")
+    _group(group).barrier(False, torch_args.seconds("monitored_barrier", timeout))
+
+
 def send(
     tensor: torch.Tensor,
     dst: int | None = None,

@@ -87,6 +87,11 @@ def bind(groups: RankGroups | None) -> None:
     _local.groups = groups
 
 
+def has_groups() -> bool:
+    """Whether the calling thread is a rank's (or its comm worker)."""
+    return getattr(_local, "groups", None) is not None
+
+
 def current_groups() -> RankGroups:
     groups = getattr(_local, "groups", None)
     if groups is None:

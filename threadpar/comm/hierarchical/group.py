@@ -53,6 +53,7 @@ def group_key(ranks: Sequence[int]) -> int:
 
 class HierarchicalGroup(HierarchicalByteCollectives):
     stream_ordered = False  # ProcessGroup runs each op on the member's comm worker
+    backend_name = "hierarchical"
 
     def __init__(
         self,

@@ -79,6 +79,7 @@ class NcclGroup(NcclCopyCollectives):
     """The shared state of one group on the `nccl` backend; methods are called by each member."""
 
     stream_ordered = True  # ProcessGroup: ops return their own Work; no comm worker thread
+    backend_name = "nccl"
 
     def __init__(
         self, name: str, ranks: Sequence[int], world: BackendSite, local: Sequence[int] | None = None

@@ -41,6 +41,7 @@ class ThreadsGroup:
     """The shared state of one group on the `threads` backend; methods are called by each member."""
 
     stream_ordered = False  # ProcessGroup runs each op on the member's comm worker
+    backend_name = "threads"
 
     def __init__(
         self,
