@@ -130,8 +130,8 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         arrival) sends `payload()` with the control message; if the calls agree, it finishes a small
         collective with `inline(payloads)` ([processes, INLINE_BYTES] uint8), or runs `agree(payloads)`
         (which may set slot.error) before the lane leaders (0..lanes-1, or the checker alone) run
-        `work(wait, lane)`. Any error is raised on every local member. `timeout`: the call's own (barrier),
-        else the group's."""
+        `work(wait, lane)`. Any error is raised on every local member. `timeout`: the call's own (barrier)
+        for the wait for the other processes, else the group's."""
         limit = self._timeout if timeout is None else timeout
         last = slot.shared.index(True)
         checker = li == 0 if lanes > 1 else li == last
@@ -169,15 +169,15 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         if checker:
             recorded(check)
         if lanes > 1:
-            # the lane leaders start once the calls agree
-            self.rendezvous.sync(slot, li, seq, timeout=timeout)
+            self.rendezvous.sync(slot, li, seq)  # the lane leaders start once the calls agree
         if slot.error is None and inline is None and lane is not None:
             assert work is not None, "_step: a collective without `inline` runs `work`"
             recorded(lambda: work(wait, lane))
         if slot.error is not None and not isinstance(slot.error, str):
             # gloo operations of this group may be left pending: never destroy its gloo groups
             self._processes.abandon(list(self._gloo.values()))
-        self.rendezvous.sync(slot, li, seq, final=True, timeout=timeout)
+        # (the group's timeout: the checker's own wait above is bounded by `limit` and ends this one)
+        self.rendezvous.sync(slot, li, seq, final=True)
 
     # reductions -------------------------------------------------------------------------------------------------
     def all_reduce(
