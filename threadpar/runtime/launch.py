@@ -7,7 +7,7 @@ Python code that does not reach a wait within a grace period gets RankAborted in
 Ctrl-C in the calling thread stops every rank the same way and re-raises KeyboardInterrupt.
 
 Under torchrun (`threads_per_process=T`) each process runs the threads of its own T ranks; a failure in any
-process stops every process (threadpar.runtime.processes), and each raises the same root cause.
+process stops every process (threadpar.runtime.peer_processes), and each raises the same root cause.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRa
 from threadpar.runtime.context import RankContext, leave
 from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
 from threadpar.runtime.launch_config import LaunchConfig
+from threadpar.runtime.peer_processes import Processes
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
-from threadpar.runtime.processes import Processes
 from threadpar.runtime.world import World
 from threadpar.topology import Layout
 
