@@ -54,7 +54,7 @@ class World:
         )
         self.process_rank = 0 if processes is None else processes.rank
         self.threads_per_process = layout.world_size if processes is None else processes.threads_per_process
-        # Check every NCCL collective between processes, not only each group's first (THREADPAR_CHECK_COLLECTIVES).
+        # Check every NCCL collective between processes, not only each group's first (LaunchConfig).
         self.check_collectives = check_collectives
         self.abort = AbortSignal()
         # Implements threadpar.comm.backend.BackendSite: the backends take what they need from this World.

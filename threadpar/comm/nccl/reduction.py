@@ -1,4 +1,4 @@
-"""How the nccl backend maps each (dtype, ReduceOp) and tensor layout onto what torch.cuda.nccl offers.
+"""How the nccl backend maps each (dtype, ReduceOp) and tensor view onto what torch.cuda.nccl offers.
 
 NCCL reduces float32/64, float16, bfloat16, int8, uint8, int32 and int64. The `threads` backend also
 supports bool, int16 and complex; the nccl backend covers them the same way:

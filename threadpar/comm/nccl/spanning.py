@@ -34,7 +34,7 @@ torch.cuda.nccl sizes and indexes by the LOCAL lists, so some collectives are bu
   current stream, gloo, a host-to-device copy on arrival). Sends stay buffered; any-source receives work.
 
 Checks: the local members' calls are compared at every collective (the rendezvous), the processes' calls
-on a group's first NCCL collective and, with THREADPAR_CHECK_COLLECTIVES=1, on every NCCL collective (a
+on a group's first NCCL collective and, with LaunchConfig.check_collectives, on every NCCL collective (a
 store round trip per call: a debugging aid). Without it a process that skips a later collective is not
 named: the others' NCCL kernels wait, and `Work.wait(timeout)` / `synchronize()` time out. The
 host-staged ops are always checked (the hierarchical backend's control message).
