@@ -3,7 +3,7 @@
     python -m benchmarks.host_path_ab --before /path/to/old/checkout            # this tree is "after"
     python -m benchmarks.host_path_ab --before OLD --after NEW --rounds 5
 
-Small messages (4 bytes) on 2 CPU rank threads, through the module-level functions a user calls
+Small messages (4 bytes) on 2 CPU rank threads (`--world-size 1`: one, so no wait for a peer), through the module-level functions a user calls
 (`threadpar.all_reduce(t)`, `broadcast(t, src=0)`, `send`/`recv`, `barrier()`): their time is the host
 path (argument handling, the rendezvous, the wake-ups), not the data. Each round runs both trees once, in
 alternating order, each in a fresh subprocess; the table shows the median over rounds of each tree's
@@ -25,9 +25,10 @@ OPS = ["all_reduce", "broadcast", "send_recv", "barrier"]
 ITERS = 2000
 
 
-def _worker(iters: int) -> dict[str, float]:
+def _worker(iters: int, world_size: int) -> dict[str, float]:
     """Run in a subprocess from its source text, so that the old tree need not have this module."""
     import statistics
+    import sys
     import time
 
     import torch
@@ -45,6 +46,8 @@ def _worker(iters: int) -> dict[str, float]:
             else (lambda: threadpar.recv(t, src=0)),
             "barrier": lambda: threadpar.barrier(),
         }
+        if world_size == 1:
+            del calls["send_recv"]  # (no peer)
         out = {}
         for name in calls:
             fn = calls[name]
@@ -58,13 +61,24 @@ def _worker(iters: int) -> dict[str, float]:
                     fn()
                 samples.append((time.perf_counter() - start) / (iters // 5))
             out[name] = statistics.median(samples)
+            if world_size == 1:  # nothing waits: the count of Python calls per op is deterministic
+                counted = [0]
+
+                def count(frame, event, arg, counted=counted):
+                    counted[0] += event == "call"
+
+                sys.setprofile(count)
+                for _ in range(100):
+                    fn()
+                sys.setprofile(None)
+                out[f"{name}:calls"] = counted[0] / 100
         return out
 
-    return threadpar.launch(measure, world_size=2, devices="cpu", backend="threads")[0]
+    return threadpar.launch(measure, world_size=world_size, devices="cpu", backend="threads")[0]
 
 
-def _run(tree: Path, iters: int) -> dict[str, float]:
-    code = f"{inspect.getsource(_worker)}\nimport json\nprint(json.dumps(_worker({iters})))"
+def _run(tree: Path, iters: int, world_size: int) -> dict[str, float]:
+    code = f"{inspect.getsource(_worker)}\nimport json\nprint(json.dumps(_worker({iters}, {world_size})))"
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True, check=True
@@ -82,20 +96,29 @@ def main() -> None:
     parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=ITERS)
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="1: the host path without a peer to wait for"
+    )
     args = parser.parse_args()
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for r in range(args.rounds):
         order = [("before", args.before), ("after", args.after)]
         for label, tree in order if r % 2 == 0 else order[::-1]:
-            runs[label].append(_run(tree, args.iters))
+            runs[label].append(_run(tree, args.iters, args.world_size))
     print(
-        f"# host path per call, 2 CPU rank threads, 4-byte tensors; median of {args.rounds} alternating rounds"
+        f"# host path per call, {args.world_size} CPU rank thread(s), 4-byte tensors; median of {args.rounds} "
+        "alternating rounds"
     )
-    print(f"{'op':<12}{'before us':>11}{'after us':>11}{'before/after':>14}")
-    for op in OPS:
+    counts = args.world_size == 1
+    calls = f"{'Python calls per op':>22}" if counts else ""
+    print(f"{'op':<12}{'before us':>11}{'after us':>11}{'before/after':>14}{calls}")
+    for op in [op for op in OPS if op in runs["after"][0]]:
         before = statistics.median(run[op] for run in runs["before"]) * 1e6
         after = statistics.median(run[op] for run in runs["after"]) * 1e6
-        print(f"{op:<12}{before:>11.1f}{after:>11.1f}{before / after:>13.2f}x")
+        row = f"{op:<12}{before:>11.1f}{after:>11.1f}{before / after:>13.2f}x"
+        if counts:
+            row += f"{runs['before'][0][op + ':calls']:>14.0f} -> {runs['after'][0][op + ':calls']:.0f}"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,9 @@ def reduce(
     group_dst: int | None = None,
 ) -> Work | None:
     pg = _group(group)
-    return pg.reduce(tensor, torch_args.required_peer("reduce", pg, "dst", dst, group_dst), op, async_op)
+    if group_dst is not None or dst is None:  # (the common call, a global rank, skips this)
+        dst = torch_args.required_peer("reduce", pg, "dst", dst, group_dst)
+    return pg.reduce(tensor, dst, op, async_op)
 
 
 def broadcast(
@@ -126,7 +128,9 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     pg = _group(group)
-    return pg.broadcast(tensor, torch_args.required_peer("broadcast", pg, "src", src, group_src), async_op)
+    if group_src is not None or src is None:  # (the common call, a global rank, skips this)
+        src = torch_args.required_peer("broadcast", pg, "src", src, group_src)
+    return pg.broadcast(tensor, src, async_op)
 
 
 def all_gather(
@@ -209,9 +213,10 @@ def barrier(
     """`device_ids`: on a CUDA rank, [its device index] (or None); `timeout`: how long each rank waits for
     the others (the launch's when None); its error names the ranks that did not arrive."""
     groups = current_groups()
-    torch_args.check_device_ids("barrier", device_ids, groups.device)
+    if device_ids is not None:
+        torch_args.check_device_ids("barrier", device_ids, groups.device)
     pg = group if isinstance(group, ProcessGroup) else groups.group(group)
-    return pg.barrier(async_op, torch_args.seconds("barrier", timeout))
+    return pg.barrier(async_op, None if timeout is None else torch_args.seconds("barrier", timeout))
 
 
 def monitored_barrier(
@@ -233,7 +238,9 @@ def send(
     group_dst: int | None = None,
 ) -> None:
     pg = _group(group)
-    pg.send(tensor, torch_args.required_peer("send", pg, "dst", dst, group_dst), tag)
+    if group_dst is not None or dst is None:  # (the common call, a global rank, skips this)
+        dst = torch_args.required_peer("send", pg, "dst", dst, group_dst)
+    pg.send(tensor, dst, tag)
 
 
 def recv(
@@ -245,7 +252,9 @@ def recv(
 ) -> int:
     """Neither `src` nor `group_src`: from any member. Returns the sender's global rank."""
     pg = _group(group)
-    return pg.recv(tensor, torch_args.peer("recv", pg, "src", src, group_src), tag)
+    if group_src is not None:
+        src = torch_args.peer("recv", pg, "src", src, group_src)
+    return pg.recv(tensor, src, tag)
 
 
 def isend(
@@ -256,7 +265,9 @@ def isend(
     group_dst: int | None = None,
 ) -> Work:
     pg = _group(group)
-    return pg.isend(tensor, torch_args.required_peer("isend", pg, "dst", dst, group_dst), tag)
+    if group_dst is not None or dst is None:  # (the common call, a global rank, skips this)
+        dst = torch_args.required_peer("isend", pg, "dst", dst, group_dst)
+    return pg.isend(tensor, dst, tag)
 
 
 def irecv(
@@ -268,4 +279,6 @@ def irecv(
 ) -> Work:
     """Neither `src` nor `group_src`: from any member."""
     pg = _group(group)
-    return pg.irecv(tensor, torch_args.peer("irecv", pg, "src", src, group_src), tag)
+    if group_src is not None:
+        src = torch_args.peer("irecv", pg, "src", src, group_src)
+    return pg.irecv(tensor, src, tag)
