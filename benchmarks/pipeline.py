@@ -102,7 +102,7 @@ def sleep_costs(plan, forward_s: float, backward_s: float, weight_s: float):
             return forward_s / v
         if a.key not in plan.split:
             return (backward_s + weight_s) / v  # fused
-        if a.chunk == 0:  # no input gradient: B has nothing to do, W runs both parts
+        if a.chunk == 0:  # no input gradient: I has nothing to do, W runs both parts
             return (backward_s + weight_s) / v if a.weight else 0.0
         return (weight_s if a.weight else backward_s) / v
 
