@@ -118,8 +118,8 @@ def parallelize_chunk(
         )
     sp = tp is not None and tp.sequence_parallel
     # a. expert parallel: the MoEs with their EP group and the group they count routing over
-    routing = _routing_group(tp, cp)
-    moe_config = config.moe_config()
+    moe_config = config.moe_config() if chunk.blocks else None
+    routing = _routing_group(tp, cp) if moe_config is not None else None
     if moe_config is not None and (ep is not None or routing is not None):
         for block in chunk.blocks.values():
             assert isinstance(block, Block)

@@ -243,7 +243,7 @@ class PipelineParallel:
         """Every stage must run the same plan with the same chunk count: check once, instead of hanging."""
         if self.pp == 1:
             return
-        facts = [len(self.chunks), self.num_microbatches, zlib.crc32(str(self.lowered).encode())]
+        facts = [len(self.chunks), self.num_microbatches, zlib.crc32(str(self.plan).encode())]
         mine = torch.tensor(facts, dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.pp * 3, dtype=torch.int64, device=self.device)
         self.group.all_gather_into_tensor(everyone, mine)
@@ -253,7 +253,7 @@ class PipelineParallel:
             raise ConfigError(
                 f"PipelineParallel: the stages of group '{self.group.name}' disagree ({table}; plans "
                 f"{'equal' if len({r[2] for r in rows}) == 1 else 'differ'}); every stage must pass the "
-                "same schedule, num_microbatches, number of chunks and prefetch"
+                "same schedule, num_microbatches and number of chunks"
             )
 
     # public API -------------------------------------------------------------------------------------------------
