@@ -6,14 +6,16 @@
   3. context parallel: with cp > 1 each sequence is split over the CP group and attention is ring attention;
   4. expert parallel: with MoE blocks, the experts are sharded over EP groups of `ep` DP ranks;
   5. weights: every rank loads its shard of the same dense weights, so the layout changes nothing;
-  6. data parallel: each chunk is wrapped in DDP over the DP group (DP x CP under CP; sharded experts
+  6. compile (optional): each transformer block is torch.compile'd in place (torchtitan compiles per
+     block too): the unit every layout shares, whose collectives (TP mappings) become graph breaks;
+  7. data parallel: each chunk is wrapped in DDP over the DP group (DP x CP under CP; sharded experts
      over the ranks holding the same experts); the pipeline runs every backward but a chunk's last inside
      `no_sync()`, so gradients are averaged once per step, overlapping that backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +124,7 @@ def parallelize_gpt(
     autocast_dtype: torch.dtype | None = None,
     loss_scaler: LossScaler | None = None,
     bucket_cap_mb: float = 25.0,
+    compile: str | Callable[..., Any] | None = None,
 ) -> HybridGPT:
     """Build this rank's part of the GPT (call on every rank of the launch, with the same arguments).
 
@@ -130,6 +133,10 @@ def parallelize_gpt(
     loss_scaler: fp16 loss scaling; each microbatch loss is multiplied by its current scale before
     backward (train_step returns the unscaled loss; step the optimizer with `loss_scaler.step`).
     The dense weights come from the caller, so that every layout starts from the same model.
+    compile: a torch.compile backend (a name: "inductor", "aot_eager"; or a callable) to compile every transformer block with
+    (Module.compile, in place: names and state dicts stay those of the eager model); None: eager. Import
+    torch._dynamo before the launch, so that it raises dynamo's recompile limits for the rank threads
+    (threadpar.runtime.compiling).
     """
     if config.dropout > 0:
         raise ConfigError(
@@ -158,6 +165,10 @@ def parallelize_gpt(
     device = get_device()
     chunks = [c.to(device) for c in chunks]
     load_model_state(chunks, dense_state)
+    if compile is not None:
+        for chunk in chunks:
+            for block in chunk.blocks.values():
+                block.compile(backend=compile)
     modules: list[nn.Module] = list(chunks)
     if layout.dp * layout.cp > 1:  # DDP's default group: DP, or DP x CP under context parallelism
         modules = [DistributedDataParallel(c, bucket_cap_mb=bucket_cap_mb) for c in chunks]
