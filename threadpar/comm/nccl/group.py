@@ -70,6 +70,8 @@ class _Posted(NamedTuple):
 def _tensors(payload: Any) -> tuple[torch.Tensor, ...]:
     if isinstance(payload, torch.Tensor):
         return (payload,)
+    if type(payload) is list and all(type(t) is torch.Tensor for t in payload):
+        return tuple(payload)  # an all-reduce's tensors: the common case, without the recursion
     if isinstance(payload, (list, tuple)):
         return tuple(t for part in payload for t in _tensors(part))
     return ()

@@ -17,6 +17,7 @@ Pure functions only: no CUDA calls here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -53,6 +54,7 @@ def exact_avg_scale(dtype: torch.dtype, size: int) -> bool:
     return power_of_two or dtype not in (torch.float16, torch.bfloat16)
 
 
+@functools.lru_cache(maxsize=256)  # pure; asked on every collective (thread-safe: DESIGN.md's table)
 def reduction_plan(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int = 2) -> ReductionPlan:
     """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16); `size`: the group size (for AVG)."""
     as_real = dtype.is_complex and op in (ReduceOp.SUM, ReduceOp.AVG)
@@ -66,13 +68,13 @@ def reduction_plan(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor as a 1-D view."""
-    return tensor.view(-1)
+    """A contiguous tensor as a 1-D view (itself when it is 1-D: a view costs a tensor allocation)."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
 def wire(tensor: torch.Tensor, plan: ReductionPlan) -> torch.Tensor:
     """The 1-D view of a contiguous tensor that NCCL reduces under `plan`."""
-    flat_view = tensor.view(-1)
+    flat_view = flat(tensor)
     return torch.view_as_real(flat_view).view(-1) if plan.as_real else flat_view
 
 
