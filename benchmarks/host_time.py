@@ -2,7 +2,8 @@
 
     python -m benchmarks.host_time                      # every case, threads / 2 processes x 4 / 8 processes
     python -m benchmarks.host_time --case tp --as threads --backend null-nccl --gil
-    python -m benchmarks.host_time --compile            # the same with every GPT block torch.compile'd
+    python -m benchmarks.host_time --compile both       # eager and every GPT block torch.compile'd (aot_eager)
+    python -m benchmarks.host_time --report DIR         # the tables of a run kept with --keep DIR
 
 On a GPU the device does the math and a rank's step can be no shorter than its host work; in one process
 the rank threads share one GIL, so the step can be no shorter than the SUM of the ranks' GIL-held host work.
@@ -67,14 +68,15 @@ class Case:
     steps: int = 4
     warmup: int = 2
     compile: bool = False
+    compile_backend: str = "aot_eager"
 
     @property
     def global_batch(self) -> int:
         return self.batch or self.dp * self.microbatches
 
 
-def make_case(name: str, seq: int, steps: int, compile: bool) -> Case:
-    common = dict(seq=seq, steps=steps, compile=compile)
+def make_case(name: str, seq: int, steps: int, compile: bool, backend: str) -> Case:
+    common = dict(seq=seq, steps=steps, compile=compile, compile_backend=backend)
     if name == "ddp":
         return Case("ddp", 8, 1, 1, **common)
     if name == "tp":
@@ -84,7 +86,7 @@ def make_case(name: str, seq: int, steps: int, compile: bool) -> Case:
     # the demo's defaults: GPT 'tiny' (4 x 64, vocab 256), batch 32 x 64, 2 x 2 x 2, 1F1B, 2 x pp microbatches
     return Case(
         "demo", 2, 2, 2, n_layer=4, n_embd=64, n_head=4, vocab=256, seq=64, batch=32, microbatches=4,
-        steps=steps, compile=compile,
+        steps=steps, compile=compile, compile_backend=backend,
     )  # fmt: skip
 
 
@@ -113,8 +115,8 @@ def rank_run(case_dict: dict, state: dict[str, torch.Tensor]) -> dict:
     from threadpar.runtime.context import get_coords, get_device
 
     case = Case(**case_dict)
-    compiled = {"compile": True} if case.compile else {}
-    model = parallelize_gpt(gpt_config(case), state, num_microbatches=case.microbatches, **compiled)
+    backend = case.compile_backend if case.compile else None
+    model = parallelize_gpt(gpt_config(case), state, num_microbatches=case.microbatches, compile=backend)
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=1e-3, foreach=True)
     g = torch.Generator().manual_seed(1)
@@ -203,6 +205,7 @@ def run_way(case: Case, way: str, backend: str) -> list[dict]:
 # the profile ---------------------------------------------------------------------------------------------------
 # Where a GIL-held sample's time goes, by the innermost frame in threadpar (first match wins): threadpar's
 # own work, or the model's (whose leaf frame is the GPT's code or torch's Python).
+PROCESS_RE = re.compile(r'process (\d+):"')
 CATEGORIES = (
     ("order check", ("comm/common/rendezvous.py:_mismatch", "comm/common/call_check.py")),
     ("collectives", ("threadpar/comm/",)),
@@ -238,17 +241,19 @@ def parse_profile(path: str, results: list[dict]) -> dict[int, dict[str, float]]
     """Samples per rank and category, from py-spy's raw output, of the timed steps only."""
     by_thread = {(r["pid"], r["tid"]): r["rank"] for r in results}
     samples: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    # A line: 'process PID:"command line";thread (TID)[: name];frame;...;frame COUNT' (the command line may
-    # hold ';' itself: spawned processes').
-    line_re = re.compile(r"^process (\d+):.*?;thread \((\d+)\)[^;]*;(.*) (\d+)$")
+    # A line: 'process PID:"command line";[process PID:"...";]thread (TID)[: name];frame;...;frame COUNT'
+    # (a spawned process's line names its parent first; command lines may hold ';').
     with open(path) as f:
         for line in f:
-            match = line_re.match(line.rstrip("\n"))
-            if match is None or "_timed_step" not in match[3]:
+            head, sep, rest = line.rstrip("\n").partition(";thread (")
+            if not sep or "_timed_step" not in rest:
                 continue
-            rank = by_thread.get((int(match[1]), int(match[2])))
+            pids = PROCESS_RE.findall(head)
+            tid, _, rest = rest.partition(")")
+            stack, _, count = rest.partition(";")[2].rpartition(" ")
+            rank = by_thread.get((int(pids[-1]), int(tid))) if pids else None
             if rank is not None:
-                samples[rank][categorise(match[3].split(";"))] += int(match[4])
+                samples[rank][categorise(stack.split(";"))] += int(count)
     return samples
 
 
@@ -306,10 +311,12 @@ def headers(profiled: bool) -> list[str]:
 
 def child_main(args: argparse.Namespace) -> None:
     """Run the cells and write their raw results to --json (the parent, under py-spy or not, reports)."""
+    if args.compile != "off":
+        import torch._dynamo  # noqa: F401  (before the launches: they raise its recompile limits then)
     out = []
     for name in args.case:
         for compiled in (False, True) if args.compile == "both" else (args.compile == "on",):
-            case = make_case(name, args.seq, args.steps, compiled)
+            case = make_case(name, args.seq, args.steps, compiled, args.compile_backend)
             for way in args.ways:
                 results = run_way(case, way, args.backend)
                 out.append({"case": asdict(case), "way": way, "results": results})
@@ -332,13 +339,23 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16, help="tokens per sequence (GPT-2 small shape cases)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--compile", choices=("off", "on", "both"), default="off")
+    parser.add_argument(
+        "--compile-backend",
+        default="aot_eager",
+        help="torch.compile backend of --compile (inductor: slow here)",
+    )
     parser.add_argument("--gil", action="store_true", help="sample with py-spy --gil (pip install py-spy)")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--keep", help="a directory to keep the raw profile and results in")
+    parser.add_argument("--report", help="print the tables of a run kept with --keep (runs nothing)")
     parser.add_argument("--json", help=argparse.SUPPRESS)  # child mode: write raw results here
     args = parser.parse_args()
     if args.json:
         child_main(args)
+        return
+    if args.report:
+        raw = os.path.join(args.report, "profile.txt")
+        report_all(os.path.join(args.report, "results.json"), raw if os.path.exists(raw) else None, args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         raw, out = os.path.join(tmp, "profile.txt"), os.path.join(tmp, "results.json")
@@ -355,20 +372,24 @@ def main() -> None:
             for kept in (raw, out):
                 if os.path.exists(kept):
                     shutil.copy(kept, args.keep)
-        with open(out) as f:
-            cells = json.load(f)
-        print(f"# host time per rank and step of 8 ranks ({machine_line()}); median of {args.steps} steps")
-        rows, summaries = [], []
-        for cell in cells:
-            case = Case(**cell["case"])
-            profile = parse_profile(raw, cell["results"]) if args.gil else None
-            row, summary = report(case, cell["way"], args.backend, cell["results"], profile, args.rate)
-            rows.append(row)
-            summaries.append((case, cell["way"], summary))
-        print(table(headers(args.gil), rows))
-        print_ratios(summaries)
-        if args.gil:
-            print_profile(summaries)
+        report_all(out, raw if args.gil else None, args)
+
+
+def report_all(out: str, raw: str | None, args: argparse.Namespace) -> None:
+    with open(out) as f:
+        cells = json.load(f)
+    print(f"# host time per rank and step of 8 ranks ({machine_line()}); median of {args.steps} steps")
+    rows, summaries = [], []
+    for cell in cells:
+        case = Case(**cell["case"])
+        profile = parse_profile(raw, cell["results"]) if raw else None
+        row, summary = report(case, cell["way"], args.backend, cell["results"], profile, args.rate)
+        rows.append(row)
+        summaries.append((case, cell["way"], summary))
+    print(table(headers(raw is not None), rows))
+    print_ratios(summaries)
+    if raw is not None:
+        print_profile(summaries)
 
 
 def print_ratios(summaries) -> None:
