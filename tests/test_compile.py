@@ -27,6 +27,8 @@ from helpers.ddp_reference import (
 from helpers.gpt_reference import check_against, hybrid_step, reference
 
 import threadpar
+from threadpar.demo.cli import parse_args
+from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPTConfig
 from threadpar.parallel import DistributedDataParallel
 from threadpar.testing import TEST_CONFIG, run_ranks
@@ -138,3 +140,11 @@ def test_compiled_gpt_blocks_equal_the_single_thread_model(dp, tp, pp):
     results = run_ranks(step, dp * tp * pp, config=config, dp=dp, tp=tp, pp=pp)
     assert all(compiled for compiled, _, _ in results), "a rank ran its blocks eagerly"
     check_against(ref, [(loss, grads) for _, loss, grads in results])
+
+
+def test_demo_compile_flag_names_a_backend():
+    assert parse_args([]).compile is None
+    assert parse_args(["--compile"]).compile == "inductor"
+    assert parse_args(["--compile", "aot_eager"]).compile == "aot_eager"
+    with pytest.raises(ConfigError, match=r"--compile .nope.: choose a torch\.compile backend"):
+        parse_args(["--compile", "nope"])
