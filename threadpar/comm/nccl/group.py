@@ -291,8 +291,8 @@ class NcclGroup(NcclCopyCollectives):
             self._nccl_reduce(wins, wouts, root, how, streams)
         else:
             self._nccl_reduce_scatter(wins, wouts, how, streams)
-        if how.divide:  # (the receivers only when there is something to divide)
-            self._divide(how, outs, streams, self._receivers(kind, root))
+        if how.divide:  # AVG as SUM: divide the receivers' outputs
+            self._divide(outs, streams, self._receivers(kind, root))
 
     def _receivers(self, kind: str, root: int) -> Sequence[int]:
         """The local positions whose outputs a reduction of `kind` writes."""
@@ -311,11 +311,10 @@ class NcclGroup(NcclCopyCollectives):
         """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order."""
         self._nccl("all_gather", ins, outs, streams=streams)
 
-    def _divide(self, how: NcclReduction, outs, streams, positions) -> None:
-        if how.divide:
-            for i in positions:
-                with self._on(streams[i]):
-                    accumulate_(outs[i], (), ReduceOp.AVG, self.size)
+    def _divide(self, outs, streams, positions) -> None:
+        for i in positions:
+            with self._on(streams[i]):
+                accumulate_(outs[i], (), ReduceOp.AVG, self.size)
 
     def _gather_reduce(self, ins, outs, op: ReduceOp, streams, kind: str, root: int) -> None:
         """For dtypes/ops NCCL cannot reduce: all-gather the bytes, then each member reduces in rank order."""
