@@ -148,3 +148,23 @@ def test_demo_compile_flag_names_a_backend():
     assert parse_args(["--compile", "aot_eager"]).compile == "aot_eager"
     with pytest.raises(ConfigError, match=r"--compile .nope.: choose a torch\.compile backend"):
         parse_args(["--compile", "nope"])
+
+
+@pytest.mark.timeout(240)
+def test_compiled_code_that_calls_a_collective_breaks_its_graph_there():
+    # dynamo must not trace the collective: with dynamic shapes it would meet the other ranks' tensors
+    # as fake ones inside the rendezvous (TorchRuntimeError, before threadpar.comm was on its skip list).
+    def body():
+        group = threadpar.get_group()
+
+        def f(x):
+            y = x * 2
+            group.all_reduce(y)
+            return y + 1
+
+        compiled = torch.compile(f, backend="aot_eager", dynamic=True)
+        return [compiled(torch.full((n + 2, 3), float(threadpar.get_rank() + 1))) for n in range(3)]
+
+    for outputs in run_ranks(body, 2):
+        for n, out in enumerate(outputs):
+            torch.testing.assert_close(out, torch.full((n + 2, 3), 2.0 * (1 + 2) + 1))

@@ -34,6 +34,7 @@ from threadpar.parallel.expert_parallel import expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
 from threadpar.pipeline import PipelineParallel, default_chunks_per_rank, get_stage_info, schedule_placement
+from threadpar.runtime.compiling import keep_dynamo_out_of_comm
 from threadpar.runtime.context import get_coords, get_device, get_layout
 
 
@@ -166,6 +167,7 @@ def parallelize_gpt(
     chunks = [c.to(device) for c in chunks]
     load_model_state(chunks, dense_state)
     if compile is not None:
+        keep_dynamo_out_of_comm()  # the TP mappings' collectives break the blocks' graphs, untraced
         for chunk in chunks:
             for block in chunk.blocks.values():
                 block.compile(backend=compile)

@@ -14,13 +14,25 @@ the same time each compile (the cache is checked before dynamo's compile lock is
 8 ranks some would silently train eagerly. Raising the limits n-fold for the ranks gives each rank what one
 process of its own would have; compiling once and sharing is what the cache already does when the guards of
 a variant pass for another rank. Nothing else changes: the launching thread keeps its limits.
+
+Collectives in compiled code: dynamo must not trace threadpar's communication code (a leader thread of a
+rendezvous would run inside a frame dynamo is compiling, meeting other ranks' real tensors as fake ones,
+and locks cannot be traced). `keep_dynamo_out_of_comm` puts the threadpar.comm package on dynamo's skip
+list (torch._dynamo.trace_rules.add, how dynamo skips third-party packages): compiled code that calls a
+collective breaks its graph there and runs the collective as plain Python, as torch.compile does with
+any code it skips.
 """
 
 from __future__ import annotations
 
 import contextvars
 import sys
+import threading
 from typing import Any
+
+# Process-wide: dynamo's skip list is. Guards _comm_skipped (DESIGN.md's table).
+_SKIP_LOCK = threading.Lock()
+_comm_skipped = False
 
 
 def rank_thread_contexts(n: int) -> list[contextvars.Context]:
@@ -29,9 +41,23 @@ def rank_thread_contexts(n: int) -> list[contextvars.Context]:
     torch.compile should import torch._dynamo first, as the demo's --compile does)."""
     base = contextvars.copy_context()
     config = sys.modules.get("torch._dynamo.config")
-    if config is not None and n > 1:
-        base.run(_raise_limits, config, n)
+    if config is not None:
+        keep_dynamo_out_of_comm()
+        if n > 1:
+            base.run(_raise_limits, config, n)
     return [base.copy() for _ in range(n)]
+
+
+def keep_dynamo_out_of_comm() -> None:
+    """Put threadpar.comm on dynamo's skip list, once per process (loads torch._dynamo: call it only when
+    compiling)."""
+    global _comm_skipped
+    with _SKIP_LOCK:
+        if not _comm_skipped:
+            import torch._dynamo.trace_rules
+
+            torch._dynamo.trace_rules.add("threadpar.comm")
+            _comm_skipped = True
 
 
 def _raise_limits(config: Any, n: int) -> None:
