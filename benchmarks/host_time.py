@@ -1,7 +1,7 @@
 """Host time per rank and step of the GPT, threadpar's share of it, and the share that holds the GIL.
 
     python -m benchmarks.host_time                      # every case, threads / 2 processes x 4 / 8 processes
-    python -m benchmarks.host_time --case tp --as threads --backend null-nccl --gil
+    python -m benchmarks.host_time --case tp --as threads --gil
     python -m benchmarks.host_time --compile both       # eager and every GPT block torch.compile'd (aot_eager)
     python -m benchmarks.host_time --report DIR         # the tables of a run kept with --keep DIR
 
@@ -13,10 +13,10 @@ small part of the step: the host-bound regime of a fast GPU.
 
 Cases (8 ranks each): ddp (dp=8), tp (tp=8), 3d (dp 2 x tp 2 x pp 2, 1F1B, 4 microbatches) and demo (the
 demo's own run: the 'tiny' GPT, batch 32 x 64 tokens, 2 x 2 x 2). Ways to run the 8 ranks: `threads` (one
-process), `2x4` (2 processes x 4 threads, hierarchical backend over gloo), `8x1` (8 processes). Backends of
-the threads run: `threads` (CPU collectives, the math the GPU's NCCL would do is done here) or `null-nccl`
-(the nccl backend on a device that does nothing, benchmarks.nccl_launch's NullCuda: collectives cost only
-their host work, as on a GPU whose NCCL is free).
+process, `threads` backend), `2x4` (2 processes x 4 threads, hierarchical backend over gloo), `8x1` (8
+processes). The collectives' math (what NCCL does on a GPU) runs on the CPU here. (A null device, as
+benchmarks.nccl_launch uses, cannot run a model: DDP's and the pipeline's collectives carry data that the
+next step depends on, such as DDP's check that every rank wraps the same model.)
 
 Per rank and step: wall time, the rank thread's CPU time (time.thread_time: its Python and the torch ops it
 ran itself). With --gil the run is sampled by py-spy (`record --gil`: each sample is the stack of the thread
@@ -164,15 +164,8 @@ def layout(case: Case) -> dict:
     return dict(dp=case.dp, tp=case.tp, pp=case.pp)
 
 
-def run_threads(case: Case, backend: str) -> list[dict]:
+def run_threads(case: Case) -> list[dict]:
     state = dense_state(case)
-    if backend == "null-nccl":
-        from benchmarks.nccl_launch import NullCuda
-        from tests.fakes.fake_cuda_nccl import run_fake_gpus
-
-        return run_fake_gpus(
-            lambda: rank_run(asdict(case), state), RANKS, NullCuda(), timeout=600.0, **layout(case)
-        )
     return threadpar.launch(
         rank_run, asdict(case), state, world_size=RANKS, devices="cpu", backend="threads", timeout=600.0,
         **layout(case),
@@ -196,9 +189,9 @@ def run_processes(case: Case, processes: int) -> list[dict]:
     return run_gloo(process_worker, processes, asdict(case))
 
 
-def run_way(case: Case, way: str, backend: str) -> list[dict]:
+def run_way(case: Case, way: str) -> list[dict]:
     if way == "threads":
-        return run_threads(case, backend)
+        return run_threads(case)
     return run_processes(case, int(way.split("x")[0]))
 
 
@@ -258,15 +251,13 @@ def parse_profile(path: str, results: list[dict]) -> dict[int, dict[str, float]]
 
 
 # reporting -----------------------------------------------------------------------------------------------------
-def report(
-    case: Case, way: str, backend: str, results: list[dict], profile, rate: float
-) -> tuple[list, dict]:
+def report(case: Case, way: str, results: list[dict], profile, rate: float) -> tuple[list, dict]:
     wall = statistics.median(r["wall"] for r in results)
     cpu = [r["cpu"] for r in results]
     row = [
         case.name + (" (compiled)" if case.compile else ""),
         way,
-        backend if way == "threads" else "hierarchical",
+        "threads" if way == "threads" else "hierarchical",
     ]
     row += [fmt_time(wall), fmt_time(statistics.median(cpu)), fmt_time(max(cpu))]
     summary: dict = {
@@ -318,7 +309,7 @@ def child_main(args: argparse.Namespace) -> None:
         for compiled in (False, True) if args.compile == "both" else (args.compile == "on",):
             case = make_case(name, args.seq, args.steps, compiled, args.compile_backend)
             for way in args.ways:
-                results = run_way(case, way, args.backend)
+                results = run_way(case, way)
                 out.append({"case": asdict(case), "way": way, "results": results})
                 print(
                     f"# {case.name}{' compiled' if compiled else ''} as {way}: done",
@@ -335,7 +326,6 @@ def main() -> None:
     )
     parser.add_argument("--case", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--as", dest="ways", nargs="+", choices=WAYS, default=list(WAYS))
-    parser.add_argument("--backend", choices=("threads", "null-nccl"), default="threads")
     parser.add_argument("--seq", type=int, default=16, help="tokens per sequence (GPT-2 small shape cases)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--compile", choices=("off", "on", "both"), default="off")
@@ -383,7 +373,7 @@ def report_all(out: str, raw: str | None, args: argparse.Namespace) -> None:
     for cell in cells:
         case = Case(**cell["case"])
         profile = parse_profile(raw, cell["results"]) if raw else None
-        row, summary = report(case, cell["way"], args.backend, cell["results"], profile, args.rate)
+        row, summary = report(case, cell["way"], cell["results"], profile, args.rate)
         rows.append(row)
         summaries.append((case, cell["way"], summary))
     print(table(headers(raw is not None), rows))
