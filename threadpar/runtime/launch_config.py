@@ -66,6 +66,9 @@ class LaunchConfig:
     threads_per_process: rank threads in each process of a job started by torchrun (or any launcher
         that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); world size = processes x this, and this
         process runs global ranks process_rank * T .. + T - 1. Required when there is more than one process.
+    torch_distributed: initialise torch.distributed in every rank thread (a world of its own whose default
+        group is the launch's world on the `threadpar` c10d backend), so torch's DDP, FSDP2, DTensor and
+        pipelining run unchanged; False leaves torch.distributed uninitialised there.
     """
 
     world_size: int | None = None
@@ -81,6 +84,7 @@ class LaunchConfig:
     intraop_threads: int | None = None
     print_layout: bool = False
     threads_per_process: int | None = None
+    torch_distributed: bool = True
 
     def __post_init__(self) -> None:
         _positive("world_size", self.world_size, "derived from devices, dp*tp*cp*pp or the GPUs", True)
@@ -101,6 +105,8 @@ class LaunchConfig:
         if not isinstance(self.print_layout, bool):
             raise ConfigError(f"print_layout must be True or False, got {self.print_layout!r}")
         _positive("threads_per_process", self.threads_per_process, "one process", True)
+        if not isinstance(self.torch_distributed, bool):
+            raise ConfigError(f"torch_distributed must be True or False, got {self.torch_distributed!r}")
         if self.world_size is not None:
             self.layout(self.world_size)  # the sizes must fit the ranks: say so now, not at launch
 
