@@ -48,6 +48,7 @@ from threadpar.errors import (
 )
 from threadpar.runtime import (
     LaunchConfig,
+    device_mesh,
     get_coords,
     get_device,
     get_generator,
@@ -89,6 +90,7 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "broadcast",
+    "device_mesh",
     "errors",
     "gather",
     "get_coords",

@@ -133,8 +133,12 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
+        handle = self._handle
         works = [
-            self._handle.all_reduce_coalesced(group, op.native, async_op=True) for group in by_dtype.values()
+            handle.all_reduce(ts[0], op.native, async_op=True)
+            if len(ts) == 1
+            else handle.all_reduce_coalesced(ts, op.native, async_op=True)
+            for ts in by_dtype.values()
         ]
         return self._work(works, tensors)
 
