@@ -193,10 +193,22 @@ def test_point_to_point_and_barrier(run):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         out["batch"] = ops[1].tensor
+        # Receives match a peer's messages in the order they were posted, whichever is waited on first.
+        if r == 0:
+            dist.send(data(30), dst=1)
+            dist.send(data(31), dst=1)
+        else:
+            first, second = torch.empty(2, 3), torch.empty(2, 3)
+            w1, w2 = dist.irecv(first, src=0), dist.irecv(second, src=0)
+            w2.wait()
+            w1.wait()
+            out["posted_order"] = (first, second)
         dist.barrier()
         return out
 
     out0, out1 = run(body)
+    torch.testing.assert_close(out1["posted_order"][0], data(30))
+    torch.testing.assert_close(out1["posted_order"][1], data(31))
     torch.testing.assert_close(out1["recv"], data(0))
     torch.testing.assert_close(out1["irecv"], data(5))
     torch.testing.assert_close(out1["any"], data(6))

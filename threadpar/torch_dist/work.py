@@ -29,8 +29,10 @@ class C10dWork(dist.Work):
         stream_ordered: bool,
         then: Callable[[], None] | None = None,
         source: Callable[[], int] | None = None,
+        after: Sequence[Work] = (),
     ) -> None:
         super().__init__()
+        self._after = list(after)  # ops that must complete first (the receives posted before this one)
         self._works = list(works)  # every threadpar op this c10d op issued (several for a coalesced one)
         self._outputs = outputs  # c10d's result (get_future().value()); also keeps the tensors alive
         self._stream_ordered = stream_ordered
@@ -40,6 +42,8 @@ class C10dWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if not self._waited:
+            for work in self._after:
+                work.wait()
             for work in self._works:
                 work.wait()
             if self._then is not None:
@@ -48,7 +52,10 @@ class C10dWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._waited or all(w.is_completed() for w in self._works)
+        # In order: an earlier receive takes its message before this one may look at the mailbox.
+        return self._waited or (
+            all(w.is_completed() for w in self._after) and all(w.is_completed() for w in self._works)
+        )
 
     def is_success(self) -> bool:
         return self.is_completed() and self.exception() is None
