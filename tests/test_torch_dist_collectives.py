@@ -111,7 +111,9 @@ def test_gathers_and_reduce_scatters(run):
         out["reduce_scatter_coalesced"] = rsc
         group = dist.group.WORLD.group_name
         out["funcol_all_gather"] = funcol.wait_tensor(funcol.all_gather_tensor(data(r), 0, group))
-        out["funcol_reduce_scatter"] = funcol.wait_tensor(funcol.reduce_scatter_tensor(data(r), "sum", 0, group))
+        out["funcol_reduce_scatter"] = funcol.wait_tensor(
+            funcol.reduce_scatter_tensor(data(r), "sum", 0, group)
+        )
         out["funcol_all_reduce"] = funcol.wait_tensor(funcol.all_reduce(data(r), "max", group))
         return out
 
@@ -124,7 +126,9 @@ def test_gathers_and_reduce_scatters(run):
         torch.testing.assert_close(out["reduce_scatter"], total[r : r + 1])
         torch.testing.assert_close(out["reduce_scatter_tensor"], total[r : r + 1] / 2)
         torch.testing.assert_close(out["reduce_scatter_coalesced"][0], total[r : r + 1])
-        torch.testing.assert_close(out["reduce_scatter_coalesced"][1], (data(0, (2,)) + data(1, (2,)))[r : r + 1])
+        torch.testing.assert_close(
+            out["reduce_scatter_coalesced"][1], (data(0, (2,)) + data(1, (2,)))[r : r + 1]
+        )
         torch.testing.assert_close(out["funcol_all_gather"], torch.cat(ALL))
         torch.testing.assert_close(out["funcol_reduce_scatter"], total[r : r + 1])
         torch.testing.assert_close(out["funcol_all_reduce"], torch.maximum(ALL[0], ALL[1]))

@@ -132,7 +132,9 @@ def test_fsdp2_rank_failure_ends_the_launch():
 def test_tensor_and_sequence_parallel():
     template = seeded(nn.Sequential(MLP(), Block(4)))
     x = batch(6)
-    seq = batch(3 * 2 * P, 4, seed=7).view(3, 2 * P, 4)  # (batch, sequence, hidden) for the sequence-parallel block
+    seq = batch(3 * 2 * P, 4, seed=7).view(
+        3, 2 * P, 4
+    )  # (batch, sequence, hidden) for the sequence-parallel block
     ref = copy.deepcopy(template)
     ref_out, ref_seq = ref[0](x), ref[1](seq)
     (mse(ref_out) + mse(ref_seq)).backward()
@@ -179,7 +181,9 @@ def test_fsdp2_with_tensor_parallel_on_a_2d_mesh():
         assert mesh.mesh_dim_names == ("dp", "tp")
         model = copy.deepcopy(template)
         for layer in model:
-            parallelize_module(layer, mesh["tp"], {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
+            parallelize_module(
+                layer, mesh["tp"], {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+            )
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         dp_rank = mesh.get_local_rank("dp")

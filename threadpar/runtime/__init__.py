@@ -16,8 +16,8 @@ from threadpar.runtime.context import (
 from threadpar.runtime.launch import launch
 from threadpar.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from threadpar.runtime.printing import print0, rank_print
-from threadpar.runtime.torch_world import device_mesh
 from threadpar.runtime.process_env import ProcessEnv, process_env
+from threadpar.runtime.torch_world import device_mesh
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
 from threadpar.runtime.processes import Processes
 from threadpar.runtime.torch_world import LaunchTorchWorld
+
+if TYPE_CHECKING:
+    from threadpar.torch_dist.session import TorchDistSession
 from threadpar.runtime.world import World
 from threadpar.topology import Layout
 
@@ -97,7 +100,7 @@ class _Launch:
 
     def _rank_main(self, i: int) -> None:
         ctx = self.contexts[i]
-        session = None
+        session: TorchDistSession | None = None
         try:
             ctx.enter()
             if self.torch_world is not None:
@@ -111,7 +114,8 @@ class _Launch:
                 with self.lock:
                     self.running[i] = False
             if session is not None:
-                session, ending = None, session
+                ending: TorchDistSession = session
+                session = None  # ended here: the failure path below must not end it again
                 ending.end()
         except BaseException as error:
             self._record(ctx.rank, error)

@@ -52,13 +52,17 @@ def layout_mesh(
         or covered != layout.world_size
         or (mesh_shape is not None and tuple(mesh_shape) != shape)
     ):
-        asked = f"mesh_shape={None if mesh_shape is None else tuple(mesh_shape)}, mesh_dim_names={tuple(names)}"
+        asked = (
+            f"mesh_shape={None if mesh_shape is None else tuple(mesh_shape)}, mesh_dim_names={tuple(names)}"
+        )
         raise ConfigError(
             f"a device mesh with {asked} does not fit this launch's layout "
             f"({layout.describe()}, {layout.world_size} ranks); meshes that fit: {_fitting(layout)}"
         )
     # ranks[c_1, ..., c_k] for the chosen axes; the others are all 1 (covered == world_size).
     ranks = torch.arange(layout.world_size).reshape([size[n] for n in order])
-    ranks = ranks.permute([order.index(n) for n in names] + [i for i, n in enumerate(order) if n not in names])
+    ranks = ranks.permute(
+        [order.index(n) for n in names] + [i for i, n in enumerate(order) if n not in names]
+    )
     ranks = ranks.reshape(shape)
     return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(names))

@@ -54,7 +54,7 @@ class _Op:
 
 class ThreadparProcessGroup(dist.ProcessGroup):
     def __init__(self, handle: ThreadparGroup) -> None:
-        super().__init__(handle.rank(), handle.size())
+        super().__init__(handle.rank(), handle.size())  # type: ignore[call-arg]
         self._handle = handle
         self._stream_ordered = handle.stream_ordered
         self._group_name = ""
@@ -87,7 +87,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
     _set_group_desc = setGroupDesc
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         return self._group_name
 
     @property
@@ -107,7 +107,9 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         return self._handle.ranks[group_rank]
 
     def _work(self, works: Sequence[Work | None], outputs: list[torch.Tensor], **kw: Any) -> C10dWork:
-        return C10dWork([w for w in works if w is not None], outputs, stream_ordered=self._stream_ordered, **kw)
+        return C10dWork(
+            [w for w in works if w is not None], outputs, stream_ordered=self._stream_ordered, **kw
+        )
 
     def _unsupported(self, op: str, why: str) -> NotImplementedError:
         return NotImplementedError(
@@ -116,7 +118,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         )
 
     # reductions -------------------------------------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:  # type: ignore[override]
         op = _Op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return self._allreduce(list(tensors), op, "allreduce")
 
@@ -157,7 +159,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
             result = _BITWISE[name](result, other)
         tensor.copy_(result)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> C10dWork:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> C10dWork:  # type: ignore[override]
         op = _Op(opts.reduceOp)
         dst = self._global(opts.rootRank)
         (tensor,) = tensors
@@ -171,7 +173,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
             tensor.mul_(op.factor)
         return self._work([self._handle.reduce(tensor, dst, op.native, async_op=True)], tensors)
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> C10dWork:
         op = _Op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -189,7 +191,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> C10dWork:
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
 
-    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -208,10 +210,10 @@ class ThreadparProcessGroup(dist.ProcessGroup):
             works.append(self._handle.reduce_scatter_tensor(output, input, op.native, async_op=True))
         return self._work(works, outputs)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
     # gathers and copies -----------------------------------------------------------------------------------------
-    def allgather(
+    def allgather(  # type: ignore[override]
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> C10dWork:
         (outputs,), (tensor,) = output_lists, inputs
@@ -240,14 +242,14 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         ]
         return self._work(works, outputs)
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> C10dWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> C10dWork:  # type: ignore[override]
         (tensor,) = tensors
         work = self._handle.broadcast(tensor, self._global(opts.rootRank), async_op=True)
         return self._work([work], tensors)
 
-    def gather(
+    def gather(  # type: ignore[override]
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> C10dWork:
         (tensor,) = inputs
@@ -256,7 +258,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         work = self._handle.gather(tensor, outputs, self._global(opts.rootRank), async_op=True)
         return self._work([work], list(outputs or []))
 
-    def scatter(
+    def scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any
     ) -> C10dWork:
         (tensor,) = outputs
@@ -281,7 +283,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         )
         return self._work([work], [output])
 
-    all_to_all_single = alltoall_base
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def barrier(self, opts: Any = None) -> C10dWork:
         return self._work([self._handle.barrier(async_op=True)], [])

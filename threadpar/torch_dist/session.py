@@ -74,7 +74,6 @@ class TorchDistSession:
             if self._multithreading is not None:
                 torch._C._set_multithreading_enabled(self._multithreading)
 
-
     def end_quietly(self) -> None:
         """`end()` after the rank failed: tear down what can be, without raising."""
         try:

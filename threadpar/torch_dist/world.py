@@ -24,6 +24,9 @@ from torch.distributed import distributed_c10d as c10d
 
 _local = threading.local()
 
+# torch's switch between one C++ group registry per process and one per thread (not in its type stubs).
+_set_thread_isolation_mode = torch._C._distributed_c10d._set_thread_isolation_mode  # type: ignore[attr-defined]
+
 
 class RankWorld:
     """One rank thread's torch.distributed state: the fields torch's `_World` exposes, held per thread."""
@@ -90,8 +93,8 @@ class Routing:
             if self._users > 1:
                 return
             self._original = c10d._world
-            c10d._world = ThreadRoutedWorld(self._original)
-            torch._C._distributed_c10d._set_thread_isolation_mode(True)
+            c10d._world = ThreadRoutedWorld(self._original)  # type: ignore[assignment]
+            _set_thread_isolation_mode(True)
             for name, replacement in patches.items():
                 for module in (dist, c10d):
                     self._patched.append((module, name, getattr(module, name)))
@@ -105,7 +108,7 @@ class Routing:
             for module, name, original in reversed(self._patched):
                 setattr(module, name, original)
             self._patched.clear()
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            _set_thread_isolation_mode(False)
             c10d._world = self._original
             # c10d's _update_default_pg sets this process-wide number on every default group change: give
             # the caller's world its own back.
