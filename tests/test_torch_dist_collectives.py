@@ -282,3 +282,35 @@ def test_new_group_shares_threadpar_groups():
     for r in range(3):
         assert results[r] == (3.0, 3.0, r, [0, 1, 2])
     assert results[3] is None
+
+
+def test_nccl_wait_orders_the_callers_stream_and_keeps_tensors_alive():
+    """c10d's contract on CUDA: Work.wait() makes the caller's current stream wait for the collective (the
+    host does not wait for the device), and the tensors are protected until the comm stream is done."""
+    fake = FakeCuda()
+
+    def body():
+        device = torch.device("cpu")  # the double's GPUs hold CPU tensors
+        mine = fake.current_stream(device)
+        t = torch.ones(3)
+        work = dist.all_reduce(t, async_op=True)
+        dist.barrier()  # every member has posted: launched, but the device hangs
+        before = fake.mark(mine, "before wait")
+        assert not work.is_completed()
+        work.wait()  # returns at once: only the stream waits
+        after = fake.mark(mine, "after wait")
+        node = next(c for c in fake.calls_named("all_reduce")).nodes[dist.get_rank()]
+        call = next(c for c in fake.calls_named("all_reduce"))
+        protected = any(
+            x.data_ptr() == t.data_ptr() and s is call.streams[dist.get_rank()] for x, s in fake.recorded
+        )
+        dist.barrier()
+        if dist.get_rank() == 0:
+            fake.resume()
+        dist.barrier()
+        return fake.ordered(node, before), fake.ordered(node, after), protected, t
+
+    fake.hang()
+    for before, after, protected, t in run_fake_gpus(body, P, fake, timeout=20):
+        assert (before, after, protected) == (False, True, True)
+        torch.testing.assert_close(t, torch.full((3,), 2.0))

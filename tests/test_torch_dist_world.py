@@ -182,3 +182,26 @@ def test_a_failing_rank_stops_the_others_waiting_in_torch_ops():
     with pytest.raises(RankFailedError, match="boom on rank 1") as failed:
         launch(body, timeout=60)
     assert failed.value.rank == 1
+
+
+def test_across_processes_on_the_hierarchical_backend():
+    """2 simulated processes x 2 rank threads: torch's world is all 4 ranks; groups span the processes."""
+    from threadpar.testing import run_processes
+
+    def body():
+        r = dist.get_rank()
+        t = torch.tensor([float(r)])
+        dist.all_reduce(t)
+        pair = dist.new_group([1, 2])  # one rank in each process
+        u = torch.tensor([float(r)])
+        if r in (1, 2):
+            dist.all_reduce(u, group=pair)
+        gathered = [None] * 4
+        dist.all_gather_object(gathered, r * 10)
+        return t.item(), u.item(), dist.get_world_size(), gathered
+
+    outcomes = run_processes(body, 2, 2, devices="cpu", timeout=30)
+    flat = [result for process in outcomes for result in process]
+    assert [f[0] for f in flat] == [6.0] * 4
+    assert [f[1] for f in flat] == [0.0, 3.0, 3.0, 3.0]
+    assert all(f[2] == 4 and f[3] == [0, 10, 20, 30] for f in flat)
