@@ -207,3 +207,18 @@ def test_across_processes_on_the_hierarchical_backend():
     assert [f[0] for f in flat] == [6.0] * 4
     assert [f[1] for f in flat] == [0.0, 3.0, 3.0, 3.0]
     assert all(f[2] == 4 and f[3] == [0, 10, 20, 30] for f in flat)
+
+
+def test_torch_dist_builds_on_comm_and_never_on_the_runtime():
+    """DESIGN.md's layers: threadpar.torch_dist sits on comm (the runtime starts its sessions)."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(threadpar.__file__).parent / "torch_dist"
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert not name.startswith("threadpar.runtime"), f"{path.name} imports {name}"
