@@ -222,3 +222,24 @@ def test_torch_dist_builds_on_comm_and_never_on_the_runtime():
                 names = [node.module]
             for name in names:
                 assert not name.startswith("threadpar.runtime"), f"{path.name} imports {name}"
+
+
+def test_work_wait_with_a_timeout_raises_and_a_later_wait_succeeds():
+    from datetime import timedelta
+
+    rank0_timed_out = threading.Event()
+
+    def body():
+        t = torch.ones(1)
+        if dist.get_rank() == 0:
+            work = dist.all_reduce(t, async_op=True)
+            with pytest.raises(CollectiveTimeoutError):
+                work.wait(timedelta(seconds=0.2))  # rank 1 has not called it yet
+            rank0_timed_out.set()
+            work.wait()
+        else:
+            assert rank0_timed_out.wait(20)
+            dist.all_reduce(t)
+        return t.item()
+
+    assert launch(body) == [2.0, 2.0]

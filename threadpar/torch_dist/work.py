@@ -41,11 +41,15 @@ class C10dWork(dist.Work):
         self._waited = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """A timeout (c10d passes timedelta(0) for none) makes the host wait at most that long for the op
+        (on nccl: for the device too) and raise CollectiveTimeoutError after, as c10d's wait(timeout)."""
+        seconds = timeout.total_seconds() if timeout else 0.0
+        limit = seconds if seconds > 0 else None
         if not self._waited:
             for work in self._after:
-                work.wait()
+                work.wait(limit)
             for work in self._works:
-                work.wait()
+                work.wait(limit)
             if self._then is not None:
                 self._then()
             self._waited = True
