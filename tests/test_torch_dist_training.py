@@ -235,3 +235,21 @@ def test_pipelining(schedule):
     for name, want in ref_grads.items():
         torch.testing.assert_close(grads[name], want, msg=name)
     torch.testing.assert_close(torch.stack(results[-1][1]).mean(), loss.detach())
+
+
+def test_fsdp2_across_processes_on_the_hierarchical_backend():
+    """2 simulated processes x 2 rank threads: FSDP2's all-gathers and reduce-scatters span the processes."""
+    from threadpar.testing import run_processes
+
+    template = seeded(nn.Sequential(MLP(), MLP(4, 8, 4)))
+    expected = reference_steps(template, INPUTS, mse)
+
+    def body():
+        model = copy.deepcopy(template)
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        return train(model, [local(x, dist.get_rank(), 4) for x in INPUTS])
+
+    outcomes = run_processes(body, 2, 2, devices="cpu", timeout=30)
+    assert_params([params for process in outcomes for params in process], expected)
