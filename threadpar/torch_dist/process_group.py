@@ -147,7 +147,8 @@ class ThreadparProcessGroup(dist.ProcessGroup):
             else handle.all_reduce_coalesced(ts, op.native, async_op=True)
             for ts in by_dtype.values()
         ]
-        return self._work(works, tensors)
+        # threadpar's all-reduce Work completes with its tensors: c10d's value when there is one Work.
+        return self._work(works, tensors, same_future=True)
 
     def _bitwise_all_reduce(self, tensor: torch.Tensor, name: str) -> None:
         """BAND/BOR/BXOR where threadpar's ReduceOp lacks them: gather every member's tensor, fold in rank

@@ -30,6 +30,7 @@ class C10dWork(dist.Work):
         then: Callable[[], None] | None = None,
         source: Callable[[], int] | None = None,
         after: Sequence[Work] = (),
+        same_future: bool = False,
     ) -> None:
         super().__init__()
         self._after = list(after)  # ops that must complete first (the receives posted before this one)
@@ -39,6 +40,9 @@ class C10dWork(dist.Work):
         self._then = then  # runs once after the ops, on the waiting thread (e.g. copy a staged result out)
         self._source = source
         self._waited = False
+        # The one threadpar Work's own future already has c10d's value (an all-reduce's tensors): hand it
+        # out as it is, without a Python callback on completion (DDP asks for one per bucket).
+        self._same_future = same_future and len(self._works) == 1 and not self._after
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """A timeout (c10d passes timedelta(0) for none) makes the host wait at most that long for the op
@@ -93,6 +97,8 @@ class C10dWork(dist.Work):
             else:
                 future.set_result(self._outputs)
             return future
+        if self._same_future:
+            return self._works[0].get_future()
         futures = [w.get_future() for w in self._works]
         outputs = self._outputs
 
