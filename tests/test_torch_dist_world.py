@@ -243,3 +243,10 @@ def test_work_wait_with_a_timeout_raises_and_a_later_wait_succeeds():
         return t.item()
 
     assert launch(body) == [2.0, 2.0]
+
+
+def test_the_backend_outside_a_launch_says_where_it_works():
+    launch(lambda: None)  # registers the backend
+    with pytest.raises(ConfigError, match="serves the rank threads of threadpar.launch"):
+        dist.init_process_group("threadpar", store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()
