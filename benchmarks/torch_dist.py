@@ -13,6 +13,8 @@ SGD. A step is forward, backward (gradient averaging: DDP's all-reduces, or FSDP
 reduce-scatters) and optimizer.step(). Every rank gets 1 intra-op thread per core / 2 (gloo processes 1).
 The three run in alternation, round after round, so a change in the machine's load hits all of them; each
 cell is the median of every repeat of every round. speed-up = other backend's step time / threadpar's.
+Two clocks: wall-clock step time, and CPU time per step of all ranks together (process CPU time; both
+processes summed for gloo), which moves far less than wall-clock time with the load of a shared machine.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import threading
+import time
 import warnings
 
 import torch
@@ -33,8 +36,10 @@ WIDTH, LAYERS, BATCH, RANKS, STEPS = 512, 4, 32, 2, 5
 KINDS = ("DDP", "FSDP2")
 
 
-def steps(kind: str, repeats: int) -> list[float]:
-    """Seconds per training step of `kind`, one sample per repeat, on torch.distributed's current group."""
+def steps(kind: str, repeats: int) -> dict[str, list[float]]:
+    """Per training step of `kind`, one sample per repeat, on torch.distributed's current group: "wall"
+    seconds, and "cpu" seconds of every rank together (this process's CPU time: all ranks when they are
+    threads; summed over the ranks' processes for gloo)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -58,17 +63,32 @@ def steps(kind: str, repeats: int) -> list[float]:
         opt.zero_grad()
 
     step()  # warm-up: buckets, lazy init
-    return [median_time(step, iters=STEPS, repeats=1, sync=dist.barrier) for _ in range(repeats)]
+    wall, cpu = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        start_cpu = time.process_time()
+        wall.append(median_time(step, iters=STEPS, repeats=1))
+        cpu.append((time.process_time() - start_cpu) / STEPS)
+    return {"wall": wall, "cpu": cpu}
 
 
-def on_threadpar(repeats: int) -> dict[str, list[float]]:
+def summed_cpu(result: dict[str, list[float]]) -> dict[str, list[float]]:
+    """One process per rank: add the other ranks' CPU time to this one's (all ranks call this)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result["cpu"])
+    return {"wall": result["wall"], "cpu": [sum(column) for column in zip(*everyone, strict=True)]}
+
+
+def on_threadpar(repeats: int) -> dict[str, dict[str, list[float]]]:
     results = threadpar.launch(
         lambda: {k: steps(k, repeats) for k in KINDS}, world_size=RANKS, devices="cpu", timeout=600
     )
     return results[0]
 
 
-def on_threaded_pg(repeats: int) -> dict[str, list[float]]:
+def on_threaded_pg(repeats: int) -> dict[str, dict[str, list[float]]]:
     """torch's threaded process group, set up as torch's MultiThreadedTestCase does."""
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
@@ -102,11 +122,11 @@ def on_threaded_pg(repeats: int) -> dict[str, list[float]]:
     return results[0]
 
 
-def gloo_worker(rank: int, world_size: int, repeats: int) -> dict[str, list[float]]:
-    return {k: steps(k, repeats) for k in KINDS}
+def gloo_worker(rank: int, world_size: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    return {k: summed_cpu(steps(k, repeats)) for k in KINDS}
 
 
-def on_gloo(repeats: int) -> dict[str, list[float]]:
+def on_gloo(repeats: int) -> dict[str, dict[str, list[float]]]:
     return run_gloo(gloo_worker, RANKS, repeats)
 
 
@@ -121,31 +141,43 @@ def main() -> None:
     rounds, repeats = (1, 3) if args.quick else (args.rounds, args.repeats)
     warnings.filterwarnings("ignore", category=FutureWarning)
     runners = {"threadpar": on_threadpar, "threaded": on_threaded_pg, "gloo": on_gloo}
-    samples: dict[str, dict[str, list[float]]] = {b: {k: [] for k in KINDS} for b in runners}
+    samples = {b: {k: {"wall": [], "cpu": []} for k in KINDS} for b in runners}
     for _ in range(rounds):
         for backend, run in runners.items():
             for kind, times in run(repeats).items():
-                samples[backend][kind].extend(times)
-    median = {b: {k: statistics.median(v) for k, v in per.items()} for b, per in samples.items()}
+                for clock in ("wall", "cpu"):
+                    samples[backend][kind][clock].extend(times[clock])
+    median = {
+        b: {k: {c: statistics.median(v) for c, v in clocks.items()} for k, clocks in per.items()}
+        for b, per in samples.items()
+    }
     print(machine_line())
     print(
         f"{RANKS} ranks, MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), batch {BATCH} per rank; "
-        f"{rounds} round(s) x {repeats} repeats x {STEPS} steps per cell; median step time"
+        f"{rounds} round(s) x {repeats} repeats x {STEPS} steps per cell; medians"
     )
     rows = []
-    for kind in KINDS:
-        ours = median["threadpar"][kind]
-        rows.append(
-            [
-                kind,
-                fmt_time(ours),
-                fmt_time(median["threaded"][kind]),
-                fmt_time(median["gloo"][kind]),
-                f"{median['threaded'][kind] / ours:.2f}x",
-                f"{median['gloo'][kind] / ours:.2f}x",
-            ]
-        )
-    headers = ["step", "threadpar", "torch threaded PG", "gloo, process per rank", "vs threaded", "vs gloo"]
+    for clock in ("wall", "cpu"):
+        for kind in KINDS:
+            ours, threaded, gloo = (median[b][kind][clock] for b in ("threadpar", "threaded", "gloo"))
+            rows.append(
+                [
+                    f"{kind} ({'wall-clock' if clock == 'wall' else 'CPU, all ranks'})",
+                    fmt_time(ours),
+                    fmt_time(threaded),
+                    fmt_time(gloo),
+                    f"{threaded / ours:.2f}x",
+                    f"{gloo / ours:.2f}x",
+                ]
+            )
+    headers = [
+        "step time",
+        "threadpar",
+        "torch threaded PG",
+        "gloo, process per rank",
+        "vs threaded",
+        "vs gloo",
+    ]
     print(table(headers, rows))
 
 
