@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -93,6 +94,7 @@ def on_threaded_pg(repeats: int) -> dict[str, dict[str, list[float]]]:
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
+    hook = sys.excepthook  # init_process_group wraps it, process-wide, in every rank thread
     mtpg._install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
     store = dist.HashStore()
@@ -117,6 +119,7 @@ def on_threaded_pg(repeats: int) -> dict[str, dict[str, list[float]]]:
         torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
         mtpg._uninstall_threaded_pg()
         mtpg.ProcessLocalGroup.reset()
+        sys.excepthook = hook
     if results[0] is None:
         raise RuntimeError("a rank of torch's threaded process group failed (see its traceback above)")
     return results[0]
