@@ -247,6 +247,6 @@ def test_work_wait_with_a_timeout_raises_and_a_later_wait_succeeds():
 
 def test_the_backend_outside_a_launch_says_where_it_works():
     launch(lambda: None)  # registers the backend
-    with pytest.raises(ConfigError, match="serves the rank threads of threadpar.launch"):
+    with pytest.raises(ConfigError, match=r"serves the rank threads of threadpar\.launch"):
         dist.init_process_group("threadpar", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()

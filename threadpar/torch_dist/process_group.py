@@ -7,8 +7,10 @@ on `nccl`, gloo groups between processes on `hierarchical`), and the collective-
 rank's failure and the timeouts naming missing ranks hold for torch's calls as for threadpar's.
 
 c10d passes group ranks (`opts.rootRank`, `dstRank`); threadpar's handle takes global ranks: `_global`.
-Every op is issued asynchronously (the threads backend runs it on the rank's comm worker, nccl enqueues it
-on the comm stream), as c10d's ops are: FSDP2 and DTensor overlap them with computation and wait later.
+An op torch's Python API waits for at once (`async_op=False`: `opts.asyncOp` is False) runs on the calling
+thread; any other is issued asynchronously (the threads backend runs it on the rank's comm worker, nccl
+enqueues it on the comm stream), as c10d's ops are: FSDP2, DDP's reducer and DTensor overlap them with
+computation and wait later.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ _BITWISE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "BOR": torch.bitwise_or,
     "BXOR": torch.bitwise_xor,
 }
+
+
+def _asynchronous(opts: Any) -> bool:
+    """Whether the caller may wait later: torch.distributed's Python API says so in `opts.asyncOp` (False for
+    `async_op=False`: it waits at once, so the op runs here, without a hand-off to the comm worker); C++
+    callers (DDP's reducer, functional collectives) leave it at its default, True."""
+    return opts is None or bool(getattr(opts, "asyncOp", True))
 
 
 class _Op:
@@ -120,13 +129,13 @@ class ThreadparProcessGroup(dist.ProcessGroup):
     # reductions -------------------------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:  # type: ignore[override]
         op = _Op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._allreduce(list(tensors), op, "allreduce")
+        return self._allreduce(list(tensors), op, "allreduce", _asynchronous(opts))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:
         op = _Op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._allreduce(list(tensors), op, "allreduce_coalesced")
+        return self._allreduce(list(tensors), op, "allreduce_coalesced", _asynchronous(opts))
 
-    def _allreduce(self, tensors: list[torch.Tensor], op: _Op, name: str) -> C10dWork:
+    def _allreduce(self, tensors: list[torch.Tensor], op: _Op, name: str, asynchronous: bool) -> C10dWork:
         for t in tensors:
             if t.is_sparse:
                 raise self._unsupported(name, "sparse tensors are not supported; pass a dense tensor")
@@ -142,9 +151,9 @@ class ThreadparProcessGroup(dist.ProcessGroup):
             by_dtype.setdefault(t.dtype, []).append(t)
         handle = self._handle
         works = [
-            handle.all_reduce(ts[0], op.native, async_op=True)
+            handle.all_reduce(ts[0], op.native, async_op=asynchronous)
             if len(ts) == 1
-            else handle.all_reduce_coalesced(ts, op.native, async_op=True)
+            else handle.all_reduce_coalesced(ts, op.native, async_op=asynchronous)
             for ts in by_dtype.values()
         ]
         # threadpar's all-reduce Work completes with its tensors: c10d's value when there is one Work.
@@ -172,7 +181,9 @@ class ThreadparProcessGroup(dist.ProcessGroup):
             return completed(tensors)
         if op.factor is not None:
             tensor.mul_(op.factor)
-        return self._work([self._handle.reduce(tensor, dst, op.native, async_op=True)], tensors)
+        return self._work(
+            [self._handle.reduce(tensor, dst, op.native, async_op=_asynchronous(opts))], tensors
+        )
 
     def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
@@ -186,7 +197,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
             return completed(outputs)
         if op.factor is not None:
             inputs = [t * op.factor for t in inputs]
-        work = self._handle.reduce_scatter(output, list(inputs), op.native, async_op=True)
+        work = self._handle.reduce_scatter(output, list(inputs), op.native, async_op=_asynchronous(opts))
         return self._work([work], outputs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> C10dWork:
@@ -208,7 +219,9 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         for output, input in zip(outputs, inputs, strict=True):
             if op.factor is not None:
                 input = input * op.factor
-            works.append(self._handle.reduce_scatter_tensor(output, input, op.native, async_op=True))
+            works.append(
+                self._handle.reduce_scatter_tensor(output, input, op.native, async_op=_asynchronous(opts))
+            )
         return self._work(works, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
@@ -218,13 +231,13 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> C10dWork:
         (outputs,), (tensor,) = output_lists, inputs
-        return self._work([self._handle.all_gather(outputs, tensor, async_op=True)], outputs)
+        return self._work([self._handle.all_gather(outputs, tensor, async_op=_asynchronous(opts))], outputs)
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> C10dWork:
         works = [
-            self._handle.all_gather(outputs, tensor, async_op=True)
+            self._handle.all_gather(outputs, tensor, async_op=_asynchronous(opts))
             for outputs, tensor in zip(output_lists, inputs, strict=True)
         ]
         return self._work(works, [t for outputs in output_lists for t in outputs])
@@ -238,7 +251,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> C10dWork:
         works = [
-            self._handle.all_gather_into_tensor(output, input, async_op=True)
+            self._handle.all_gather_into_tensor(output, input, async_op=_asynchronous(opts))
             for output, input in zip(outputs, inputs, strict=True)
         ]
         return self._work(works, outputs)
@@ -247,7 +260,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> C10dWork:  # type: ignore[override]
         (tensor,) = tensors
-        work = self._handle.broadcast(tensor, self._global(opts.rootRank), async_op=True)
+        work = self._handle.broadcast(tensor, self._global(opts.rootRank), async_op=_asynchronous(opts))
         return self._work([work], tensors)
 
     def gather(  # type: ignore[override]
@@ -256,7 +269,7 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         (tensor,) = inputs
         is_root = self.rank() == opts.rootRank
         outputs = output_lists[0] if is_root and output_lists else None
-        work = self._handle.gather(tensor, outputs, self._global(opts.rootRank), async_op=True)
+        work = self._handle.gather(tensor, outputs, self._global(opts.rootRank), async_op=_asynchronous(opts))
         return self._work([work], list(outputs or []))
 
     def scatter(  # type: ignore[override]
@@ -265,11 +278,11 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         (tensor,) = outputs
         is_root = self.rank() == opts.rootRank
         chunks = input_lists[0] if is_root and input_lists else None
-        work = self._handle.scatter(tensor, chunks, self._global(opts.rootRank), async_op=True)
+        work = self._handle.scatter(tensor, chunks, self._global(opts.rootRank), async_op=_asynchronous(opts))
         return self._work([work], outputs)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> C10dWork:
-        return self._work([self._handle.all_to_all(outputs, inputs, async_op=True)], outputs)
+        return self._work([self._handle.all_to_all(outputs, inputs, async_op=_asynchronous(opts))], outputs)
 
     def alltoall_base(
         self,
@@ -280,14 +293,14 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> C10dWork:
         work = self._handle.all_to_all_single(
-            output, input, output_split_sizes or None, input_split_sizes or None, async_op=True
+            output, input, output_split_sizes or None, input_split_sizes or None, async_op=_asynchronous(opts)
         )
         return self._work([work], [output])
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def barrier(self, opts: Any = None) -> C10dWork:
-        return self._work([self._handle.barrier(async_op=True)], [])
+        return self._work([self._handle.barrier(async_op=_asynchronous(opts))], [])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         # threadpar's own barrier already names the ranks that did not arrive when it times out.
