@@ -107,8 +107,9 @@ class _Launch:
             if self.torch_world is not None:
                 session = self.torch_world.session(ctx.rank)
                 session.start()
-                # c10d's group construction resets this thread's intra-op thread count to the process's
-                # (the last set_num_threads of any thread): set the rank's own again (DESIGN.md rule 4).
+                # The rank's intra-op thread count again, right before its function (DESIGN.md rule 4):
+                # without it, simulated processes with different intraop_threads saw each other's count
+                # in 4 runs of 6 once the session start (c10d's group construction) ran after enter().
                 torch.set_num_threads(self.world.intraop_threads)
             with self.lock:
                 self.running[i] = True
