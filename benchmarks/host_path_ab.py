@@ -7,7 +7,9 @@ Small messages (4 bytes) on 2 CPU rank threads (`--world-size 1`: one, so no wai
 (`threadpar.all_reduce(t)`, `broadcast(t, src=0)`, `send`/`recv`, `barrier()`): their time is the host
 path (argument handling, the rendezvous, the wake-ups), not the data. Each round runs both trees once, in
 alternating order, each in a fresh subprocess; the table shows the median over rounds of each tree's
-per-call median and the ratio before / after (> 1: the new tree is faster).
+per-call median, wall-clock and the rank thread's CPU time (time.thread_time: less disturbed by other
+processes on a busy machine), and the ratios before / after (> 1: the new tree is faster). With one rank
+it also counts the Python calls per op (deterministic).
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ def _worker(iters: int, world_size: int) -> dict[str, float]:
             fn = calls[name]
             for _ in range(50):
                 fn()
-            samples = []
+            samples, cpu = [], []
             for _ in range(5):
                 threadpar.barrier()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.thread_time()
                 for _ in range(iters // 5):
                     fn()
+                cpu.append((time.thread_time() - start_cpu) / (iters // 5))
                 samples.append((time.perf_counter() - start) / (iters // 5))
             out[name] = statistics.median(samples)
+            out[f"{name}:cpu"] = statistics.median(cpu)  # this thread's CPU time: less hurt by a busy machine
             if world_size == 1:  # nothing waits: the count of Python calls per op is deterministic
                 counted = [0]
 
@@ -111,11 +115,16 @@ def main() -> None:
     )
     counts = args.world_size == 1
     calls = f"{'Python calls per op':>22}" if counts else ""
-    print(f"{'op':<12}{'before us':>11}{'after us':>11}{'before/after':>14}{calls}")
+    print(
+        f"{'op':<12}{'before us':>11}{'after us':>11}{'before/after':>14}"
+        f"{'CPU before':>12}{'CPU after':>11}{'before/after':>14}{calls}"
+    )
     for op in [op for op in OPS if op in runs["after"][0]]:
-        before = statistics.median(run[op] for run in runs["before"]) * 1e6
-        after = statistics.median(run[op] for run in runs["after"]) * 1e6
-        row = f"{op:<12}{before:>11.1f}{after:>11.1f}{before / after:>13.2f}x"
+        row = f"{op:<12}"
+        for key, pad in ((op, 11), (f"{op}:cpu", 12)):
+            before = statistics.median(run[key] for run in runs["before"]) * 1e6
+            after = statistics.median(run[key] for run in runs["after"]) * 1e6
+            row += f"{before:>{pad}.1f}{after:>11.1f}{before / after:>13.2f}x"
         if counts:
             row += f"{runs['before'][0][op + ':calls']:>14.0f} -> {runs['after'][0][op + ':calls']:.0f}"
         print(row)

@@ -312,6 +312,9 @@ def test_batch_isend_irecv_exchanges_around_a_ring():
 # barriers that name who is missing ------------------------------------------------------------------------------
 def _missing_rank_body(wait):
     def body():
+        # Every rank meets once first: across processes, a group's first collective also connects its gloo
+        # groups, a wait that nothing can interrupt (issue 20's), which the missing rank would leave pending.
+        dist.barrier()
         if dist.get_rank() == 2:
             dist.recv(torch.empty(1), src=0)  # never sent: rank 2 is "stuck" until the launch stops
         else:

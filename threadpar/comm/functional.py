@@ -134,13 +134,13 @@ def broadcast(
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: GroupLike = None, async_op=False
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False
 ):
     return _group(group).all_gather(tensor_list, tensor, async_op)
 
 
 def all_gather_into_tensor(
-    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: GroupLike = None, async_op=False
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False
 ) -> Work | None:
     return _group(group).all_gather_into_tensor(output_tensor, input_tensor, async_op)
 
@@ -156,7 +156,11 @@ def reduce_scatter(
 
 
 def reduce_scatter_tensor(
-    output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group: GroupLike = None, async_op=False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op=ReduceOp.SUM,
+    group: GroupLike = None,
+    async_op: bool = False,
 ) -> Work | None:
     return _group(group).reduce_scatter_tensor(output, input, op, async_op)
 
