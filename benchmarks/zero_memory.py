@@ -1,0 +1,117 @@
+"""ZeRO's memory: the peak resident memory of a fresh process per configuration, DDP vs ZeRO-1 vs ZeRO-2.
+
+    python -m benchmarks.zero_memory               # 5 rounds
+    python -m benchmarks.zero_memory --rounds 3
+
+Each measurement is one fresh Python process (so nothing freed earlier lowers a later peak): 2 rank threads
+(--ranks) on the threads backend, each with its own MLP of 8 x Linear(2048, 2048) (128 MiB of fp32
+gradients per rank), threadpar DDP, AdamW, 2 steps of batch 16 per rank; it prints the process's peak RSS
+(getrusage's ru_maxrss). The three configurations run interleaved, round after round, and the table shows
+the median over rounds. The goals (issue 22): ZeRO-2's peak below ZeRO-1's by at least a third of one rank's
+gradient bytes per rank, and ZeRO-1's below DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+import threadpar
+from benchmarks.harness import machine_line, table
+from threadpar.parallel import DistributedDataParallel, ZeroRedundancyOptimizer
+
+WIDTH, LAYERS, BATCH, STEPS = 2048, 8, 16, 2
+CONFIGS = {"DDP + AdamW": 0, "ZeRO-1": 1, "ZeRO-2": 2}
+MIB = 2**20
+
+
+def build() -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def train_rank(stage: int) -> None:
+    module = build()
+    model = DistributedDataParallel(module)
+    optimizer: torch.optim.Optimizer
+    if stage:
+        optimizer = ZeroRedundancyOptimizer(module.parameters(), torch.optim.AdamW, stage=stage, lr=1e-4)
+    else:
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    generator = threadpar.get_generator()
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, WIDTH, generator=generator)
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+
+def child(stage: int, ranks: int) -> None:
+    torch.manual_seed(0)
+    threadpar.launch(train_rank, stage, world_size=ranks, devices="cpu")
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+
+
+def measure(stage: int, ranks: int) -> int:
+    """The peak RSS in bytes of a fresh process that trains with `stage` (0: plain AdamW)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.zero_memory", "--child", str(stage), "--ranks", str(ranks)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+    )
+    return int(out.stdout.split()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the configurations")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args.child, args.ranks)
+        return
+    grad_bytes = sum(p.numel() * p.element_size() for p in build().parameters())  # one rank's gradients
+    print(f"# ZeRO memory: {args.ranks} rank threads ({machine_line()}); load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"# MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), AdamW, {STEPS} steps of batch {BATCH}; "
+        f"{grad_bytes / MIB:.0f} MiB of fp32 gradients per rank; peak RSS of a fresh process, "
+        f"median of {args.rounds} rounds\n"
+    )
+    peaks: dict[str, list[int]] = {name: [] for name in CONFIGS}
+    for _ in range(args.rounds):
+        for name, stage in CONFIGS.items():
+            peaks[name].append(measure(stage, args.ranks))
+    median = {name: statistics.median(values) for name, values in peaks.items()}
+    ddp = median["DDP + AdamW"]
+    rows = [
+        [
+            name,
+            f"{median[name] / MIB:.0f} MiB",
+            f"{min(peaks[name]) / MIB:.0f} .. {max(peaks[name]) / MIB:.0f} MiB",
+            f"{(ddp - median[name]) / args.ranks / MIB:+.0f} MiB",
+            f"{median[name] / ddp:.3f}",
+        ]
+        for name in CONFIGS
+    ]
+    print(table(["configuration", "peak RSS", "range", "saved vs DDP / rank", "vs DDP"], rows))
+    saved = (median["ZeRO-1"] - median["ZeRO-2"]) / args.ranks
+    print(
+        f"\nGoals: ZeRO-2 below ZeRO-1 by >= 1/3 of one rank's gradients ({grad_bytes / 3 / MIB:.0f} MiB) per "
+        f"rank: {saved / MIB:+.0f} MiB ({saved / grad_bytes:.2f} of the gradients) "
+        f"{'met' if saved >= grad_bytes / 3 else 'NOT met'}; ZeRO-1 below DDP: "
+        f"{(ddp - median['ZeRO-1']) / args.ranks / MIB:+.0f} MiB per rank "
+        f"{'met' if median['ZeRO-1'] < ddp else 'NOT met'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
