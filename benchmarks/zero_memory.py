@@ -36,9 +36,9 @@ def build() -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
-def train_rank(stage: int) -> None:
+def train_rank(stage: int, bucket_cap_mb: float) -> None:
     module = build()
-    model = DistributedDataParallel(module)
+    model = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
     optimizer: torch.optim.Optimizer
     if stage:
         optimizer = ZeroRedundancyOptimizer(module.parameters(), torch.optim.AdamW, stage=stage, lr=1e-4)
@@ -52,16 +52,17 @@ def train_rank(stage: int) -> None:
         optimizer.step()
 
 
-def child(stage: int, ranks: int) -> None:
+def child(stage: int, ranks: int, bucket_cap_mb: float) -> None:
     torch.manual_seed(0)
-    threadpar.launch(train_rank, stage, world_size=ranks, devices="cpu")
+    threadpar.launch(train_rank, stage, bucket_cap_mb, world_size=ranks, devices="cpu")
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
 
 
-def measure(stage: int, ranks: int) -> int:
+def measure(stage: int, ranks: int, bucket_cap_mb: float) -> int:
     """The peak RSS in bytes of a fresh process that trains with `stage` (0: plain AdamW)."""
+    command = [sys.executable, "-m", "benchmarks.zero_memory", "--child", str(stage), "--ranks", str(ranks)]
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.zero_memory", "--child", str(stage), "--ranks", str(ranks)],
+        [*command, "--bucket-cap-mb", str(bucket_cap_mb)],
         check=True,
         capture_output=True,
         text=True,
@@ -71,25 +72,31 @@ def measure(stage: int, ranks: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the configurations")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (its default)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        child(args.child, args.ranks)
+        child(args.child, args.ranks, args.bucket_cap_mb)
         return
     grad_bytes = sum(p.numel() * p.element_size() for p in build().parameters())  # one rank's gradients
-    print(f"# ZeRO memory: {args.ranks} rank threads ({machine_line()}); load average {os.getloadavg()[0]:.1f}")
     print(
-        f"# MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), AdamW, {STEPS} steps of batch {BATCH}; "
+        f"# ZeRO memory: {args.ranks} rank threads ({machine_line()}); load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"# MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), AdamW, {STEPS} steps of batch {BATCH}, DDP bucket_cap_mb="
+        f"{args.bucket_cap_mb:g}; "
         f"{grad_bytes / MIB:.0f} MiB of fp32 gradients per rank; peak RSS of a fresh process, "
         f"median of {args.rounds} rounds\n"
     )
     peaks: dict[str, list[int]] = {name: [] for name in CONFIGS}
     for _ in range(args.rounds):
         for name, stage in CONFIGS.items():
-            peaks[name].append(measure(stage, args.ranks))
+            peaks[name].append(measure(stage, args.ranks, args.bucket_cap_mb))
     median = {name: statistics.median(values) for name, values in peaks.items()}
     ddp = median["DDP + AdamW"]
     rows = [

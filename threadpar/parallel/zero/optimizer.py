@@ -58,11 +58,25 @@ class _ReducerShards:
         self.shards = shards  # DDP bucket index -> its shard
         where = {id(p): (s, i) for s in shards.values() for i, p in enumerate(s.bucket.params)}
         self.slots = [where[id(p)] for p in params]  # reducer parameter index -> (shard, index in bucket)
+        self.in_flight: Work | None = None  # the last bucket's reduce-scatter, until the next bucket starts
 
-    def reduce_bucket(self, index: int, grads: list[torch.Tensor], async_op: bool) -> Work | None:
-        return self.shards[index].reduce_scatter(grads, async_op)
+    def gradient_ready(self, index: int) -> None:
+        shard, j = self.slots[index]
+        if not shard.staging and self.in_flight is not None:
+            # A bucket's reduce-scatter input is let go of when the collective is done: at most one in flight
+            # (and one filling) bounds backward's gradient memory at two buckets; the wait is short, as
+            # backward computed at least one more gradient since that bucket was launched.
+            work, self.in_flight = self.in_flight, None
+            work.wait()
+        shard.stage_grad(j)
+
+    def reduce_bucket(self, index: int, scale: float, async_op: bool) -> Work | None:
+        work = self.shards[index].reduce_scatter(scale, async_op)
+        self.in_flight = work
+        return work
 
     def backward_done(self, used: list[bool] | None) -> None:
+        self.in_flight = None
         per_shard: dict[int, list[bool]] = {}
         for i, (shard, j) in enumerate(self.slots):
             flags = per_shard.setdefault(id(shard), [False] * len(shard.bucket.params))
