@@ -12,6 +12,9 @@ from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_proc
 import threadpar
 from threadpar.testing import run_ranks
 
+# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+pytestmark = pytest.mark.usefixtures("fake_mode")
+
 
 def _broadcast_from_everyone(groups):
     """Every member of every group broadcasts once; returns {(group, src): what this rank got}."""

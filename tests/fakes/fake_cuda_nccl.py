@@ -34,6 +34,7 @@ from threadpar.runtime.world import World
 from threadpar.testing import raise_root_cause
 from threadpar.topology import Layout
 
+from .fake_autograd_thread import device_threads
 from .fake_device_queue import TensorRecord, flush
 from .fake_nccl import FakeComm, FakeFabric, FakeNccl
 
@@ -377,7 +378,8 @@ def run_fake_gpus(
         cuda=fake,
     )
     try:
-        return _Launch(world, fn, (), {}).run()
+        with device_threads() if fake.autograd_thread else contextlib.nullcontext():
+            return _Launch(world, fn, (), {}).run()
     except RankFailedError as failed:
         failed.error.add_note(f"(raised on rank {failed.rank})")
         raise failed.error from None
@@ -419,7 +421,8 @@ def launch_fake_gpu_processes(
                 check_collectives=check_collectives,
                 cuda=fakes[p],
             )
-            outcomes[p] = _Launch(world, fn, (), {}).run()
+            with device_threads() if fakes[p].autograd_thread else contextlib.nullcontext():
+                outcomes[p] = _Launch(world, fn, (), {}).run()
         except BaseException as error:
             outcomes[p] = error
 
