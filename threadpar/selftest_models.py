@@ -99,7 +99,9 @@ def fp16_scaler_step() -> Results:
     with torch.autocast(device.type, dtype=torch.float16):
         loss = F.mse_loss(ddp(x[rows].to(device)).float(), y[rows].to(device))
     scaler.scale_loss(loss).backward()
-    grads = {f"grad {k}": p.grad.detach().cpu().clone() for k, p in model.named_parameters()}
+    grads = {
+        f"grad {k}": p.grad.detach().cpu().clone() for k, p in model.named_parameters() if p.grad is not None
+    }
     if not scaler.step(torch.optim.SGD(model.parameters(), lr=0.1), model.parameters()):
         return {"loss": loss.detach().cpu(), "skipped": torch.ones(1)}  # a finite step must not skip
     grads = {k: g / scaler.scale for k, g in grads.items()}  # (the scale has not grown: growth_interval 200)
@@ -111,7 +113,7 @@ def fp16_scaler_reference(n: int) -> list[Results]:
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.mse_loss(model(x).float(), y)
     loss.backward()
-    grads = {f"grad {k}": p.grad.detach().clone() for k, p in model.named_parameters()}
+    grads = {f"grad {k}": p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     return [{f"param {k}": p.detach() for k, p in model.named_parameters()} | grads] * n
 
