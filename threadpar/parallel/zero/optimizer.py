@@ -13,8 +13,11 @@ all-gather per bucket gives every rank the updated parameters.
 
 - stage=1: DDP all-reduces gradients as without ZeRO; the pieces' gradients are views of them.
 - stage=2: DDP's bucket reductions become reduce-scatters into the optimizer's gradient shards (still
-  overlapped with backward), and the full gradients are dropped: after a synchronizing backward
-  `param.grad` is None and only this rank's range of the averaged gradient remains. DDP's buckets are
+  overlapped with backward). Each gradient is copied into its bucket's reduce-scatter input as soon as
+  autograd has it, and its `param.grad` is dropped right then (as DeepSpeed's ZeRO-2 fills its reduction
+  bucket); the input lives until its reduce-scatter is done, and one bucket is reduced while the next fills.
+  After a synchronizing backward `param.grad` is None and only this rank's range of the averaged gradient
+  remains (measured: benchmarks/zero_memory.py). DDP's buckets are
   frozen as they are when the optimizer is built (no rebuild after the first step).
 
 bf16/fp16 parameters get fp32 master weights for the range (optimizer math in fp32; the parameters get the
