@@ -70,6 +70,10 @@ class ShardedReduction(Protocol):
         (None: every parameter did)."""
         ...
 
+    def backward_abandoned(self) -> None:
+        """The backward failed midway (its reductions are finished): forget what it staged."""
+        ...
+
 
 @dataclass(kw_only=True)
 class ReducerOptions:
@@ -279,6 +283,8 @@ class Reducer:
                 # That backward already failed and its error was reported then.
                 with contextlib.suppress(Exception):
                     bucket.reduction.wait()
+        if self._sharded is not None:
+            self._sharded.backward_abandoned()
         self._reset()
 
     def _prepare(self, index: int) -> None:

@@ -78,6 +78,11 @@ class _ReducerShards:
         self.in_flight = work
         return work
 
+    def backward_abandoned(self) -> None:
+        self.in_flight = None
+        for shard in self.shards.values():
+            shard.drop_staged()
+
     def backward_done(self, used: list[bool] | None) -> None:
         self.in_flight = None
         per_shard: dict[int, list[bool]] = {}

@@ -122,6 +122,10 @@ class Shard:
             start = piece.shard_offset
             tensor.grad = buffer[start : start + piece.hi - piece.lo] if self.has_grad[piece.index] else None
 
+    def drop_staged(self) -> None:
+        """Forget the gradients staged by a backward that failed before its buckets were reduced."""
+        self._staging = None
+
     def forget_grads(self) -> None:
         self._staging = None
         for tensor in self.tensors:
