@@ -127,7 +127,7 @@ class Shard:
         self._staging = None
 
     def forget_grads(self) -> None:
-        self._staging = None
+        self.drop_staged()
         for tensor in self.tensors:
             tensor.grad = None
         self.has_grad = [False] * len(self.has_grad)
