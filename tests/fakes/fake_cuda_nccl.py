@@ -13,6 +13,12 @@ A small simulation rather than a mock:
   (`run_fake_gpu_processes`): their NCCL cliques span them.
 Devices are CPU devices, and every thread has its own default stream: the general case of ranks that
 compute on their own streams (on a real GPU, threads share the device's default stream unless told not to).
+
+Stricter modes (issue 22): `FakeCuda(lazy=True)` runs a collective only when something waits on it and reports
+a buffer changed in between as a race (fake_device_queue.py; conftest's `fake_mode` fixture runs nccl-path
+modules in both modes); `FakeCuda(autograd_thread=True)` runs every backward on a device thread of its own
+without the rank's context (fake_autograd_thread.py). Its logs (`calls`, `copies`, `recorded`) hold tensors
+weakly (`TensorRecord`), so they never keep alive what threadpar let go of.
 """
 
 from __future__ import annotations
