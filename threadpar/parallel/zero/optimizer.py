@@ -68,9 +68,12 @@ class _ReducerShards:
         if not shard.staging and self.in_flight is not None:
             # A bucket's reduce-scatter input is let go of when the collective is done: at most one in flight
             # (and one filling) bounds backward's gradient memory at two buckets; the wait is short, as
-            # backward computed at least one more gradient since that bucket was launched.
+            # backward computed at least one more gradient since that bucket was launched. On a stream-ordered
+            # group (nccl) wait() would make backward's stream wait for the comm stream: not done there (the
+            # caching allocator frees each input once its comm stream is done with it, record_stream).
             work, self.in_flight = self.in_flight, None
-            work.wait()
+            if not shard.bucket.group.stream_ordered:
+                work.wait()
         shard.stage_grad(j)
 
     def reduce_bucket(self, index: int, scale: float, async_op: bool) -> Work | None:
