@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError
+from threadpar.runtime.compiling import rank_thread_contexts
 from threadpar.runtime.context import RankContext, leave
 from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
 from threadpar.runtime.launch_config import LaunchConfig
@@ -89,8 +90,12 @@ class _Launch:
         self.lock = threading.Lock()
         self.finished = 0
         self.all_done = threading.Event()
+        # Each rank runs in a copy of this thread's context, with dynamo's recompile limits raised (compiling).
+        contexts = rank_thread_contexts(n)
         self.threads = [
-            threading.Thread(target=self._rank_main, args=(i,), name=f"threadpar-rank-{r}", daemon=True)
+            threading.Thread(
+                target=contexts[i].run, args=(self._rank_main, i), name=f"threadpar-rank-{r}", daemon=True
+            )
             for i, r in enumerate(ranks)
         ]
 
