@@ -19,6 +19,9 @@ from threadpar.comm.reduce_op import check_reducible
 from threadpar.errors import ConfigError
 from threadpar.testing import run_ranks
 
+# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+pytestmark = pytest.mark.usefixtures("fake_mode")
+
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,

@@ -101,14 +101,16 @@ class NcclWork(Work):
         """Wait until the leader has launched the operation; raise what went wrong there."""
         if self._error is not None:
             raise self._error
-        if self._arrival is not None:
+        arrival = self._arrival  # (read once: another thread's wait may drop it)
+        if arrival is not None:
             try:
-                self._arrival.wait(timeout)
+                arrival.wait(timeout)
             except CollectiveTimeoutError as error:
                 self._spoil(error)  # not failed (a later wait may still succeed), but never pooled
                 raise
             except Exception as error:
                 raise self._fail(error) from None
+            self._arrival = None  # launched: the comm stream holds the tensors now (record_stream)
 
     def _check_async_error(self) -> None:
         if self._comm is None:
@@ -134,7 +136,8 @@ class NcclWork(Work):
     def is_completed(self) -> bool:
         if self._done.is_set():
             return True
-        if self._arrival is not None and not self._arrival.done():
+        arrival = self._arrival
+        if arrival is not None and not arrival.done():
             return False
         try:
             self._launched(0)
