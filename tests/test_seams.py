@@ -1,11 +1,13 @@
-"""The typed seams hold: the CUDA double and the real CudaApi, and every backend, match their Protocols; the comm
-package never imports the runtime, and no backend reaches into another backend's modules."""
+"""The typed seams hold: the CUDA double and the real CudaApi, and every backend, match their Protocols; every
+module imports only from its own layer of DESIGN.md's table or below, no backend reaches into another backend's
+modules, and the package has no import cycle (function-level imports included)."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 import pathlib
+import re
 
 import pytest
 from fakes.fake_cuda_nccl import FakeCuda
@@ -106,3 +108,152 @@ def test_no_backend_imports_another_backends_helpers():
                         assert names and set(names) <= permitted, (
                             f"comm/{backend}/{path.name} imports {names or module} from {module}"
                         )
+
+
+PACKAGE = pathlib.Path(threadpar.__file__).parent
+DESIGN = PACKAGE.parent / "DESIGN.md"
+
+# DESIGN.md's layer table, bottom to top: a module may import from its own layer and the layers below it.
+# Each entry is a path under threadpar/ (a module, or a package with a trailing slash); the longest match places a
+# module, and "" (the rest of the package) is the top layer.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors.py", "topology.py"),
+    ("comm/common/",),
+    ("comm/backend.py",),
+    ("comm/threads/", "comm/nccl/", "comm/hierarchical/"),
+    ("comm/",),
+    ("runtime/",),
+    ("parallel/",),
+    ("pipeline/",),
+    ("checkpoint.py",),
+    ("models/",),
+    ("",),  # demo/, testing.py, selftest.py, the package's __init__
+)
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = ["threadpar", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def threadpar_imports(name: str) -> set[str]:
+    """The threadpar modules `name` imports anywhere in its file (top level, in functions, under TYPE_CHECKING):
+    `from package import module` counts as the module, `from module import name` as the module."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def layer_of(name: str) -> int:
+    path = MODULES[name].relative_to(PACKAGE).as_posix()
+    best, length = len(LAYERS) - 1, -1
+    for index, entries in enumerate(LAYERS):
+        for entry in entries:
+            if (path == entry or (entry.endswith("/") and path.startswith(entry)) or entry == "") and len(
+                entry
+            ) > length:
+                best, length = index, len(entry)
+    return best
+
+
+def design_layer_paths() -> set[str]:
+    """The paths in the first column of DESIGN.md's layer table (a line's text before two spaces)."""
+    block = DESIGN.read_text().split("## Layers and the direction of dependencies", 1)[1].split("```")[1]
+    paths: set[str] = set()
+    for line in block.splitlines():
+        first = line.split("  ", 1)[0]
+        paths |= {word for word in first.split() if word.endswith((".py", "/"))}
+    return paths
+
+
+def test_the_layer_table_here_is_design_mds():
+    """Every path of DESIGN.md's layer table is placed here, and every path placed here is named there."""
+    here = {entry for entries in LAYERS for entry in entries if entry}
+    named = design_layer_paths()
+    assert here == named - {"demo/", "testing.py", "selftest.py"}, here ^ named
+
+
+def test_every_module_imports_only_from_its_layer_or_below():
+    """DESIGN.md's whole layer table, function-level imports included (e.g. comm never imports the runtime)."""
+    upward = [
+        f"{name} ({'/'.join(LAYERS[layer_of(name)]) or 'top'}) imports {target} "
+        f"({'/'.join(LAYERS[layer_of(target)]) or 'top'})"
+        for name in sorted(MODULES)
+        for target in sorted(threadpar_imports(name))
+        if layer_of(target) > layer_of(name)
+    ]
+    assert not upward, "imports against the layer table:\n" + "\n".join(upward)
+
+
+def import_cycles() -> list[list[str]]:
+    """The strongly connected components of more than one module in the import graph (Tarjan's algorithm)."""
+    graph = {name: threadpar_imports(name) for name in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return cycles
+
+
+def test_the_package_has_no_import_cycle():
+    """No two modules import each other, directly or around a loop, not even from inside a function (a lazy
+    import hides a cycle from the interpreter, not from the reader)."""
+    assert import_cycles() == []
+
+
+def test_the_cycle_finder_finds_a_cycle(monkeypatch):
+    """The check above can fail: a module that imports its importer is a cycle."""
+    real = threadpar_imports
+
+    def with_a_loop(name: str) -> set[str]:
+        extra = {"threadpar.comm.group"} if name == "threadpar.errors" else set()
+        return real(name) | extra
+
+    monkeypatch.setitem(globals(), "threadpar_imports", with_a_loop)
+    assert any("threadpar.errors" in cycle for cycle in import_cycles())

@@ -25,8 +25,8 @@ from threadpar.comm.functional import (
     send,
 )
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 
 __all__ = [
     "ProcessGroup",

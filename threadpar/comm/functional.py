@@ -13,8 +13,8 @@ import torch
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.rank_groups import current_groups
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.topology import Axis
 
 GroupLike = ProcessGroup | Axis | str | None

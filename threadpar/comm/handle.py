@@ -14,7 +14,7 @@ import torch
 
 from threadpar.comm.backend import Backend
 from threadpar.comm.common.worker import CommWorker
-from threadpar.comm.work import CompletedWork, Work
+from threadpar.comm.common.work import CompletedWork, Work
 from threadpar.errors import ConfigError
 
 SUPPORTED_DTYPES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from threadpar.comm.handle import GroupHandle, spec
-from threadpar.comm.work import CompletedWork, LazyWork, Work
+from threadpar.comm.common.work import CompletedWork, LazyWork, Work
 from threadpar.errors import ConfigError
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from threadpar.checkpoint import gather_model_state, gather_optimizer_state, load_model_state
 from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPTChunk, GPTConfig, GPTLoss, TensorParallel
 from threadpar.parallel import DistributedDataParallel, mark_grad_placements

@@ -28,7 +28,7 @@ import torch
 
 from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.runtime.context import get_device, in_rank
 

@@ -35,7 +35,7 @@ from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view, pieces, split_range
 from threadpar.comm.hierarchical import gloo_ops
 from threadpar.comm.hierarchical.copies import HierarchicalByteCollectives, concat_bytes
-from threadpar.comm.reduce_op import ReduceOp, accumulate_
+from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.errors import RankAborted
 
 # A lane gets at least this many bytes: below it, one more gloo call costs more than it saves.

@@ -47,7 +47,7 @@ from threadpar.comm.nccl.plan import (
 )
 from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.nccl.work import Described, NcclWork
-from threadpar.comm.reduce_op import ReduceOp, accumulate_
+from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.errors import ConfigError, NcclError
 
 # The NCCL rank torch.cuda.nccl.broadcast broadcasts from, whatever `root` it is given: torch 2.13's

@@ -55,7 +55,7 @@ from threadpar.comm.nccl.group import NcclGroup, _tensors
 from threadpar.comm.nccl.plan import NCCL_OPS, ReductionPlan
 from threadpar.comm.nccl.process_check import ProcessCheck
 from threadpar.comm.nccl.work import NcclWork
-from threadpar.comm.reduce_op import ReduceOp
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.errors import NcclError
 
 

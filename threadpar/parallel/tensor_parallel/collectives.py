@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.work import Work
+from threadpar.comm.common.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import resolve_group
 
