@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import inspect
 import pathlib
-import re
 
 import pytest
 from fakes.fake_cuda_nccl import FakeCuda

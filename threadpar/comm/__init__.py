@@ -1,6 +1,8 @@
 """Process groups and collectives (torch.distributed's API); the backends are the sub-packages `threads`, `nccl`
 and `hierarchical`, on the machinery they share in `common`."""
 
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.comm.functional import (
     all_gather,
     all_gather_into_tensor,
@@ -25,8 +27,6 @@ from threadpar.comm.functional import (
     send,
 )
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.common.reduce_op import ReduceOp
-from threadpar.comm.common.work import Work
 
 __all__ = [
     "ProcessGroup",

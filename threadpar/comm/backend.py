@@ -8,8 +8,8 @@ import torch
 
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.cuda_seam import CudaApi
-from threadpar.comm.common.rendezvous import Call
 from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.rendezvous import Call
 from threadpar.comm.common.work import Work
 
 

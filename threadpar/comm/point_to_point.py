@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from threadpar.comm.handle import GroupHandle, spec
 from threadpar.comm.common.work import CompletedWork, LazyWork, Work
+from threadpar.comm.handle import GroupHandle, spec
 from threadpar.errors import ConfigError
 
 

@@ -40,12 +40,9 @@ from torch.utils.checkpoint import checkpoint
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.models.config import MODEL_SIZES, GPTConfig, model_config
-from threadpar.parallel.context_parallel import (
-    RingAttention,
-    context_tensor_parallel_group,
-    load_balanced_indices,
-)
+from threadpar.parallel.context_parallel import RingAttention, load_balanced_indices
 from threadpar.parallel.expert_parallel import MoE, MoEConfig
+from threadpar.parallel.groups import routing_group as routing_group_of
 from threadpar.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -85,15 +82,6 @@ def _check_parallel(config: GPTConfig, tp: TensorParallel | None, parallel: bool
             "dropout > 0 is supported in the plain GPT only: nn.Dropout draws from the process-wide generator "
             "that all rank threads share; train the parallel GPT with dropout=0"
         )
-
-
-def _routing_group(tp: TensorParallel | None, cp: ProcessGroup | None) -> ProcessGroup | None:
-    """The ranks holding the other tokens of this rank's sequences (CP, and TP under sequence
-    parallelism), over which a MoE counts routing for its load-balancing loss; None: whole sequences here."""
-    sp = tp is not None and tp.sequence_parallel
-    if cp is None:
-        return tp.group if sp and tp is not None else None
-    return context_tensor_parallel_group() if sp else cp
 
 
 class Embedding(nn.Module):
@@ -247,7 +235,7 @@ class GPTChunk(nn.Module):
     if `last`. `recompute` re-runs each block's forward in backward instead of keeping its activations.
 
     tp: split each layer over a TP group. cp: the CP group each sequence is split over (see the module
-    docstring). ep: the EP group the MoE experts are sharded over (`expert_parallel_groups(ep)[0]`; None:
+    docstring). ep: the EP group the MoE experts are sharded over (`expert_groups()[0]`; None:
     the MoE default, which is the DP group inside a launch and all experts here outside one).
     """
 
@@ -274,7 +262,11 @@ class GPTChunk(nn.Module):
         self.tp = tp
         self.cp = cp
         self.embedding = Embedding(config, tp, cp) if first else None
-        routing_group = _routing_group(tp, cp) if config.moe_experts and layers else None
+        routing_group = (
+            routing_group_of(None if tp is None else tp.group, tp is not None and tp.sequence_parallel, cp)
+            if config.moe_experts and layers
+            else None
+        )
         self.blocks = nn.ModuleDict({str(i): Block(config, tp, cp, ep, routing_group) for i in layers})
         self.head = Head(config, tp) if last else None
         self.recompute = recompute

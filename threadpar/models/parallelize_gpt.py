@@ -22,13 +22,13 @@ from torch import nn
 
 from threadpar.checkpoint import gather_model_state, gather_optimizer_state, load_model_state
 from threadpar.comm import get_group
-from threadpar.comm.group import ProcessGroup
 from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPTChunk, GPTConfig, GPTLoss, TensorParallel
 from threadpar.parallel import DistributedDataParallel, mark_grad_placements
 from threadpar.parallel.context_parallel import padding_multiple, split_sequence
-from threadpar.parallel.expert_parallel import expert_parallel_groups
+from threadpar.parallel.groups import expert_groups
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
 from threadpar.pipeline import PipelineParallel, default_chunks_per_rank, get_stage_info, schedule_placement
@@ -117,7 +117,7 @@ def parallelize_gpt(
     schedule: str = "1f1b",
     num_microbatches: int = 1,
     sequence_parallel: bool = False,
-    ep: int = 1,
+    ep: int | None = None,
     recompute: bool = False,
     autocast_dtype: torch.dtype | None = None,
     loss_scaler: LossScaler | None = None,
@@ -125,8 +125,9 @@ def parallelize_gpt(
 ) -> HybridGPT:
     """Build this rank's part of the GPT (call on every rank of the launch, with the same arguments).
 
-    ep: the expert-parallel size of a MoE GPT (config.moe_experts > 0): the experts are sharded over
-    groups of ep consecutive DP ranks (ep divides dp); 1 keeps every expert on every rank.
+    ep: the expert-parallel size of a MoE GPT (config.moe_experts > 0): the experts are sharded over runs of
+    ep ranks of each DP x CP group (ep divides dp * cp; the launch's EP groups when it equals launch(ep=));
+    1 keeps every expert on every rank; None: the launch's ep.
     loss_scaler: fp16 loss scaling; each microbatch loss is multiplied by its current scale before
     backward (train_step returns the unscaled loss; step the optimizer with `loss_scaler.step`).
     The dense weights come from the caller, so that every layout starts from the same model.
@@ -136,12 +137,12 @@ def parallelize_gpt(
             "parallelize_gpt: dropout > 0 is not supported (nn.Dropout draws from the process-wide generator "
             "that all rank threads share); train with dropout=0"
         )
-    if ep != 1 and not config.moe_experts:
+    if ep is not None and ep != 1 and not config.moe_experts:
         raise ConfigError(f"parallelize_gpt: ep={ep} needs a MoE model; set GPTConfig.moe_experts (or ep=1)")
     layout, coords = get_layout(), get_coords()
     tp = TensorParallel(group=get_group("TP"), sequence_parallel=sequence_parallel) if layout.tp > 1 else None
     cp = get_group("CP") if layout.cp > 1 else None
-    ep_group = expert_parallel_groups(ep)[0] if config.moe_experts else None
+    ep_group = expert_groups(ep)[0] if config.moe_experts else None
     chunks_per_stage = default_chunks_per_rank(schedule)
     info = get_stage_info(
         config.n_layer, layout.pp, coords.pp, chunks_per_stage, schedule_placement(schedule)

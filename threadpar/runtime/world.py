@@ -18,7 +18,7 @@ from threadpar.comm.handle import GroupState
 from threadpar.comm.registry import GroupRegistry
 from threadpar.comm.select import select_backend
 from threadpar.errors import ConfigError
-from threadpar.topology import Axis, Layout
+from threadpar.topology import Dim, Layout
 
 
 class World:
@@ -78,8 +78,8 @@ class World:
     def world_group(self) -> GroupState:
         return self.groups.get_or_create(range(self.world_size), "WORLD")
 
-    def axis_group(self, axis: Axis | str, rank: int) -> GroupState:
-        axis = Axis.parse(axis)
+    def dim_group(self, dim: Dim, rank: int) -> GroupState:
+        """`rank`'s group on a mesh dim (an axis, axes together, EP or EDP), named as the layout names it."""
         return self.groups.get_or_create(
-            self.layout.group_ranks(axis, rank), self.layout.group_name(axis, rank)
+            self.layout.group_ranks(dim, rank), self.layout.group_name(dim, rank)
         )

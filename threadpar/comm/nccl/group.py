@@ -33,6 +33,7 @@ import torch
 
 from threadpar.comm.backend import BackendSite
 from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.nccl.copies import NcclCopyCollectives
@@ -47,7 +48,6 @@ from threadpar.comm.nccl.plan import (
 )
 from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.nccl.work import Described, NcclWork
-from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.errors import ConfigError, NcclError
 
 # The NCCL rank torch.cuda.nccl.broadcast broadcasts from, whatever `root` it is given: torch 2.13's

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from threadpar.comm.backend import BackendSite
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.common.rendezvous import Call, Slot
 from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
 from threadpar.comm.nccl.bootstrap import join_nccl_group
@@ -55,7 +56,6 @@ from threadpar.comm.nccl.group import NcclGroup, _tensors
 from threadpar.comm.nccl.plan import NCCL_OPS, ReductionPlan
 from threadpar.comm.nccl.process_check import ProcessCheck
 from threadpar.comm.nccl.work import NcclWork
-from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.errors import NcclError
 
 

@@ -20,8 +20,8 @@ import torch
 
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.rendezvous import Arrival
-from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.common.work import Work
+from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.errors import CollectiveTimeoutError, NcclError
 
 # First sleep between two polls of the done event (InfiniTrain sleeps 50 us); it doubles up to the cap so

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.group import ProcessGroup
 from threadpar.comm.common.work import Work
+from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import resolve_group
 from threadpar.parallel.zero.clip import clip_shard_grad_norm_
