@@ -56,7 +56,9 @@ CanonicalDim = tuple[Axis, ...] | str
 
 def parse_dim(dim: Dim) -> CanonicalDim:
     """`dim` in its canonical form; a ConfigError that lists the choices for anything else."""
-    if isinstance(dim, str) and not isinstance(dim, Axis):
+    if isinstance(dim, Axis):
+        return (dim,)
+    if isinstance(dim, str):
         name = dim.upper()
         if name in EXPERT_DIMS:
             return name
@@ -70,8 +72,6 @@ def parse_dim(dim: Dim) -> CanonicalDim:
                 f"unknown mesh dim {dim!r}; use an axis (DP, CP, TP, PP), axes together (('DP', 'CP') or "
                 "'DPCP'), or an expert dim (EP, EDP)"
             )
-    if isinstance(dim, Axis):
-        return (dim,)
     if isinstance(dim, (tuple, list)) and dim:
         axes = tuple(Axis.parse(a) for a in dim)
         if len(set(axes)) != len(axes):

@@ -96,12 +96,18 @@ class ParamRecord:
         return next(k for k, members in enumerate(reducer.bucket_indices()) if index in members)
 
 
-def param_table() -> ParamTable[ParamRecord]:
+@dataclass(frozen=True)
+class SequenceParallelMark:
+    """The parameter is replicated on the TP ranks but applied to sequence shards: its gradient is summed
+    over TP (threadpar.parallel.tensor_parallel.sequence)."""
+
+
+def param_table() -> ParamTable[ParamRecord | SequenceParallelMark]:
     """This rank's table of parameter records (its RankContext's)."""
     return current().params
 
 
-def records_of(params: Sequence[torch.Tensor]) -> list[list[ParamRecord]]:
+def records_of(params: Sequence[torch.Tensor]) -> list[list[ParamRecord | SequenceParallelMark]]:
     """Each parameter's records in this rank's table, oldest first; none outside a launch."""
     if not in_rank():
         return [[] for _ in params]
@@ -110,4 +116,12 @@ def records_of(params: Sequence[torch.Tensor]) -> list[list[ParamRecord]]:
 
 def owner_records(params: Iterable[torch.Tensor]) -> list[list[ParamRecord]]:
     """Each parameter's DDP records (those with a group), oldest first."""
-    return [[r for r in found if r.group is not None] for found in records_of(list(params))]
+    return [
+        [r for r in found if isinstance(r, ParamRecord) and r.group is not None]
+        for found in records_of(list(params))
+    ]
+
+
+def placement_records(params: Sequence[torch.Tensor]) -> list[list[ParamRecord]]:
+    """Each parameter's records that say where its gradient sits (DDP's and mark_grad_placements'), oldest first."""
+    return [[r for r in found if isinstance(r, ParamRecord)] for found in records_of(params)]

@@ -31,7 +31,7 @@ from torch import nn
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import data_parallel_group, tensor_parallel_group
-from threadpar.parallel.records import GradPlacement, ParamRecord, param_table, records_of
+from threadpar.parallel.records import GradPlacement, ParamRecord, param_table, placement_records
 from threadpar.runtime.context import get_layout, in_rank
 
 # (module, own parameter name, its placement or None when it cannot be told)
@@ -158,7 +158,7 @@ def grad_placements(params: Sequence[torch.Tensor]) -> list[GradPlacement]:
     pieces only when the layout replicates nothing."""
     replicates = _layout_replicates()
     placements = []
-    for index, (param, records) in enumerate(zip(params, records_of(params))):
+    for index, (param, records) in enumerate(zip(params, placement_records(params))):
         placement = records[-1].placement if records else None
         if placement is None:
             if replicates is not None:
