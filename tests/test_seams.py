@@ -13,9 +13,9 @@ from fakes.fake_cuda_nccl import FakeCuda
 
 import threadpar.comm
 from threadpar.comm.backend import Backend
-from threadpar.comm.common.cuda_seam import CudaApi
+from threadpar.comm.common.cuda_seam import CudaApi, NcclRuntime
 from threadpar.comm.hierarchical.group import HierarchicalGroup
-from threadpar.comm.nccl.cuda_api import TorchCuda, torch_cuda
+from threadpar.comm.nccl.cuda_api import TorchCuda, TorchNcclRuntime, torch_cuda, torch_nccl
 from threadpar.comm.nccl.group import NcclGroup
 from threadpar.comm.nccl.spanning import NcclSpanningGroup
 from threadpar.comm.threads.group import ThreadsGroup
@@ -39,26 +39,42 @@ def parameters(function) -> list[tuple[str, object, object]]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
 
-@pytest.mark.parametrize("implementation", [TorchCuda, FakeCuda], ids=lambda c: c.__name__)
-def test_cuda_api_implementations_have_every_protocol_method_with_its_parameters(implementation):
-    methods = protocol_methods(CudaApi)
-    assert methods, "the CudaApi Protocol lists no methods"
+@pytest.mark.parametrize(
+    ("protocol", "implementation"),
+    [(CudaApi, TorchCuda), (CudaApi, FakeCuda), (NcclRuntime, TorchNcclRuntime), (NcclRuntime, FakeCuda)],
+    ids=lambda c: c.__name__,
+)
+def test_cuda_seam_implementations_have_every_protocol_method_with_its_parameters(protocol, implementation):
+    methods = protocol_methods(protocol)
+    assert methods, f"the {protocol.__name__} Protocol lists no methods"
     for name in methods:
-        assert hasattr(implementation, name), f"{implementation.__name__} lacks CudaApi.{name}"
-        assert parameters(getattr(implementation, name)) == parameters(getattr(CudaApi, name)), (
+        assert hasattr(implementation, name), f"{implementation.__name__} lacks {protocol.__name__}.{name}"
+        assert parameters(getattr(implementation, name)) == parameters(getattr(protocol, name)), (
             f"{implementation.__name__}.{name}{inspect.signature(getattr(implementation, name))} differs from "
-            f"CudaApi.{name}{inspect.signature(getattr(CudaApi, name))}"
+            f"{protocol.__name__}.{name}{inspect.signature(getattr(protocol, name))}"
         )
 
 
-def test_the_double_and_the_real_cuda_api_are_cuda_apis_with_the_same_attributes():
-    real, double = torch_cuda(), FakeCuda()
-    for api in (real, double):
-        assert isinstance(api, CudaApi)
-        for attribute in protocol_attributes(CudaApi):
-            assert hasattr(api, attribute), f"{type(api).__name__} lacks CudaApi.{attribute}"
-    for name in protocol_methods(CudaApi):
-        assert parameters(getattr(real, name)) == parameters(getattr(double, name)), name
+def test_the_double_and_the_real_seams_have_the_same_attributes_and_signatures():
+    double = FakeCuda()
+    for protocol, real in ((CudaApi, torch_cuda()), (NcclRuntime, torch_nccl())):
+        for api in (real, double):
+            assert isinstance(api, protocol)
+            for attribute in protocol_attributes(protocol):
+                assert hasattr(api, attribute), f"{type(api).__name__} lacks {protocol.__name__}.{attribute}"
+        for name in protocol_methods(protocol):
+            assert parameters(getattr(real, name)) == parameters(getattr(double, name)), name
+
+
+def test_cuda_primitives_and_the_nccl_runtime_are_separate_seams():
+    """The real CUDA primitives carry no NCCL state (the threads backend's stream order needs only them), and
+    the two Protocols share no member."""
+    assert not isinstance(torch_cuda(), NcclRuntime)
+    assert torch_nccl().cuda is torch_cuda()
+    shared = set(protocol_methods(CudaApi) + protocol_attributes(CudaApi)) & set(
+        protocol_methods(NcclRuntime) + protocol_attributes(NcclRuntime)
+    )
+    assert not shared
 
 
 @pytest.mark.parametrize(

@@ -138,7 +138,10 @@ class FakeCopy:
 
 
 class FakeCuda:
-    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (pass it as World(cuda=...))."""
+    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (the CudaApi) and TorchNcclRuntime (the NcclRuntime)
+    at once (pass it as World(cuda=...)): its fake NCCL enqueues on its fake streams, as the real library
+    does on CUDA's, so one object models the GPUs and the library of one process. Each Protocol's members
+    are in their own section below; `cuda` is the runtime's view of the primitives (itself)."""
 
     def __init__(self, nccl_version: tuple[int, ...] = (2, 27, 3), fabric: FakeFabric | None = None) -> None:
         self.lock = threading.RLock()  # guards the fake's own records
@@ -161,9 +164,6 @@ class FakeCuda:
         self._ids = itertools.count()
 
     # the CudaApi ------------------------------------------------------------------------------------------------
-    def nccl_available(self) -> bool:
-        return True
-
     def pool_stream(self, device: torch.device, priority: int) -> FakeStream:
         """torch.cuda.Stream(device, priority): c10/cuda/CUDAStream.cpp, getStreamFromPool, hands out one of
         kStreamsPerPool = 32 streams per device and priority level, round-robin (get_idx: counter++ % 32), made
@@ -252,6 +252,14 @@ class FakeCuda:
 
     def synchronize(self, device: torch.device) -> None:
         pass  # results are computed when enqueued
+
+    # the NcclRuntime (nccl, launch_lock, cliques, inits, streams are set in __init__) ---------------------------
+    @property
+    def cuda(self) -> FakeCuda:
+        return self
+
+    def nccl_available(self) -> bool:
+        return True
 
     def async_error(self, comm: FakeComm) -> str | None:
         return self.async_error_message

@@ -108,7 +108,6 @@ class NcclSpanningGroup(NcclGroup):
             return False
 
         self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=meet, final=True)
-        cuda = self._cuda
         try:
             with self._initialising(member):
                 comm = join_nccl_group(
@@ -117,7 +116,7 @@ class NcclSpanningGroup(NcclGroup):
                     member,
                     self.size,
                     self._timeout,
-                    nccl=cuda.nccl,
+                    nccl=self._runtime.nccl,
                 )
         except RuntimeError as error:
             raise NcclError(
