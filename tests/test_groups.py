@@ -1,4 +1,4 @@
-"""One answer to "which group?": the layout's combined and expert dims in a launch, the group module's
+"""One answer to "which group?": the layout's combined and expert axes in a launch, the group module's
 arithmetic (no collective), and the per-rank parameter records that replace hidden attributes."""
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def test_get_group_takes_combined_and_expert_dims_named_by_the_layout():
     def body():
         layout, rank = threadpar.get_layout(), threadpar.get_rank()
         found = {}
-        for dim in [("DP", "CP"), "DPCP", ("CP", "TP"), "EP", "EDP"]:
-            group = threadpar.get_group(dim)
-            assert list(group.ranks) == layout.group_ranks(dim, rank), dim
-            found[dim if isinstance(dim, str) else "".join(dim)] = group.name
+        for axes in [("DP", "CP"), "DPCP", ("CP", "TP"), "EP", "EDP"]:
+            group = threadpar.get_group(axes)
+            assert list(group.ranks) == layout.group_ranks(axes, rank), axes
+            found[axes if isinstance(axes, str) else "".join(axes)] = group.name
         return found
 
     results = run_ranks(body, 8, cp=2, tp=2, ep=2)

@@ -97,15 +97,15 @@ def test_overview_lists_every_rank_with_its_groups():
 
 
 def test_combined_and_expert_dims_partition_the_world_into_their_groups():
-    """Every dim (axes together, EP, EDP) partitions the ranks; a combined dim's members differ only on its
+    """Every axes (axes together, EP, EDP) partitions the ranks; a combined axes's members differ only on its
     axes; EP runs are consecutive in the DP x CP group and EDP takes the same place of every run."""
     for dp, cp, tp, pp in itertools.product([1, 2, 4], [1, 2], [1, 2], [1, 2]):
         for ep in (e for e in (1, 2, 4) if (dp * cp) % e == 0):
             layout = Layout.build(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, order="TP-DP-CP-PP")
-            for dim in [("DP", "CP"), ("CP", "TP"), ("PP", "TP", "DP"), "EP", "EDP"]:
-                groups = layout.groups(dim)
-                assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), dim
-                assert all(len(g) == layout.dim_size(dim) for g in groups), dim
+            for axes in [("DP", "CP"), ("CP", "TP"), ("PP", "TP", "DP"), "EP", "EDP"]:
+                groups = layout.groups(axes)
+                assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), axes
+                assert all(len(g) == layout.group_size(axes) for g in groups), axes
             for r in range(layout.world_size):
                 plane = layout.group_ranks(("DP", "CP"), r)
                 others = [Axis.TP, Axis.PP]
@@ -130,7 +130,7 @@ def test_dims_are_named_as_the_issue_names_them_and_overview_prints_them():
 def test_bad_dims_and_ep_sizes_are_config_errors_that_say_what_to_pass():
     with pytest.raises(ConfigError, match="must be a positive int that divides dp\\*cp = 2\\*1 = 2"):
         Layout.build(4, tp=2, ep=4)
-    with pytest.raises(ConfigError, match="unknown mesh dim 'XP'; use an axis"):
+    with pytest.raises(ConfigError, match="unknown axes 'XP'; use an axis"):
         Layout.build(4).group_ranks("XP", 0)
-    with pytest.raises(ConfigError, match="names an axis twice"):
+    with pytest.raises(ConfigError, match="name an axis twice"):
         Layout.build(4).group_ranks(("DP", "DP"), 0)

@@ -5,7 +5,7 @@ PP, DP, CP, TP: TP is innermost so a TP group is made of adjacent ranks (adjacen
 links), PP is outermost. Groups of an axis are the lines of the grid along that axis; each group gets an
 id and a name like InfiniTrain's ("DP0", "TP1", "PP2").
 
-A group may also span several axes (a "dim" of the mesh in torch's words, here `Dim`): ("DP", "CP") is the
+A group may also span several axes (`Axes`: torch's DeviceMesh would flatten them into one axes): ("DP", "CP") is the
 plane of ranks that share their TP and PP coordinates (named "DPCP0", ...), over which gradients are
 averaged under context parallelism. The expert axes are borrowed from that plane, as torchtitan's
 ParallelDims borrows ep from dp_shard x cp: with `ep` dividing dp * cp, each DP x CP group splits into
@@ -45,55 +45,56 @@ class Axis(str, enum.Enum):
 
 DEFAULT_ORDER = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
 
-EXPERT_DIMS = ("EP", "EDP")  # expert parallel, expert data parallel: borrowed from DP x CP
-DATA_AXES = (Axis.DP, Axis.CP)  # the plane the expert dims split
+EXPERT_AXES = ("EP", "EDP")  # expert parallel, expert data parallel: borrowed from DP x CP
+DATA_AXES = (Axis.DP, Axis.CP)  # the plane the expert axes split
 
-# A dim of the mesh: an axis, several axes together (("DP", "CP") or "DPCP"), or an expert dim ("EP", "EDP").
-Dim = Axis | str | tuple[Axis | str, ...]
-# Its canonical form: the axes in Axis order (one or more), or the expert dim's name.
-CanonicalDim = tuple[Axis, ...] | str
+# The axes of a group: one axis, several together (("DP", "CP") or "DPCP"), or an expert axis ("EP", "EDP").
+Axes = Axis | str | tuple[Axis | str, ...]
+# Their canonical form: the axes in Axis order (one or more), or the expert axis's name.
+CanonicalAxes = tuple[Axis, ...] | str
 
 
-def parse_dim(dim: Dim) -> CanonicalDim:
-    """`dim` in its canonical form; a ConfigError that lists the choices for anything else."""
-    if isinstance(dim, Axis):
-        return (dim,)
-    if isinstance(dim, str):
-        name = dim.upper()
-        if name in EXPERT_DIMS:
+def parse_axes(given: Axes) -> CanonicalAxes:
+    """`given` in its canonical form; a ConfigError that lists the choices for anything else."""
+    if isinstance(given, Axis):
+        return (given,)
+    named: Axes = given
+    if isinstance(given, str):
+        name = given.upper()
+        if name in EXPERT_AXES:
             return name
         if name in Axis.__members__:
             return (Axis(name),)
-        # A combined dim's name: two letters per axis ("DPCP", "CPTP").
+        # Axes together by name: two letters per axis ("DPCP", "CPTP").
         if len(name) % 2 == 0 and all(name[i : i + 2] in Axis.__members__ for i in range(0, len(name), 2)):
-            dim = tuple(name[i : i + 2] for i in range(0, len(name), 2))
+            named = tuple(name[i : i + 2] for i in range(0, len(name), 2))
         else:
             raise ConfigError(
-                f"unknown mesh dim {dim!r}; use an axis (DP, CP, TP, PP), axes together (('DP', 'CP') or "
-                "'DPCP'), or an expert dim (EP, EDP)"
+                f"unknown axes {given!r}; use an axis (DP, CP, TP, PP), axes together (('DP', 'CP') or "
+                "'DPCP'), or an expert axis (EP, EDP)"
             )
-    if isinstance(dim, (tuple, list)) and dim:
-        axes = tuple(Axis.parse(a) for a in dim)
+    if isinstance(named, (tuple, list)) and named:
+        axes = tuple(Axis.parse(a) for a in named)
         if len(set(axes)) != len(axes):
-            raise ConfigError(f"mesh dim {dim!r} names an axis twice")
+            raise ConfigError(f"axes {given!r} name an axis twice; name each once")
         return tuple(a for a in Axis if a in axes)
-    raise ConfigError(f"a mesh dim is an axis, a tuple of axes or an expert dim (EP, EDP); got {dim!r}")
+    raise ConfigError(f"axes are an axis, a tuple of axes or an expert axis (EP, EDP); got {given!r}")
 
 
-def is_dim(value: object) -> bool:
-    """Whether `value` names a mesh dim (else, as a string, it may name one group: "TP1", "DPCP0")."""
+def names_axes(value: object) -> bool:
+    """Whether `value` names axes (else, as a string, it may name one group: "TP1", "DPCP0")."""
     if not isinstance(value, (str, tuple, list)):
         return False
     try:
-        parse_dim(value)  # type: ignore[arg-type]
+        parse_axes(value)  # type: ignore[arg-type]
     except ConfigError:
         return False
     return True
 
 
-def dim_label(dim: CanonicalDim) -> str:
-    """The dim's name: "DP", "DPCP", "EP"; its groups are named this plus their id."""
-    return dim if isinstance(dim, str) else "".join(a.value for a in dim)
+def axes_label(axes: CanonicalAxes) -> str:
+    """The axes' name: "DP", "DPCP", "EP"; its groups are named this plus their id."""
+    return axes if isinstance(axes, str) else "".join(a.value for a in axes)
 
 
 @dataclass(frozen=True)
@@ -248,10 +249,10 @@ class Layout:
             )
 
     # groups ---------------------------------------------------------------------------------------------------
-    def group_ranks(self, dim: Dim, rank: int) -> list[int]:
-        """The global ranks of `rank`'s group on `dim`: for axes, those that share every coordinate with `rank`
-        except the ones on `dim` (ascending: row-major in `order`); for EP/EDP, see the module docstring."""
-        parsed = parse_dim(dim)
+    def group_ranks(self, axes: Axes, rank: int) -> list[int]:
+        """The global ranks of `rank`'s group on `axes`: for axes, those that share every coordinate with `rank`
+        except the ones on `axes` (ascending: row-major in `order`); for EP/EDP, see the module docstring."""
+        parsed = parse_axes(axes)
         if isinstance(parsed, str):
             plane, ep = self._plane(rank), self.ep
             place = plane.index(rank)
@@ -265,9 +266,9 @@ class Layout:
     def _plane(self, rank: int) -> list[int]:
         return self.group_ranks(DATA_AXES, rank)
 
-    def dim_size(self, dim: Dim) -> int:
-        """How many ranks each group of `dim` has."""
-        parsed = parse_dim(dim)
+    def group_size(self, axes: Axes) -> int:
+        """How many ranks each group of `axes` has."""
+        parsed = parse_axes(axes)
         if isinstance(parsed, str):
             return self.ep if parsed == "EP" else self.dp * self.cp // self.ep
         size = 1
@@ -275,13 +276,13 @@ class Layout:
             size *= self.size(axis)
         return size
 
-    def num_groups(self, dim: Dim) -> int:
-        return self.world_size // self.dim_size(dim)
+    def num_groups(self, axes: Axes) -> int:
+        return self.world_size // self.group_size(axes)
 
-    def group_id(self, dim: Dim, rank: int) -> int:
-        """Index of `rank`'s group among the groups of `dim`: the other coordinates, row-major in `order`;
+    def group_id(self, axes: Axes, rank: int) -> int:
+        """Index of `rank`'s group among the groups of `axes`: the other coordinates, row-major in `order`;
         for EP/EDP, the DP x CP group's id, then the run (EP) or the place in the runs (EDP)."""
-        parsed = parse_dim(dim)
+        parsed = parse_axes(axes)
         if isinstance(parsed, str):
             place = self._plane(rank).index(rank)
             runs = self.dp * self.cp // self.ep
@@ -295,27 +296,27 @@ class Layout:
                 gid = gid * self.size(other) + c[other]
         return gid
 
-    def group_name(self, dim: Dim, rank: int) -> str:
-        """ "DP0", "TP1", "DPCP0", "EP1", "EDP0": the dim's name and the group's id."""
-        return f"{dim_label(parse_dim(dim))}{self.group_id(dim, rank)}"
+    def group_name(self, axes: Axes, rank: int) -> str:
+        """ "DP0", "TP1", "DPCP0", "EP1", "EDP0": the axes' name and the group's id."""
+        return f"{axes_label(parse_axes(axes))}{self.group_id(axes, rank)}"
 
-    def groups(self, dim: Dim) -> list[list[int]]:
-        """All groups of `dim`, indexed by group id."""
+    def groups(self, axes: Axes) -> list[list[int]]:
+        """All groups of `axes`, indexed by group id."""
         found: dict[int, list[int]] = {}
         for r in range(self.world_size):
-            found.setdefault(self.group_id(dim, r), self.group_ranks(dim, r))
+            found.setdefault(self.group_id(axes, r), self.group_ranks(axes, r))
         return [found[i] for i in range(len(found))]
 
-    def shown_dims(self) -> list[CanonicalDim]:
-        """The dims `overview` prints: every axis (CP when cp > 1), DP x CP when cp > 1, EP/EDP when ep > 1."""
-        dims: list[CanonicalDim] = [
+    def shown_axes(self) -> list[CanonicalAxes]:
+        """The axes `overview` prints: every axis (CP when cp > 1), DP x CP when cp > 1, EP/EDP when ep > 1."""
+        shown: list[CanonicalAxes] = [
             (a,) for a in (Axis.DP, Axis.CP, Axis.TP, Axis.PP) if a is not Axis.CP or self.cp > 1
         ]
         if self.cp > 1:
-            dims.append(DATA_AXES)
+            shown.append(DATA_AXES)
         if self.ep > 1:
-            dims += list(EXPERT_DIMS)
-        return dims
+            shown += list(EXPERT_AXES)
+        return shown
 
     # human-readable ---------------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -330,11 +331,11 @@ class Layout:
     def overview(self) -> str:
         """A table of every rank's coordinates and groups, as InfiniTrain's ProcessGroupOverview prints."""
         axes = [a for a in (Axis.DP, Axis.CP, Axis.TP, Axis.PP) if a is not Axis.CP or self.cp > 1]
-        dims = self.shown_dims()
-        rows = [["rank", *(a.value.lower() for a in axes), *(f"{dim_label(d)} group" for d in dims)]]
+        shown = self.shown_axes()
+        rows = [["rank", *(a.value.lower() for a in axes), *(f"{axes_label(d)} group" for d in shown)]]
         for r in range(self.world_size):
             c = self.coords_of(r)
-            groups = [f"{self.group_name(d, r)} {self.group_ranks(d, r)}".replace(" ", "") for d in dims]
+            groups = [f"{self.group_name(d, r)} {self.group_ranks(d, r)}".replace(" ", "") for d in shown]
             rows.append([str(r), *(str(c[a]) for a in axes), *groups])
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

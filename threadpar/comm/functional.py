@@ -1,7 +1,7 @@
 """Module-level collectives with torch.distributed's names, argument orders and in-place semantics.
 
-`group=None` is the world; a group may also be given as a mesh dim (an axis "TP" or Axis.TP, axes together
-("DP", "CP"), an expert dim "EP"/"EDP"), a group name ("TP1", "DPCP0"),
+`group=None` is the world; a group may also be given as axes (an axis "TP" or Axis.TP, axes together
+("DP", "CP"), an expert axis "EP"/"EDP"), a group name ("TP1", "DPCP0"),
 or a ProcessGroup handle. `src`/`dst` are global ranks. Inside autograd Functions and hooks, call the
 methods of a captured ProcessGroup instead: these functions look up the calling thread's rank.
 """
@@ -16,9 +16,9 @@ from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.rank_groups import current_groups
-from threadpar.topology import Dim
+from threadpar.topology import Axes
 
-GroupLike = ProcessGroup | Dim | None
+GroupLike = ProcessGroup | Axes | None
 
 
 def _group(group: GroupLike) -> ProcessGroup:
@@ -39,8 +39,8 @@ def new_group(ranks: Sequence[int] | None = None, name: str | None = None) -> Pr
 
 
 def get_group(group: GroupLike = None) -> ProcessGroup:
-    """This rank's group: the world when None, its group on a mesh dim (an axis "DP", "TP", "PP", "CP",
-    Axis.TP; axes together ("DP", "CP"); the expert dims "EP", "EDP"), the group of that name ("TP1"), or the
+    """This rank's group: the world when None, its group on axes (an axis "DP", "TP", "PP", "CP",
+    Axis.TP; axes together ("DP", "CP"); the expert axes "EP", "EDP"), the group of that name ("TP1"), or the
     ProcessGroup given."""
     return _group(group)
 

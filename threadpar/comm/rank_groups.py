@@ -15,7 +15,7 @@ from threadpar.comm.common.worker import CommWorker
 from threadpar.comm.group import GroupState, ProcessGroup
 from threadpar.comm.registry import GroupRegistry
 from threadpar.errors import NotInRankError
-from threadpar.topology import Axis, Dim, is_dim
+from threadpar.topology import Axes, Axis, names_axes
 
 _local = threading.local()
 
@@ -34,7 +34,7 @@ class GroupSource(Protocol):
 
     def world_group(self) -> GroupState: ...
 
-    def dim_group(self, dim: Dim, rank: int) -> GroupState: ...
+    def axes_group(self, axes: Axes, rank: int) -> GroupState: ...
 
 
 class RankGroups:
@@ -55,8 +55,8 @@ class RankGroups:
             )
         return handle
 
-    def group(self, which: Dim | ProcessGroup | None = None) -> ProcessGroup:
-        """None: the world; a mesh dim (an axis "TP" or Axis.TP, axes together ("DP", "CP"), an expert dim "EP"
+    def group(self, which: Axes | ProcessGroup | None = None) -> ProcessGroup:
+        """None: the world; axes (an axis "TP" or Axis.TP, axes together ("DP", "CP"), an expert axis "EP"
         or "EDP"): this rank's group on it; a name ("TP1", "DPCP0"): that group."""
         if which is None:
             if self._world_handle is None:
@@ -64,12 +64,12 @@ class RankGroups:
             return self._world_handle
         if isinstance(which, ProcessGroup):
             return which
-        if isinstance(which, Axis) or is_dim(which):
-            return self.handle(self.source.dim_group(which, self.rank))
+        if isinstance(which, Axis) or names_axes(which):
+            return self.handle(self.source.axes_group(which, self.rank))
         if isinstance(which, str):
             return self.handle(self.source.groups.get(which))
         raise TypeError(
-            f"group must be None, a mesh dim (an axis, a tuple of axes, EP or EDP), a group name, or a "
+            f"group must be None, axes (an axis, a tuple of axes, EP or EDP), a group name, or a "
             f"ProcessGroup; got {which!r}"
         )
 

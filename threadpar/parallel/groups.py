@@ -3,7 +3,7 @@
 Every group here is a group of the launch's layout (threadpar.topology: an axis, axes together, the expert
 dims EP/EDP borrowed from DP x CP) or is computed from given groups by rank arithmetic; none is discovered
 by a collective, so a wrapper may be built on any subset of ranks in any order. `group=None` means this
-rank's group on the wrapper's own dim (TP for the tensor-parallel layers, CP for ring attention, PP for the
+rank's group on the wrapper's own axis (TP for the tensor-parallel layers, CP for ring attention, PP for the
 pipeline, DP, or DP x CP under context parallelism, for DDP). Resolve groups when a layer or autograd
 Function is built, on the rank thread, never inside backward (DESIGN.md rule 2).
 """
@@ -19,33 +19,33 @@ from threadpar.comm.functional import get_group, new_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.runtime.context import get_layout
-from threadpar.topology import DATA_AXES, Axis, Dim, Layout, dim_label, parse_dim
+from threadpar.topology import DATA_AXES, Axes, Axis, Layout, axes_label, parse_axes
 
-GroupArg = ProcessGroup | Dim | None
+GroupArg = ProcessGroup | Axes | None
 
 
-def resolve_group(group: GroupArg, dim: Dim, who: str = "") -> ProcessGroup:
-    """`group` as a handle: None means this rank's group on `dim`; a dim or group name is looked up.
+def resolve_group(group: GroupArg, axes: Axes, who: str = "") -> ProcessGroup:
+    """`group` as a handle: None means this rank's group on `axes`; a axes or group name is looked up.
     `who` (e.g. "PipelineParallel") starts the error message of a group this rank is not in."""
     if isinstance(group, ProcessGroup):
         handle = group
     elif group is None or isinstance(group, (str, tuple)):
-        handle = get_group(dim if group is None else group)
+        handle = get_group(axes if group is None else group)
     else:
         raise TypeError(
-            f"group must be None (this rank's {_label(dim)} group), a mesh dim or group name, or a "
+            f"group must be None (this rank's {_label(axes)} group), axes or group name, or a "
             f"ProcessGroup; got {group!r}"
         )
     if not handle.is_member():
         raise ConfigError(
             f"{who + ': ' if who else ''}rank {handle.global_rank} is not a member of group '{handle.name}' "
-            f"{list(handle.ranks)}; pass a group this rank belongs to (None means its own {_label(dim)} group)"
+            f"{list(handle.ranks)}; pass a group this rank belongs to (None means its own {_label(axes)} group)"
         )
     return handle
 
 
-def _label(dim: Dim) -> str:
-    return dim_label(parse_dim(dim))
+def _label(axes: Axes) -> str:
+    return axes_label(parse_axes(axes))
 
 
 def data_parallel_group() -> ProcessGroup:

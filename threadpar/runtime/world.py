@@ -18,7 +18,7 @@ from threadpar.comm.handle import GroupState
 from threadpar.comm.registry import GroupRegistry
 from threadpar.comm.select import select_backend
 from threadpar.errors import ConfigError
-from threadpar.topology import Dim, Layout
+from threadpar.topology import Axes, Layout
 
 
 class World:
@@ -91,8 +91,8 @@ class World:
     def world_group(self) -> GroupState:
         return self.groups.get_or_create(range(self.world_size), "WORLD")
 
-    def dim_group(self, dim: Dim, rank: int) -> GroupState:
-        """`rank`'s group on a mesh dim (an axis, axes together, EP or EDP), named as the layout names it."""
+    def axes_group(self, axes: Axes, rank: int) -> GroupState:
+        """`rank`'s group on axes (an axis, axes together, EP or EDP), named as the layout names it."""
         return self.groups.get_or_create(
-            self.layout.group_ranks(dim, rank), self.layout.group_name(dim, rank)
+            self.layout.group_ranks(axes, rank), self.layout.group_name(axes, rank)
         )
