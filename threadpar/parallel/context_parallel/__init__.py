@@ -3,7 +3,7 @@ ring attention over it, and the padding and gradient helpers around them."""
 
 from threadpar.parallel.context_parallel.gradients import allreduce_context_parallel_grads
 from threadpar.parallel.context_parallel.ring_attention import RingAttention, ring_attention
-from threadpar.parallel.context_parallel.sequence import (
+from threadpar.parallel.context_parallel.sequence_shards import (
     gather_sequence,
     get_padding,
     load_balanced_chunks,

@@ -18,7 +18,7 @@ from threadpar.errors import ConfigError
 from threadpar.parallel.ddp.bucketing import MIB, TensorSpec, assign_buckets
 from threadpar.parallel.ddp.reducer import Reducer
 from threadpar.parallel.records import ParamRecord, owner_records
-from threadpar.parallel.zero.layout import ShardBucket
+from threadpar.parallel.zero.shard_bucket import ShardBucket
 
 LEFTOVER_BUCKET_BYTES = 25 * MIB  # DDP's default bucket_cap_mb
 
@@ -56,7 +56,7 @@ def _owner(
     return first, owners[0].reducer
 
 
-def plan_buckets(
+def build_shard_buckets(
     params: Sequence[torch.nn.Parameter],
     names: Sequence[str],
     process_group: ProcessGroup | None,
