@@ -91,6 +91,18 @@ def test_ddp_of_a_moe_over_the_launch_ep_reduces_experts_over_edp_and_records_it
     run_ranks(body, 4, ep=2)
 
 
+def test_ddp_records_a_frozen_parameter_with_its_group_and_no_bucket():
+    def body():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model[0].weight.requires_grad_(False)
+        ddp = DistributedDataParallel(model)
+        frozen, trained = ddp.param_records["0.weight"], ddp.param_records["1.weight"]
+        assert frozen.group is ddp.process_group and frozen.bucket(model[0].weight) is None
+        assert trained.bucket(model[1].weight) is not None
+
+    run_ranks(body, 2)
+
+
 def test_placements_survive_to_empty_without_marking_again():
     """The record is kept under the module and name, so the new Parameter that to_empty puts there has it."""
 

@@ -103,13 +103,6 @@ def imported_modules(path: pathlib.Path) -> list[tuple[str, list[str]]]:
     return found
 
 
-def test_comm_never_imports_the_runtime():
-    """The dependency arrow points one way: threadpar.runtime builds on threadpar.comm (no import cycle)."""
-    for path in COMM.rglob("*.py"):
-        for module, _ in imported_modules(path):
-            assert not module.startswith("threadpar.runtime"), f"{path.relative_to(COMM)} imports {module}"
-
-
 def test_no_backend_imports_another_backends_helpers():
     """A backend may build on another's public group class (nccl's spanning groups carry their host transfers
     on a HierarchicalGroup), never on its helpers: what backends share lives in comm/common."""

@@ -88,18 +88,22 @@ class ParamRecord:
 
     def bucket(self, param: torch.Tensor) -> int | None:
         """The index of the reducer's bucket that holds `param` now (buckets are rebuilt after the first
-        backward), or None without a reducer."""
+        backward), or None without a reducer or for a parameter it does not reduce (a frozen one)."""
         reducer = self.reducer
-        if reducer is None:
+        index = (
+            None
+            if reducer is None
+            else next((i for i, p in enumerate(reducer.parameters) if p is param), None)
+        )
+        if reducer is None or index is None:
             return None
-        index = next(i for i, p in enumerate(reducer.parameters) if p is param)
         return next(k for k, members in enumerate(reducer.bucket_indices()) if index in members)
 
 
 @dataclass(frozen=True)
 class SequenceParallelMark:
     """The parameter is replicated on the TP ranks but applied to sequence shards: its gradient is summed
-    over TP (threadpar.parallel.tensor_parallel.sequence)."""
+    over TP (threadpar.parallel.tensor_parallel.sequence_parallel)."""
 
 
 def param_table() -> ParamTable[ParamRecord | SequenceParallelMark]:

@@ -34,8 +34,8 @@ from threadpar.parallel.groups import data_parallel_group, tensor_parallel_group
 from threadpar.parallel.records import GradPlacement, ParamRecord, param_table, placement_records
 from threadpar.runtime.context import get_layout, in_rank
 
-# (module, own parameter name, its placement or None when it cannot be told)
-Placed = tuple[nn.Module, str, GradPlacement | None]
+# (qualified name, module, its own parameter's name, the placement or None when it cannot be told)
+Placed = tuple[str, nn.Module, str, GradPlacement | None]
 
 HOW_TO_MARK = (
     "mark it: wrap the model in threadpar.parallel.DistributedDataParallel or call "
@@ -75,7 +75,7 @@ def mark_grad_placements(
     """
     if in_rank():
         table = param_table()
-        for sub, name, placement in grad_placements_of(module, data_parallel, expert_data_parallel):
+        for _, sub, name, placement in grad_placements_of(module, data_parallel, expert_data_parallel):
             table.add(sub, name, ParamRecord(placement))
     return module
 
@@ -86,7 +86,8 @@ def grad_placements_of(
     expert_data_parallel: ProcessGroup | None = None,
     strict: bool = True,
 ) -> list[Placed]:
-    """(module, name, placement) for every parameter of `module` (inside a launch). strict=False (what
+    """(qualified name, module, name, placement) for every parameter of `module` (inside a launch; a shared
+    module's under each of its names). strict=False (what
     DistributedDataParallel uses): a placement that cannot be told is None instead of an error (clipping
     that parameter then raises, naming it)."""
     tp = tensor_parallel_group()
@@ -96,11 +97,13 @@ def grad_placements_of(
         for name, _ in sub.named_parameters(recurse=False):
             where = f"{module_name}.{name}" if module_name else name
             try:
-                placed.append((sub, name, _placement_of(sub, name, where, tp, dp, expert_data_parallel)))
+                placed.append(
+                    (where, sub, name, _placement_of(sub, name, where, tp, dp, expert_data_parallel))
+                )
             except ConfigError:
                 if strict:
                     raise
-                placed.append((sub, name, None))
+                placed.append((where, sub, name, None))
     return placed
 
 

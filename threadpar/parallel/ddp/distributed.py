@@ -179,16 +179,15 @@ class DistributedDataParallel(nn.Module):
         the reduced gradient sits in the whole model's gradient (for clip_grad_norm_). Also entered in
         the rank's table (threadpar.parallel.records), through which ZeRO and clipping find them."""
         placed = grad_placements_of(module, self.process_group, self.expert_process_group, strict=False)
-        prefix = {id(sub): name for name, sub in module.named_modules(remove_duplicate=False)}
         table = context.current().params
         records: dict[str, ParamRecord] = {}
-        for sub, name, placement in placed:
+        for where, sub, name, placement in placed:
             param = sub._parameters[name]
             expert = id(param) in expert_ids
             group = self.expert_process_group if expert else self.process_group
             assert group is not None  # sharded experts have their expert-DP group
             record = ParamRecord.of_ddp(placement, group, self.expert_reducer if expert else self.reducer)
-            records[f"{prefix[id(sub)]}.{name}".lstrip(".")] = record
+            records[where] = record
             table.add(sub, name, record)
         return records
 

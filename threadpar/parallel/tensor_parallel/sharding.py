@@ -89,7 +89,7 @@ class TensorParallelModule(nn.Module):
         self.tp_rank = self.group.rank()
         self.shard_specs: dict[str, ShardSpec] = {}
         # Names of its own parameters that are replicated on the TP ranks but applied to sequence shards
-        # (their gradients are summed over TP: threadpar.parallel.tensor_parallel.sequence).
+        # (their gradients are summed over TP: threadpar.parallel.tensor_parallel.sequence_parallel).
         self.sequence_parallel_params: frozenset[str] = frozenset()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
