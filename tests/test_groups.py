@@ -109,7 +109,9 @@ def test_placements_survive_to_empty_without_marking_again():
     def body():
         model = nn.Sequential(nn.Linear(4, 4, device="meta"))
         mark_grad_placements(model)
+        before = grad_placements([model[0].weight])  # the table's index now holds the meta Parameter
         model.to_empty(device="cpu")
+        assert grad_placements([model[0].weight]) == before  # the new Parameter: found through the module
         (placement,) = grad_placements([model[0].weight])[:1]
         return [list(g.ranks) for g in placement.replicated_over], list(placement.data_parallel.ranks)
 
