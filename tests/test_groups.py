@@ -129,7 +129,7 @@ def test_records_belong_to_one_launch_and_one_rank():
             threadpar.parallel.mark_grad_placement(shared, GradPlacement((threadpar.get_group("TP"),)))
             marked.set()
         threadpar.barrier()
-        return records_of([shared])[0] != []
+        return records_of([shared])[0] != ()
 
     assert run_ranks(first, 2, tp=2) == [True, False]
     assert marked.is_set()

@@ -111,10 +111,10 @@ def param_table() -> ParamTable[ParamRecord | SequenceParallelMark]:
     return current().params
 
 
-def records_of(params: Sequence[torch.Tensor]) -> list[list[ParamRecord | SequenceParallelMark]]:
+def records_of(params: Sequence[torch.Tensor]) -> list[tuple[ParamRecord | SequenceParallelMark, ...]]:
     """Each parameter's records in this rank's table, oldest first; none outside a launch."""
     if not in_rank():
-        return [[] for _ in params]
+        return [() for _ in params]
     return param_table().records(params)
 
 
@@ -126,6 +126,9 @@ def owner_records(params: Iterable[torch.Tensor]) -> list[list[ParamRecord]]:
     ]
 
 
-def placement_records(params: Sequence[torch.Tensor]) -> list[list[ParamRecord]]:
-    """Each parameter's records that say where its gradient sits (DDP's and mark_grad_placements'), oldest first."""
-    return [[r for r in found if isinstance(r, ParamRecord)] for found in records_of(params)]
+def latest_placements(params: Sequence[torch.Tensor]) -> list[ParamRecord | None]:
+    """Each parameter's latest record that says where its gradient sits (DDP's or mark_grad_placements'),
+    None when it has none."""
+    return [
+        next((r for r in reversed(found) if isinstance(r, ParamRecord)), None) for found in records_of(params)
+    ]

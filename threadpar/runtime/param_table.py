@@ -88,7 +88,7 @@ class ParamTable(Generic[R]):
             self._entries += [(self._count, record, place) for place in where]
             self._index = None
 
-    def records(self, params: Iterable[torch.Tensor]) -> list[list[R]]:
+    def records(self, params: Iterable[torch.Tensor]) -> list[tuple[R, ...]]:
         """Each parameter's records, oldest first (empty when none); ask for all parameters at once."""
         params = list(params)
         with self._lock:
@@ -97,7 +97,7 @@ class ParamTable(Generic[R]):
                 self._index = None
                 found = self._look_up(params)
             assert found is not None
-            return [list(records) for records in found]
+            return found
 
     def _look_up(self, params: list[torch.Tensor]) -> list[tuple[R, ...]] | None:
         """The records from the index; None when a parameter is not in it (after a rebuild: no records)."""

@@ -31,7 +31,7 @@ from torch import nn
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import data_parallel_group, tensor_parallel_group
-from threadpar.parallel.records import GradPlacement, ParamRecord, param_table, placement_records
+from threadpar.parallel.records import GradPlacement, ParamRecord, latest_placements, param_table
 from threadpar.runtime.context import get_layout, in_rank
 
 # (qualified name, module, its own parameter's name, the placement or None when it cannot be told)
@@ -161,8 +161,8 @@ def grad_placements(params: Sequence[torch.Tensor]) -> list[GradPlacement]:
     pieces only when the layout replicates nothing."""
     replicates = _layout_replicates()
     placements = []
-    for index, (param, records) in enumerate(zip(params, placement_records(params))):
-        placement = records[-1].placement if records else None
+    for index, (param, record) in enumerate(zip(params, latest_placements(params))):
+        placement = None if record is None else record.placement
         if placement is None:
             if replicates is not None:
                 raise ConfigError(
