@@ -119,7 +119,10 @@ def expert_parallel_groups(
 
 def _carve(ranks: Sequence[int], place: int, ep: int) -> tuple[ProcessGroup, ProcessGroup]:
     start = place // ep * ep
-    return new_group(ranks[start : start + ep]), new_group(ranks[place % ep :: ep])
+    # In the order of the group they are carved from, on every member alike (not sorted).
+    return new_group(ranks[start : start + ep], sort_ranks=False), new_group(
+        ranks[place % ep :: ep], sort_ranks=False
+    )
 
 
 def expert_data_parallel_group(ep_group: ProcessGroup, group: ProcessGroup) -> ProcessGroup:
@@ -164,7 +167,7 @@ def expert_data_parallel_group(ep_group: ProcessGroup, group: ProcessGroup) -> P
             "experts is unknown; carve it with launch(ep=...) or expert_parallel_groups(ep), or pass "
             "expert_process_group"
         )
-    return new_group(ranks[ranks.index(rank) % ep :: ep])
+    return new_group(ranks[ranks.index(rank) % ep :: ep], sort_ranks=False)  # in the order of `group`
 
 
 def _axes_with_group(layout: Layout, ranks: list[int], rank: int) -> list[tuple[Axis, ...]]:
