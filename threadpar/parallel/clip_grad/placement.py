@@ -40,8 +40,9 @@ Placed = tuple[str, nn.Module, str, GradPlacement | None]
 HOW_TO_MARK = (
     "mark it: wrap the model in threadpar.parallel.DistributedDataParallel or call "
     "threadpar.parallel.mark_grad_placements(model) on every rank (both mark what the TP layers, the MoE "
-    "experts and the layout tell; a deep copy is another model: mark it too); a layer over a group of your own needs mark_grad_placement(param, "
-    "GradPlacement(replicated_over=<groups holding identical copies>, data_parallel=<its DP group>))"
+    "experts and the layout tell; a deep copy is another model: mark it too); a layer over a group of your "
+    "own needs mark_grad_placement(param, GradPlacement(replicated_over=<groups holding identical copies>, "
+    "data_parallel=<its DP group>))"
 )
 
 
