@@ -130,6 +130,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("comm/backend.py",),
     ("comm/threads/", "comm/nccl/", "comm/hierarchical/"),
     ("comm/",),
+    ("torch_dist/",),
     ("runtime/",),
     ("parallel/",),
     ("pipeline/",),

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from threadpar.comm.backend import Backend
-from threadpar.comm.common.work import CompletedWork, Work
+from threadpar.comm.common.work import CompletedWork, LazyText, Work
 from threadpar.comm.common.worker import CommWorker
 from threadpar.errors import ConfigError
 
@@ -165,7 +165,7 @@ class GroupHandle:
                 worker.wait_idle()
             fn()
             return None
-        description = f"{op} #{seq} on group '{self.name}' (rank {self.global_rank})"
+        description = LazyText("{} #{} on group '{}' (rank {})", op, seq, self.name, self.global_rank)
         if worker is None:
             return CompletedWork(description, fn())
         return worker.submit(fn, Work(description, self._abort))
