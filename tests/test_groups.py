@@ -29,7 +29,7 @@ from threadpar.testing import run_ranks
 CONFIG = MoEConfig(hidden_size=8, ffn_hidden_size=16, num_experts=4, top_k=1)
 
 
-def test_get_group_takes_combined_and_expert_dims_named_by_the_layout():
+def test_get_group_takes_combined_and_expert_axes_named_by_the_layout():
     def body():
         layout, rank = threadpar.get_layout(), threadpar.get_rank()
         found = {}

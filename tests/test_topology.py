@@ -96,7 +96,7 @@ def test_overview_lists_every_rank_with_its_groups():
     assert "TP1[2,3]" in lines[-1] and "DP1[1,3]" in lines[-1]
 
 
-def test_combined_and_expert_dims_partition_the_world_into_their_groups():
+def test_combined_and_expert_axes_partition_the_world_into_their_groups():
     """Every axes (axes together, EP, EDP) partitions the ranks; a combined axes's members differ only on its
     axes; EP runs are consecutive in the DP x CP group and EDP takes the same place of every run."""
     for dp, cp, tp, pp in itertools.product([1, 2, 4], [1, 2], [1, 2], [1, 2]):
@@ -116,7 +116,7 @@ def test_combined_and_expert_dims_partition_the_world_into_their_groups():
                 assert layout.group_name("EDP", r) == f"EDP{layout.group_id('EDP', r)}"
 
 
-def test_dims_are_named_as_the_issue_names_them_and_overview_prints_them():
+def test_axes_are_named_as_the_issue_names_them_and_overview_prints_them():
     layout = Layout.build(8, cp=2, ep=2)
     assert layout.group_name(("CP", "DP"), 5) == "DPCP0" and layout.group_name("DPCP", 5) == "DPCP0"
     assert (layout.group_ranks("EP", 0), layout.group_name("EP", 0)) == ([0, 1], "EP0")
@@ -127,7 +127,7 @@ def test_dims_are_named_as_the_issue_names_them_and_overview_prints_them():
     assert "EP" not in Layout.build(4).overview()  # shown only when ep > 1
 
 
-def test_bad_dims_and_ep_sizes_are_config_errors_that_say_what_to_pass():
+def test_bad_axes_and_ep_sizes_are_config_errors_that_say_what_to_pass():
     with pytest.raises(ConfigError, match="must be a positive int that divides dp\\*cp = 2\\*1 = 2"):
         Layout.build(4, tp=2, ep=4)
     with pytest.raises(ConfigError, match="unknown axes 'XP'; use an axis"):
