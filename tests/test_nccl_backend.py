@@ -15,7 +15,7 @@ from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
 import threadpar
 from threadpar import ReduceOp
-from threadpar.comm.reduce_op import check_reducible
+from threadpar.comm.common.reduce_op import check_reducible
 from threadpar.errors import ConfigError
 from threadpar.testing import run_ranks
 

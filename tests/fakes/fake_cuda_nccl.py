@@ -162,7 +162,10 @@ class FakeCopy:
 
 
 class FakeCuda:
-    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (pass it as World(cuda=...))."""
+    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (the CudaApi) and TorchNcclRuntime (the NcclRuntime)
+    at once (pass it as World(cuda=...)): its fake NCCL enqueues on its fake streams, as the real library
+    does on CUDA's, so one object models the GPUs and the library of one process. Each Protocol's members
+    are in their own section below; `cuda` is the runtime's view of the primitives (itself)."""
 
     def __init__(
         self,
@@ -200,9 +203,6 @@ class FakeCuda:
         self._ids = itertools.count()
 
     # the CudaApi ------------------------------------------------------------------------------------------------
-    def nccl_available(self) -> bool:
-        return True
-
     def pool_stream(self, device: torch.device, priority: int) -> FakeStream:
         """torch.cuda.Stream(device, priority): c10/cuda/CUDAStream.cpp, getStreamFromPool, hands out one of
         kStreamsPerPool = 32 streams per device and priority level, round-robin (get_idx: counter++ % 32), made
@@ -310,6 +310,14 @@ class FakeCuda:
     def report_race(self, message: str) -> None:
         with self.lock:
             self.races.append(message)
+
+    # the NcclRuntime (nccl, launch_lock, cliques, inits, streams are set in __init__) ---------------------------
+    @property
+    def cuda(self) -> FakeCuda:
+        return self
+
+    def nccl_available(self) -> bool:
+        return True
 
     def async_error(self, comm: FakeComm) -> str | None:
         return self.async_error_message

@@ -26,9 +26,9 @@ from collections.abc import Iterable
 
 import torch
 
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.runtime.context import get_device, in_rank
 

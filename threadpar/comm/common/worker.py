@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.work import Work
+from threadpar.comm.common.work import Work
 
 
 class CommWorker:

@@ -19,11 +19,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
-from threadpar.parallel.clip_grad.placement import GradPlacement, grad_placements
+from threadpar.parallel.clip_grad.placement import grad_placements
+from threadpar.parallel.records import GradPlacement
 from threadpar.runtime.context import get_device, in_rank
 
 

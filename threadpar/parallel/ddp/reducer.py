@@ -37,9 +37,9 @@ from typing import Any, Protocol
 import torch
 
 from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.ddp.bucket import Bucket, shares_memory
 from threadpar.parallel.ddp.bucketing import TensorSpec, assign_buckets, caps_in_bytes, rebuild_order

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import resolve_group
 from threadpar.parallel.zero.bucketing import build_shard_buckets
@@ -244,7 +244,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """threadpar.parallel.clip_grad_norm_ for the gradients this optimizer steps: the whole model's
         gradient norm from every rank's shards, which are clipped in place (max_norm=inf measures only).
         A collective over the launch: every rank calls it, after backward and before step()."""
-        return clip_shard_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+        return clip_shard_grad_norm_(
+            self.shard_gradient_pieces(), max_norm, norm_type, error_if_nonfinite, foreach
+        )
 
     def _reduce_scattered(self, shard: Shard) -> bool:
         return self.stage == 2 and shard.bucket.reducer_bucket is not None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.parallel.zero.shard_bucket import ShardBucket
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
