@@ -80,7 +80,7 @@ class Failure:
         return f"{who} failed with {self.kind}: {self.message}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process `pid` (on this host) still runs: a zombie (killed, not yet reaped) does not."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -269,7 +269,9 @@ class Processes:
         deadline = time.monotonic() + wait
         while True:
             gone = [
-                q for q, (h, pid) in enumerate(self.peers) if q != self.rank and h == host and not _alive(pid)
+                q
+                for q, (h, pid) in enumerate(self.peers)
+                if q != self.rank and h == host and not process_alive(pid)
             ]
             if gone or time.monotonic() >= deadline:
                 return gone
