@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import free_port
-from threadpar.runtime.processes import process_alive
+from threadpar.runtime.peer_processes import process_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "procs" / "faults.py"

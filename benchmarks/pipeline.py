@@ -36,6 +36,7 @@ from torch import nn
 
 import threadpar
 from benchmarks.harness import fmt_time, machine_line, table
+from benchmarks.wire import WireClock, install_wire
 from threadpar.pipeline import (
     PipelineParallel,
     build_plan,
@@ -44,7 +45,6 @@ from threadpar.pipeline import (
     step_time,
     write_chrome_trace,
 )
-from threadpar.pipeline.wire import WireClock, install_wire
 
 SCHEDULES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zb_interleaved", 2), ("zbv", 2)]
 

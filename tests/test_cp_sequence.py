@@ -15,7 +15,7 @@ from threadpar.parallel import (
     restore_sequence_order,
     split_sequence,
 )
-from threadpar.parallel.context_parallel.sequence import load_balanced_chunks
+from threadpar.parallel.context_parallel.sequence_shards import load_balanced_chunks
 from threadpar.testing import run_ranks
 
 

@@ -12,7 +12,7 @@ import threadpar
 from threadpar.demo.__main__ import main, placement, prepare, run_demo
 from threadpar.demo.cli import DemoConfig, default_layout, parse_args
 from threadpar.demo.data import Batches, synthetic_corpus
-from threadpar.demo.processes import PER_RANK_FIELDS, merge_parts
+from threadpar.demo.process_exchange import PER_RANK_FIELDS, merge_parts
 from threadpar.errors import ConfigError
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.pipeline import Timeline

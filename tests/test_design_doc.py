@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = (ROOT / "DESIGN.md").read_text()
-SOURCES = [p for d in ("threadpar", "tests", "benchmarks", "demos") for p in (ROOT / d).rglob("*.py")]
+SOURCES = [p for d in ("threadpar", "tests", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py")]
 
 
 def rules() -> dict[int, str]:

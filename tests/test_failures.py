@@ -70,7 +70,7 @@ def test_timeout_names_the_collective_group_and_missing_ranks():
     assert "ranks [2] did not arrive" in text
 
 
-# The README promises: the first rank to raise stops every other rank, and launch raises "within two seconds".
+# docs/failures.md promises: the first rank to raise stops every other rank, and launch raises "within two seconds".
 STOP_PROMISE_S = 2.0
 
 

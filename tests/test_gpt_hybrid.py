@@ -5,8 +5,8 @@ import torch
 from helpers.gpt_reference import SMALL, check_against, hybrid_step, reference
 
 import threadpar
+from threadpar.demo.memory import SavedActivationTracker
 from threadpar.models.gpt import GPT, GPTConfig, TensorParallel
-from threadpar.runtime.memory import SavedActivationTracker
 from threadpar.testing import run_ranks
 
 LAYOUTS = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 8, 1)]

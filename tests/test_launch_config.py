@@ -35,6 +35,7 @@ launch_module = importlib.import_module("threadpar.runtime.launch")
         (dict(devices=[]), "a non-empty list of CUDA device ids"),
         (dict(intraop_threads=0), "intraop_threads must be a positive int"),
         (dict(print_layout="yes"), "print_layout must be True or False"),
+        (dict(check_collectives=1), "check_collectives must be True or False"),
         (dict(threads_per_process=0), "threads_per_process must be a positive int"),
         (dict(world_size=6, tp=4), "world size 6 is not divisible by tp\\*cp\\*pp = 4 .* or run 4 ranks"),
         (dict(world_size=8, dp=3, tp=2), "= 6 but there are 8 ranks; make the product equal 8"),

@@ -60,12 +60,12 @@ def test_processes_that_disagree_on_the_first_collective_raise_a_mismatch_on_eve
     )
 
 
-def test_with_threadpar_check_collectives_every_collective_is_checked_between_processes():
+def test_with_check_collectives_every_collective_is_checked_between_processes():
     messages = _mismatch(5, first_op=False, check=True)
     assert all("process 1: #2 all_reduce(float32[5], op=SUM)" in m for m in messages)
 
 
-def test_with_threadpar_check_collectives_a_process_that_skips_a_later_collective_is_named():
+def test_with_check_collectives_a_process_that_skips_a_later_collective_is_named():
     def body():
         threadpar.all_reduce(torch.ones(2))
         if threadpar.get_process_rank() == 0:
@@ -88,16 +88,28 @@ def test_threadpar_check_collectives_is_read_from_the_environment(monkeypatch):
         launch_module.check_collectives_requested()
 
 
-def _world_args(monkeypatch, n_cuda: int, local_rank: int, backend: str):
+def _world_args(monkeypatch, n_cuda: int, local_rank: int, backend: str, check_collectives: bool = False):
     seen = {}
     monkeypatch.setattr(launch_module, "cuda_device_count", lambda: n_cuda)
     # The GPUs are stood in for: so is a CUDA build with NCCL.
     monkeypatch.setattr(devices_module, "nccl_built", lambda: True)
     monkeypatch.setattr(launch_module, "process_world", lambda *args, **kwargs: seen.update(args=args))
     env = ProcessEnv(local_rank, 2, local_rank, 2)
-    config = LaunchConfig(backend=backend, timeout=5.0, threads_per_process=2)
+    config = LaunchConfig(
+        backend=backend, timeout=5.0, threads_per_process=2, check_collectives=check_collectives
+    )
     launch_module._multi_process_world(env, config, 2)
     return seen["args"]
+
+
+def test_check_collectives_is_a_launch_option_the_environment_can_turn_on(monkeypatch):
+    monkeypatch.delenv("THREADPAR_CHECK_COLLECTIVES", raising=False)
+    assert _world_args(monkeypatch, 4, 0, "nccl")[1].check_collectives is False
+    assert _world_args(monkeypatch, 4, 0, "nccl", check_collectives=True)[1].check_collectives is True
+    monkeypatch.setenv("THREADPAR_CHECK_COLLECTIVES", "1")
+    assert _world_args(monkeypatch, 4, 0, "nccl")[1].check_collectives is True
+    monkeypatch.setenv("THREADPAR_CHECK_COLLECTIVES", "0")  # the variable only turns the check on
+    assert _world_args(monkeypatch, 4, 0, "nccl", check_collectives=True)[1].check_collectives is True
 
 
 @pytest.mark.parametrize("backend", ["nccl", "auto"])

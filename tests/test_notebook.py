@@ -12,7 +12,7 @@ nbclient = pytest.importorskip("nbclient")
 jupyter_client = pytest.importorskip("jupyter_client")
 
 ROOT = Path(__file__).parent.parent
-NOTEBOOK = ROOT / "demos" / "train_gpt.ipynb"
+NOTEBOOK = ROOT / "examples" / "train_gpt.ipynb"
 
 
 @pytest.fixture(autouse=True)

@@ -19,9 +19,9 @@ from test_pipeline_executor import (
 )
 
 from benchmarks.pipeline import SleepChunk
+from benchmarks.wire import WireClock, install_wire
 from threadpar.pipeline import PipelineParallel, schedule_placement
 from threadpar.pipeline.p2p import describe_tag
-from threadpar.pipeline.wire import WireClock, install_wire
 from threadpar.testing import run_ranks
 
 

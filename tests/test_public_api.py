@@ -64,7 +64,9 @@ def test_what_threadpar_parallel_exports_comes_from_a_subpackage_or_a_module_of_
 
 
 def test_the_dropout_plan_entry_and_the_dropout_module_cannot_be_confused():
-    assert not issubclass(parallel.DropoutParallel, nn.Module)  # a plan entry: what to do with nn.Dropout
+    assert not issubclass(
+        parallel.DropoutParallel, nn.Module
+    )  # a parallelize_plan entry: what to do with nn.Dropout
     assert issubclass(parallel.TrackedDropout, nn.Module)  # the module it installs
     assert isinstance(STYLES["dropout"](), parallel.DropoutParallel)
     assert STYLES["tp_dropout"]().in_tp_region

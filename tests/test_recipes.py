@@ -1,4 +1,4 @@
-"""The recipe scripts in demos/ run, learn, and match the same model trained on one thread."""
+"""The recipe scripts in examples/ run, learn, and match the same model trained on one thread."""
 
 import importlib.util
 from pathlib import Path
@@ -9,11 +9,11 @@ from helpers.gpt_reference import train_losses
 
 from threadpar.models.gpt import GPT
 
-DEMOS = Path(__file__).parent.parent / "demos"
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", DEMOS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -54,6 +54,6 @@ def test_tp_recipe_equals_the_dense_model():
 def test_the_committed_notebook_is_what_make_notebook_writes():
     import nbformat
 
-    committed = nbformat.read(DEMOS / "train_gpt.ipynb", as_version=4)
+    committed = nbformat.read(EXAMPLES / "train_gpt.ipynb", as_version=4)
     built = load("make_notebook").build()
     assert [c.source for c in committed.cells] == [c.source for c in built.cells]

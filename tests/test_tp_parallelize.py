@@ -130,9 +130,13 @@ def test_parallelized_model_matches_the_original(tp, sp):
         ({"blocks.*.ln_1": "sequence"}, {}, "pass sequence_parallel=True"),
         ({"head": "diagonal"}, {}, "not a style"),
         ({"blocks.0.mlp.0": "colwise", "blocks.*.mlp.0": "rowwise"}, {}, "with different styles"),
-        ({"tok_emb": "vocab"}, {}, r"share a weight, but the plan shards only the first"),
+        ({"tok_emb": "vocab"}, {}, r"share a weight, but the parallelize_plan shards only the first"),
         ({}, {}, "non-empty dict"),
-        (PLAN, {"dropout": 0.1}, r"'blocks.0.attn_drop' is an nn.Dropout\(p=0.1\) the plan does not cover"),
+        (
+            PLAN,
+            {"dropout": 0.1},
+            r"'blocks.0.attn_drop' is an nn.Dropout\(p=0.1\) the parallelize_plan does not cover",
+        ),
     ],
 )
 def test_bad_plans_raise_clear_errors(plan, kwargs, message):

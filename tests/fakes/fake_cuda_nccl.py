@@ -358,12 +358,16 @@ def launch_fake_gpu_processes(
         try:
             world = process_world(
                 ProcessEnv(p, processes, store=store),
-                LaunchConfig(backend=backend, timeout=timeout, threads_per_process=threads),
+                LaunchConfig(
+                    backend=backend,
+                    timeout=timeout,
+                    threads_per_process=threads,
+                    check_collectives=check_collectives,
+                ),
                 Layout.build(processes * threads, **layout),
                 backend,
                 (torch.device("cpu"),) * threads,
                 1,
-                check_collectives=check_collectives,
                 cuda=fakes[p],
             )
             outcomes[p] = _Launch(world, fn, (), {}).run()

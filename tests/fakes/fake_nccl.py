@@ -33,7 +33,7 @@ import torch
 
 # torch/csrc/cuda/nccl.cpp, to_nccl_data_type: the dtypes torch maps to an ncclDataType_t (bfloat16 only when
 # built with NCCL >= 2.10). torch also maps bool and the float8 types to ncclUint8; the double accepts bool
-# only for data movement (threadpar never reduces bool through NCCL: nccl/plan.py gathers it), stricter than
+# only for data movement (threadpar never reduces bool through NCCL: nccl/reduction.py gathers it), stricter than
 # torch, which would let NCCL add the bytes.
 NCCL_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,

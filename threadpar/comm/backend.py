@@ -91,7 +91,7 @@ class BackendSite(Protocol):
     backend: str  # "threads" or "nccl"
     devices: tuple[torch.device, ...]  # one per global rank
     cuda: CudaApi | None  # a test double, or None for torch.cuda
-    processes: Any  # threadpar.runtime.processes.Processes, or None in a one-process launch
+    processes: Any  # threadpar.runtime.peer_processes.Processes, or None in a one-process launch
     abort: AbortSignal
     timeout: float
     check_collectives: bool

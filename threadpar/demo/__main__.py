@@ -5,7 +5,7 @@ Without GPUs the ranks are CPU threads. The run prints the layout, a progress ba
 writes a loss curve, a pipeline timeline (PNG and Chrome trace) and metrics.json to --out.
 
 Under torchrun (`torchrun --nproc-per-node 2 -m threadpar.demo --gpus 2`) each process runs --gpus rank
-threads, the layout spans all processes, and process 0 alone prints and writes (threadpar.demo.processes).
+threads, the layout spans all processes, and process 0 alone prints and writes (threadpar.demo.process_exchange).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import torch
 
 import threadpar
-from threadpar.demo import processes
+from threadpar.demo import process_exchange
 from threadpar.demo.cli import DemoConfig, parse_args
 from threadpar.demo.data import Batches, load_tokens
 from threadpar.demo.outputs import (
@@ -108,7 +108,7 @@ def prepare(cfg: DemoConfig) -> RunState:
         checkpoint = cfg.checkpoint
         assert checkpoint is not None  # DemoConfig: --resume needs --checkpoint
         if cfg.processes > 1:  # only process 0 needs to see the checkpoint directory
-            ckpt = processes.from_process_zero(lambda: load_checkpoint(checkpoint, gpt))
+            ckpt = process_exchange.from_process_zero(lambda: load_checkpoint(checkpoint, gpt))
         else:
             ckpt = load_checkpoint(checkpoint, gpt)
         written = ckpt["data"]
@@ -136,14 +136,14 @@ def run_demo(cfg: DemoConfig, env: ProcessEnv | None = None) -> RunState:
     if env.count != cfg.processes:
         raise ConfigError(f"the config is for {cfg.processes} process(es) but this job has {env.count}")
     backend, devices, where = placement(cfg, env)
-    created_group = cfg.processes > 1 and processes.connect(env, on_gpu=devices != "cpu")
+    created_group = cfg.processes > 1 and process_exchange.connect(env, on_gpu=devices != "cpu")
     try:
         return _train_and_report(cfg, env, backend, devices, where)
     finally:
         # Before the interpreter exits: a gloo group destroyed during finalization can abort the process
         # ("terminate called without an active exception"), also after an error such as a bad --steps.
         if created_group:
-            processes.disconnect()
+            process_exchange.disconnect()
 
 
 def _train_and_report(
@@ -172,7 +172,7 @@ def _train_and_report(
     threadpar.launch(train_rank, run, config=launch_config(cfg, backend, devices))
     wall = time.perf_counter() - start
     if cfg.processes > 1:
-        processes.gather_to_process_zero(run)
+        process_exchange.gather_to_process_zero(run)
         if not main_process:
             return run
     if cfg.checkpoint is not None:

@@ -3,7 +3,7 @@
 `RunState` is created by the caller and handed to every rank: the dense weights and data go in, the
 losses, timings, timelines, memory peaks and checkpoint parts come back, all in host memory. Under torchrun
 each process has its own, filled by its own ranks; process 0 then gathers the others' per-rank entries
-(threadpar.demo.processes).
+(threadpar.demo.process_exchange).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from threadpar.comm import get_group, get_rank
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.demo.cli import DemoConfig
 from threadpar.demo.data import Batches, data_parallel_slice
+from threadpar.demo.memory import SavedActivationTracker, device_peak_bytes
 from threadpar.demo.report import ProgressBar
 from threadpar.models.gpt import GPTConfig
 from threadpar.models.parallelize_gpt import parallelize_gpt
@@ -27,7 +28,6 @@ from threadpar.parallel import LossScaler, clip_grad_norm_, grad_placements, tot
 from threadpar.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from threadpar.pipeline import Timeline
 from threadpar.runtime.context import get_coords, get_device, get_layout
-from threadpar.runtime.memory import SavedActivationTracker, device_peak_bytes
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

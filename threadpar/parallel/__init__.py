@@ -3,10 +3,10 @@
 An explicit list, not the sub-packages' whole surface: their internals (the RNG stream names INIT /
 REPLICATED / TP_REGION, routing's `assign`, sharding specs, dispatchers) stay importable from their modules
 (threadpar.parallel.tensor_parallel.random, ...expert_parallel.routing, ...) but are not part of this API.
-Naming: the entries of a `parallelize` plan are named as torch.distributed.tensor.parallel's styles
+Naming: `parallelize`'s parallelize_plan entries are named as torch.distributed.tensor.parallel's styles
 (ColwiseParallel, RowwiseParallel, ..., DropoutParallel: "<what> becomes parallel"); the modules they
 install are named for what they are (ColumnParallelLinear, TrackedDropout: nn.Dropout drawing from the
-rank's RNG tracker), so a plan entry and a module never share a name's words in another order.
+rank's RNG tracker), so a parallelize_plan entry and a module never share a name's words in another order.
 """
 
 from threadpar.parallel.clip_grad import (
@@ -97,7 +97,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind of parallelism, then by use)
     "vocab_parallel_cross_entropy",
     "TrackedDropout",
     "get_rng_tracker",
-    # tensor parallelism: the plan of parallelize(model, plan)
+    # tensor parallelism: the entries of parallelize(model, parallelize_plan)
     "parallelize",
     "ColwiseParallel",
     "RowwiseParallel",

@@ -11,6 +11,7 @@ def train():
 threadpar.launch(train, world_size=4, pp=4)
 """
 
+from threadpar.pipeline.chunks import build_chunks
 from threadpar.pipeline.executor import PipelineParallel
 from threadpar.pipeline.p2p import (
     Link,
@@ -37,7 +38,6 @@ from threadpar.pipeline.schedule import (
     zbv,
 )
 from threadpar.pipeline.simulator import Simulation, awaiting_weight_peaks, in_flight_peaks, simulate
-from threadpar.pipeline.stage import build_chunks
 from threadpar.pipeline.timeline import (
     Event,
     Timeline,

@@ -9,12 +9,13 @@ stops them the same way and exits with code 143 (threadpar.runtime.signals). Eit
 the signal.
 
 Under torchrun (`threads_per_process=T`) each process runs the threads of its own T ranks; a failure in any
-process stops every process (threadpar.runtime.processes), and each raises the same root cause.
+process stops every process (threadpar.runtime.peer_processes), and each raises the same root cause.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import sys
 import threading
@@ -30,8 +31,8 @@ from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRa
 from threadpar.runtime.context import RankContext, leave
 from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
 from threadpar.runtime.launch_config import LaunchConfig
+from threadpar.runtime.peer_processes import Processes
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
-from threadpar.runtime.processes import Processes
 from threadpar.runtime.signals import Signalled, sigterm_raises
 from threadpar.runtime.world import World
 from threadpar.topology import Layout
@@ -319,6 +320,8 @@ def _multi_process_world(env: ProcessEnv, config: LaunchConfig, threads: int) ->
     on_cpu = placement.devices[0].type == "cpu"
     if env.rank == 0 and on_cpu:
         say_once(f"{env.count} processes x {threads} rank threads on CPU = {layout.world_size} ranks")
+    if check_collectives_requested():
+        config = dataclasses.replace(config, check_collectives=True)
     return process_world(
         env,
         config,
@@ -326,13 +329,12 @@ def _multi_process_world(env: ProcessEnv, config: LaunchConfig, threads: int) ->
         placement.backend,
         placement.devices,
         _intraop(config, threads * env.local_count, on_cpu),
-        check_collectives=check_collectives_requested(),
     )
 
 
 def check_collectives_requested() -> bool:
-    """THREADPAR_CHECK_COLLECTIVES=1: check every NCCL collective between processes, not only a group's
-    first (see threadpar.comm.nccl.spanning); like TORCH_DISTRIBUTED_DEBUG, for finding a mismatch."""
+    """THREADPAR_CHECK_COLLECTIVES=1: LaunchConfig.check_collectives=True without editing the script (it only
+    turns the check on); like TORCH_DISTRIBUTED_DEBUG, for finding a mismatch."""
     value = os.environ.get(CHECK_COLLECTIVES_VAR, "0").strip().lower()
     if value not in ("0", "1", "", "false", "true"):
         raise ConfigError(f"{CHECK_COLLECTIVES_VAR}={value!r}: set it to 1 (check every call) or 0")
@@ -347,7 +349,6 @@ def process_world(
     devices: tuple[torch.device, ...],
     intraop_threads: int,
     *,
-    check_collectives: bool = False,
     cuda: Any = None,
 ) -> World:
     """Meet the other processes and build this process's World of `config.threads_per_process` rank
@@ -364,7 +365,7 @@ def process_world(
             "layout": layout.describe(),
             "backend": backend,
             "seed": config.seed,
-            CHECK_COLLECTIVES_VAR: check_collectives,
+            "check_collectives": config.check_collectives,
         }
     )
     world = World(
@@ -376,7 +377,7 @@ def process_world(
         intraop_threads=intraop_threads,
         cuda=cuda,
         processes=processes,
-        check_collectives=check_collectives,
+        check_collectives=config.check_collectives,
     )
     processes.attach(world.abort, lambda rank: world.devices[rank])
     return world

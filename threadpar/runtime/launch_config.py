@@ -66,6 +66,10 @@ class LaunchConfig:
     threads_per_process: rank threads in each process of a job started by torchrun (or any launcher
         that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); world size = processes x this, and this
         process runs global ranks process_rank * T .. + T - 1. Required when there is more than one process.
+    check_collectives: also check every NCCL collective between processes (a store round trip per call: a
+        debugging aid, like TORCH_DISTRIBUTED_DEBUG). Without it the processes compare only each group's
+        first NCCL collective; calls within a process, and calls gloo carries, are always checked. The
+        environment variable THREADPAR_CHECK_COLLECTIVES=1 turns it on too, without editing the script.
     """
 
     world_size: int | None = None
@@ -81,6 +85,7 @@ class LaunchConfig:
     intraop_threads: int | None = None
     print_layout: bool = False
     threads_per_process: int | None = None
+    check_collectives: bool = False
 
     def __post_init__(self) -> None:
         _positive("world_size", self.world_size, "derived from devices, dp*tp*cp*pp or the GPUs", True)
@@ -101,6 +106,8 @@ class LaunchConfig:
         if not isinstance(self.print_layout, bool):
             raise ConfigError(f"print_layout must be True or False, got {self.print_layout!r}")
         _positive("threads_per_process", self.threads_per_process, "one process", True)
+        if not isinstance(self.check_collectives, bool):
+            raise ConfigError(f"check_collectives must be True or False, got {self.check_collectives!r}")
         if self.world_size is not None:
             self.layout(self.world_size)  # the sizes must fit the ranks: say so now, not at launch
 

@@ -49,10 +49,12 @@ class World:
         # The CUDA/NCCL API the backends call (threadpar.comm.nccl.cuda_api); None: torch.cuda. Tests pass a double,
         # whose devices then stand in for GPUs.
         self.cuda = cuda
-        self.processes = processes  # threadpar.runtime.processes.Processes, or None in a one-process launch
+        self.processes = (
+            processes  # threadpar.runtime.peer_processes.Processes, or None in a one-process launch
+        )
         self.process_rank = 0 if processes is None else processes.rank
         self.threads_per_process = layout.world_size if processes is None else processes.threads_per_process
-        # Check every NCCL collective between processes, not only each group's first (THREADPAR_CHECK_COLLECTIVES).
+        # Check every NCCL collective between processes, not only each group's first (LaunchConfig).
         self.check_collectives = check_collectives
         self.abort = AbortSignal()
         # Implements threadpar.comm.backend.BackendSite: the backends take what they need from this World.

@@ -18,7 +18,7 @@ group indices, so one grouped call per process joins the processes' parts into o
 
 What torch.cuda.nccl lacks is built from copies between devices on the comm streams, ordered by events
 (copies.py): send/recv, scatter, gather and all_to_all. dtypes and ops NCCL lacks are mapped as
-plan.py describes. Inputs reach this module validated by ProcessGroup.
+reduction.py describes. Inputs reach this module validated by ProcessGroup.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from threadpar.comm.common.mailbox import Mailboxes
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.nccl.copies import NcclCopyCollectives
-from threadpar.comm.nccl.plan import (
+from threadpar.comm.nccl.reduction import (
     NCCL_OPS,
-    ReductionPlan,
+    NcclReduction,
     contiguous_span,
     flat,
     has_native_avg,
-    reduction_plan,
+    nccl_reduction,
     wire,
 )
 from threadpar.comm.nccl.resources import CliqueHealth
@@ -262,20 +262,20 @@ class NcclGroup(NcclCopyCollectives):
     ):
         """The reduction core. kind "all": outs[i] = reduce(ins); "root": the root's out = reduce(ins);
         "scatter": outs[i] = reduce(ins)[member's 1/size]. Every tensor is contiguous and 1-D."""
-        plan = reduction_plan(ins[0].dtype, op, self._native_avg, self.size)
+        how = nccl_reduction(ins[0].dtype, op, self._native_avg, self.size)
         if ins[0].numel() == 0:
             return
-        if plan.gather:
+        if how.gather:
             self._gather_reduce(ins, outs, op, streams, kind, root)
             return
-        wins, wouts = [wire(t, plan) for t in ins], [wire(t, plan) for t in outs]
+        wins, wouts = [wire(t, how) for t in ins], [wire(t, how) for t in outs]
         if kind == "all":
-            self._nccl("all_reduce", wins, wouts, op=plan.nccl_op, streams=streams)
+            self._nccl("all_reduce", wins, wouts, op=how.nccl_op, streams=streams)
         elif kind == "root":
-            self._nccl_reduce(wins, wouts, root, plan, streams)
+            self._nccl_reduce(wins, wouts, root, how, streams)
         else:
-            self._nccl_reduce_scatter(wins, wouts, plan, streams)
-        self._divide(plan, outs, streams, self._receivers(kind, root))
+            self._nccl_reduce_scatter(wins, wouts, how, streams)
+        self._divide(how, outs, streams, self._receivers(kind, root))
 
     def _receivers(self, kind: str, root: int) -> list[int]:
         """The local positions whose outputs a reduction of `kind` writes."""
@@ -283,19 +283,19 @@ class NcclGroup(NcclCopyCollectives):
             return list(range(len(self.local)))
         return [self.local_index[root]] if root in self.local_index else []
 
-    def _nccl_reduce(self, wins, wouts, root: int, plan: ReductionPlan, streams) -> None:
+    def _nccl_reduce(self, wins, wouts, root: int, how: NcclReduction, streams) -> None:
         # In one process the local index of the root is its NCCL rank, as torch.cuda.nccl.reduce requires.
-        self._nccl("reduce", wins, wouts[root], root=root, op=plan.nccl_op, streams=streams)
+        self._nccl("reduce", wins, wouts[root], root=root, op=how.nccl_op, streams=streams)
 
-    def _nccl_reduce_scatter(self, wins, wouts, plan: ReductionPlan, streams) -> None:
-        self._nccl("reduce_scatter", wins, wouts, op=plan.nccl_op, streams=streams)
+    def _nccl_reduce_scatter(self, wins, wouts, how: NcclReduction, streams) -> None:
+        self._nccl("reduce_scatter", wins, wouts, op=how.nccl_op, streams=streams)
 
     def _all_gather_bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor], streams) -> None:
         """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order."""
         self._nccl("all_gather", ins, outs, streams=streams)
 
-    def _divide(self, plan: ReductionPlan, outs, streams, positions) -> None:
-        if plan.divide:
+    def _divide(self, how: NcclReduction, outs, streams, positions) -> None:
+        if how.divide:
             for i in positions:
                 with self._on(streams[i]):
                     accumulate_(outs[i], (), ReduceOp.AVG, self.size)

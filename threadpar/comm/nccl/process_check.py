@@ -5,7 +5,8 @@ or corrupt data, and a process that never comes leaves the others' kernels waiti
 hierarchical backend checks every call with a gloo round trip (call_check.py); for an NCCL collective that
 round trip would cost more than the collective, so the nccl backend asks only (spanning.py):
 - on a group's first NCCL collective, before anybody enters NCCL's initialisation (which has no timeout);
-- on every NCCL collective when THREADPAR_CHECK_COLLECTIVES=1 (a debugging aid, like TORCH_DISTRIBUTED_DEBUG).
+- on every NCCL collective with LaunchConfig.check_collectives (or THREADPAR_CHECK_COLLECTIVES=1): a
+  debugging aid, like TORCH_DISTRIBUTED_DEBUG.
 
 One thread per process (the local leader, after the local members agreed) writes "#seq call" under a key
 of its own and waits for every other process's key. A process that does not come within the timeout is
@@ -89,6 +90,6 @@ class ProcessCheck:
             f"{call} #{seq} on group '{self.name}' (global ranks {list(self.ranks)}) timed out after "
             f"{self._timeout:g} s in process {self.procs[self.me]}: {who} did not reach it. A process that "
             "skips the collective, calls another one first, or is stuck or dead causes this (NCCL calls are "
-            "checked between processes on a group's first call, or on every call with "
-            "THREADPAR_CHECK_COLLECTIVES=1)."
+            "checked between processes on a group's first call, or on every call with launch(..., "
+            "check_collectives=True) or THREADPAR_CHECK_COLLECTIVES=1)."
         )

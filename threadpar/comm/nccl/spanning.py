@@ -34,7 +34,7 @@ torch.cuda.nccl sizes and indexes by the LOCAL lists, so some collectives are bu
   current stream, gloo, a host-to-device copy on arrival). Sends stay buffered; any-source receives work.
 
 Checks: the local members' calls are compared at every collective (the rendezvous), the processes' calls
-on a group's first NCCL collective and, with THREADPAR_CHECK_COLLECTIVES=1, on every NCCL collective (a
+on a group's first NCCL collective and, with LaunchConfig.check_collectives, on every NCCL collective (a
 store round trip per call: a debugging aid). Without it a process that skips a later collective is not
 named: the others' NCCL kernels wait, and `Work.wait(timeout)` / `synchronize()` time out. The
 host-staged ops are always checked (the hierarchical backend's control message).
@@ -52,8 +52,8 @@ from threadpar.comm.common.rendezvous import Call, Slot
 from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
 from threadpar.comm.nccl.bootstrap import join_nccl_group
 from threadpar.comm.nccl.group import NcclGroup, _tensors
-from threadpar.comm.nccl.plan import NCCL_OPS, ReductionPlan
 from threadpar.comm.nccl.process_check import ProcessCheck
+from threadpar.comm.nccl.reduction import NCCL_OPS, NcclReduction
 from threadpar.comm.nccl.work import NcclWork
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import NcclError
@@ -131,7 +131,7 @@ class NcclSpanningGroup(NcclGroup):
         return self._check.agree(seq, call) if self._check_every_call else None
 
     # reductions torch.cuda.nccl cannot do across processes (costs: see the module note) ----------------------
-    def _nccl_reduce(self, wins, wouts, root: int, plan: ReductionPlan, streams) -> None:
+    def _nccl_reduce(self, wins, wouts, root: int, how: NcclReduction, streams) -> None:
         outs = []
         for i, (m, win) in enumerate(zip(self.local, wins)):
             if m == root:
@@ -139,14 +139,14 @@ class NcclSpanningGroup(NcclGroup):
             else:
                 with self._on(streams[i]):  # allocated for the comm stream that uses it
                     outs.append(torch.empty_like(win))
-        self._nccl("all_reduce", wins, outs, op=plan.nccl_op, streams=streams)
+        self._nccl("all_reduce", wins, outs, op=how.nccl_op, streams=streams)
 
-    def _nccl_reduce_scatter(self, wins, wouts, plan: ReductionPlan, streams) -> None:
+    def _nccl_reduce_scatter(self, wins, wouts, how: NcclReduction, streams) -> None:
         wholes = []  # [size * count] each: the whole reduction, of which each member keeps its slice
         for i, win in enumerate(wins):
             with self._on(streams[i]):
                 wholes.append(torch.empty_like(win))
-        self._nccl("all_reduce", wins, wholes, op=plan.nccl_op, streams=streams)
+        self._nccl("all_reduce", wins, wholes, op=how.nccl_op, streams=streams)
         count = wouts[0].numel()
         for i, m in enumerate(self.local):
             with self._on(streams[i]):

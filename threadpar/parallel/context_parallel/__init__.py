@@ -7,7 +7,7 @@ from threadpar.parallel.context_parallel.gradients import (
     data_context_parallel_group,
 )
 from threadpar.parallel.context_parallel.ring_attention import RingAttention, ring_attention
-from threadpar.parallel.context_parallel.sequence import (
+from threadpar.parallel.context_parallel.sequence_shards import (
     gather_sequence,
     get_padding,
     load_balanced_chunks,

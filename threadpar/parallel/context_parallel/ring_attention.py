@@ -1,6 +1,6 @@
 """Ring attention: exact (causal) attention over a sequence split across a context-parallel group.
 
-Each CP rank holds its load-balanced part of q, k and v (sequence.py: chunks r and 2cp - 1 - r, so a
+Each CP rank holds its load-balanced part of q, k and v (sequence_shards.py: chunks r and 2cp - 1 - r, so a
 rank's local positions are [a | b] with chunk a early and chunk b late). Over cp steps the k/v blocks go
 around the ring: at step i, rank r holds the block of rank s = r - i (mod cp) and attends its queries to
 it while already sending that block on to rank r + 1; the per-block outputs are merged exactly with the

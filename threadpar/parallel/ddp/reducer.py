@@ -302,25 +302,26 @@ class Reducer:
         return self._placeholders[index] if grad is None else grad
 
     def _launch_ready_buckets(self, *, at_end: bool = False) -> None:
-        last = len(self._buckets) - 1
+        last_k = len(self._buckets) - 1  # the index of the last bucket
         while self._next < len(self._buckets) and self._pending[self._next] == 0:
             k, bucket = self._next, self._buckets[self._next]
-            if k == last and not at_end and self._hook is None:
+            if k == last_k and not at_end and self._hook is None:
                 return  # launched by _finish_sync (module docstring, step 3)
             # The gradients of this backward: the ones to average and write to, whatever happens later.
             grads = [self._gradient(i) for i in bucket.members]
             if self._scale != 1.0:
                 torch._foreach_mul_(grads, self._scale)
             if self._sharded is not None:
-                bucket.reduction = self._sharded.reduce_bucket(k, grads, async_op=k != last)
+                bucket.reduction = self._sharded.reduce_bucket(k, grads, async_op=k != last_k)
             elif self._hook is None:
                 # The default: one coalesced all-reduce, in place. Its Work's wait() blocks until done on
                 # the threads backend and orders the caller's stream after it on nccl.
-                bucket.reduction = self._group.all_reduce_coalesced(grads, ReduceOp.AVG, async_op=k != last)
+                bucket.reduction = self._group.all_reduce_coalesced(grads, ReduceOp.AVG, async_op=k != last_k)
             else:
                 flatten = functools.partial(bucket.flatten, grads)
-                last = k == len(self._buckets) - 1
-                reduced = self._hook(self._hook_state, GradBucket(k, grads, bucket.params, last, flatten))
+                reduced = self._hook(
+                    self._hook_state, GradBucket(k, grads, bucket.params, k == last_k, flatten)
+                )
                 # Unpacked where the all-reduce completes (the comm worker), overlapping the rest of backward.
                 bucket.reduction = then(reduced, functools.partial(self._unpack, bucket, grads))
             self._next += 1

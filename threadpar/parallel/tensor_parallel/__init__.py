@@ -26,7 +26,7 @@ from threadpar.parallel.tensor_parallel.parallelize import (
     parallelize,
 )
 from threadpar.parallel.tensor_parallel.random import RNGTracker, TrackedDropout, get_rng_tracker
-from threadpar.parallel.tensor_parallel.sequence import (
+from threadpar.parallel.tensor_parallel.sequence_parallel import (
     allreduce_sequence_parallel_grads,
     mark_sequence_parallel,
     sequence_parallel_parameters,

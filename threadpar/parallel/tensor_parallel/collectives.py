@@ -3,7 +3,7 @@
 Plain functions of a captured ProcessGroup handle, with no autograd: the autograd mappings and the
 gathering of sharded state dicts are built from them. Every buffer handed to the group is contiguous.
 The pieces of an all-gather land along a new leading dim ([tp, *piece]) and are moved to `dim` with one
-copy; for dim 0 (Megatron's [seq, batch, hidden] layout) that is a free view. None of these functions
+copy; for dim 0 (Megatron's [seq, batch, hidden] order) that is a free view. None of these functions
 modifies its input (except `start_all_reduce_`, which says so): results are new tensors.
 
 Each collective also comes as `start_*`, which launches it with `async_op=True` and returns a `Pending`:
@@ -106,7 +106,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, what: str, a
     dim = normalize_dim(dim, x.dim())
     tp = group.size()
     local = divide(x.shape[dim], tp, f"{what} (size of dim {dim} of a {list(x.shape)} tensor)")
-    # [..., tp * n, ...] -> [tp, ..., n, ...] contiguous, the layout reduce_scatter_tensor splits along dim 0;
+    # [..., tp * n, ...] -> [tp, ..., n, ...] contiguous, the order reduce_scatter_tensor splits along dim 0;
     # a view when dim == 0 and x is contiguous.
     pieces = x.unflatten(dim, (tp, local)).movedim(dim, 0).contiguous()
     out = torch.empty(pieces.shape[1:], dtype=x.dtype, device=x.device)

@@ -32,7 +32,7 @@ from threadpar.parallel.tensor_parallel.mappings import (
     scatter_to_tp_region,
 )
 from threadpar.parallel.tensor_parallel.random import INIT, get_rng_tracker
-from threadpar.parallel.tensor_parallel.sequence import SP_PARAMS_ATTR
+from threadpar.parallel.tensor_parallel.sequence_parallel import SP_PARAMS_ATTR
 from threadpar.parallel.tensor_parallel.sharding import ShardSpec, TensorParallelModule, padded_size
 
 

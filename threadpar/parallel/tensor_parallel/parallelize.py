@@ -1,6 +1,7 @@
-"""`parallelize`: make a model written with plain nn.Linear / nn.Embedding tensor parallel, by a plan.
+"""`parallelize`: make a model written with plain nn.Linear / nn.Embedding tensor parallel, by a
+`parallelize_plan` (the name torch.distributed.tensor.parallel.parallelize_module gives its argument).
 
-    plan = {
+    parallelize_plan = {
         "tok_emb": "vocab",                       # nn.Embedding -> VocabParallelEmbedding
         "blocks.*.attn.qkv": ColwiseParallel(stride=3),   # fused q/k/v: each block split separately
         "blocks.*.attn.proj": "rowwise",
@@ -11,13 +12,13 @@
         "blocks.*.resid_drop": "dropout",         # outside the TP region (sequence shards under SP)
         "head": ColwiseParallel(gather_output=True),
     }
-    parallelize(model, plan, sequence_parallel=True)
+    parallelize(model, parallelize_plan, sequence_parallel=True)
 
 Patterns are fnmatch patterns over module names (`*` also matches dots); every pattern must match. The
 swapped layers hold this rank's shard of the dense weights, so the model computes what it did before.
 Weights tied across swapped modules (an embedding and its head) stay tied. Every nn.Dropout with p > 0
-must be in the plan: nn.Dropout draws from the process-wide generator that all rank threads share (a
-dropout called as F.dropout in the model's code cannot be seen here and has the same problem).
+must be in the parallelize_plan: nn.Dropout draws from the process-wide generator that all rank threads
+share (a dropout called as F.dropout in the model's code cannot be seen here and has the same problem).
 
 The model's own code must not depend on the split sizes: attention should infer the local number of
 heads from the tensor (`q.view(batch, seq, -1, head_dim)`), and under sequence parallelism the sequence
@@ -44,7 +45,7 @@ from threadpar.parallel.tensor_parallel.layers import (
     check_positive_int,
 )
 from threadpar.parallel.tensor_parallel.random import TrackedDropout
-from threadpar.parallel.tensor_parallel.sequence import mark_sequence_parallel
+from threadpar.parallel.tensor_parallel.sequence_parallel import mark_sequence_parallel
 from threadpar.parallel.tensor_parallel.sharding import TensorParallelModule
 
 
@@ -139,33 +140,37 @@ def _parse_style(pattern: str, style: object) -> Style:
     ):
         return style
     raise ConfigError(
-        f"plan entry {pattern!r}: {style!r} is not a style; use one of {sorted(STYLES)} or a "
+        f"parallelize_plan entry {pattern!r}: {style!r} is not a style; use one of {sorted(STYLES)} or a "
         "ColwiseParallel / RowwiseParallel / VocabParallel / SequenceParallel / DropoutParallel object"
     )
 
 
-def _assign(module: nn.Module, plan: Mapping[str, object], sequence_parallel: bool) -> dict[str, Style]:
+def _assign(
+    module: nn.Module, parallelize_plan: Mapping[str, object], sequence_parallel: bool
+) -> dict[str, Style]:
     """Module name -> style, checking that every pattern matches and each module gets one style."""
-    if not isinstance(plan, Mapping) or not plan:
-        raise ConfigError("plan must be a non-empty dict of module-name patterns to styles")
+    if not isinstance(parallelize_plan, Mapping) or not parallelize_plan:
+        raise ConfigError("parallelize_plan must be a non-empty dict of module-name patterns to styles")
     modules = dict(module.named_modules())
     assigned: dict[str, tuple[str, Style]] = {}
-    for pattern, raw in plan.items():
+    for pattern, raw in parallelize_plan.items():
         style = _parse_style(pattern, raw)
         if isinstance(style, SequenceParallel) and not sequence_parallel:
             raise ConfigError(
-                f"plan entry {pattern!r} is 'sequence', which marks norms running on sequence shards; "
+                f"parallelize_plan entry {pattern!r} is 'sequence', which marks norms running on sequence shards; "
                 "pass sequence_parallel=True, or drop the entry"
             )
         matches = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
         if not matches:
             some = ", ".join(list(n for n in modules if n)[:12])
-            raise ConfigError(f"plan entry {pattern!r} matches no module; module names are like: {some}")
+            raise ConfigError(
+                f"parallelize_plan entry {pattern!r} matches no module; module names are like: {some}"
+            )
         for name in matches:
             need = _NEEDS.get(type(style))
             if need is not None and type(modules[name]) is not need:
                 raise ConfigError(
-                    f"plan entry {pattern!r} -> {type(style).__name__} matched '{name}', a "
+                    f"parallelize_plan entry {pattern!r} -> {type(style).__name__} matched '{name}', a "
                     f"{type(modules[name]).__name__}; it applies to {need.__name__} only (narrow the pattern)"
                 )
             if name in assigned and assigned[name][1] != style:
@@ -176,9 +181,9 @@ def _assign(module: nn.Module, plan: Mapping[str, object], sequence_parallel: bo
     for name, sub in modules.items():
         if type(sub) is nn.Dropout and sub.p > 0 and name not in assigned:
             raise ConfigError(
-                f"module '{name}' is an nn.Dropout(p={sub.p}) the plan does not cover; on rank threads it "
+                f"module '{name}' is an nn.Dropout(p={sub.p}) the parallelize_plan does not cover; on rank threads it "
                 "would draw from the process-wide generator and the TP ranks would disagree on its mask. "
-                "Add it to the plan as 'dropout' (outside the TP region) or 'tp_dropout' (on split activations)"
+                "Add it to the parallelize_plan as 'dropout' (outside the TP region) or 'tp_dropout' (on split activations)"
             )
     return {name: style for name, (_, style) in assigned.items()}
 
@@ -194,21 +199,21 @@ def _tied_weights(module: nn.Module) -> list[list[tuple[str, str]]]:
 
 def parallelize(
     module: nn.Module,
-    plan: Mapping[str, str | Style],
+    parallelize_plan: Mapping[str, str | Style],
     *,
     group: ProcessGroup | str | None = None,
     sequence_parallel: bool = False,
     sequence_dim: int = 1,
     overlap_grad_comm: bool | None = None,
 ) -> nn.Module:
-    """Swap the modules the plan names for tensor-parallel layers holding this rank's shards (in place);
+    """Swap the modules `parallelize_plan` names for tensor-parallel layers holding this rank's shards (in place);
     return `module`. With sequence_parallel=True the embedding reduce-scatters along `sequence_dim`,
     column layers all-gather their input and row layers reduce-scatter their output.
     `overlap_grad_comm`: the column layers' option (their backward overlaps the input-gradient
     collective with the weight-gradient GEMM; None: where it helps)."""
     group = resolve_tp_group(group)
     overlap_grad_comm = resolve_overlap(overlap_grad_comm, group)
-    assigned = _assign(module, plan, bool(sequence_parallel))
+    assigned = _assign(module, parallelize_plan, bool(sequence_parallel))
     ties = _tied_weights(module)
     # A head tied to a padded vocabulary embedding must be padded the same way to share its weight.
     for tie in ties:
@@ -277,7 +282,7 @@ def _retie(module: nn.Module, tie: list[tuple[str, str]], assigned: dict[str, St
     if len(swapped) != len(tie):
         kept = [m for m, _ in tie if m not in swapped]
         raise ConfigError(
-            f"modules {swapped} and {kept} share a weight, but the plan shards only the first; "
+            f"modules {swapped} and {kept} share a weight, but the parallelize_plan shards only the first; "
             "give the tied modules matching styles (e.g. 'vocab' for the embedding and 'colwise' for the head)"
         )
     first_module, first_name = module.get_submodule(tie[0][0]), tie[0][1]

@@ -88,7 +88,7 @@ def dropout(x: torch.Tensor, p: float, generator: torch.Generator, training: boo
 
 class TrackedDropout(nn.Module):
     """nn.Dropout drawing its mask from this rank's RNG tracker: the TP_REGION stream (`in_tp_region=True`)
-    or the REPLICATED stream. (The module; the `parallelize` plan entry that installs it is DropoutParallel.)
+    or the REPLICATED stream. (The module; the `parallelize_plan` entry that installs it is DropoutParallel.)
 
     Use in_tp_region=True where TP ranks hold different parts of the activation: after attention softmax
     over a rank's heads, and on activations split along the sequence under sequence parallelism.

@@ -7,7 +7,7 @@
 Each parameter is sharded over the group DDP averages its gradient over (DP; DP x CP under context
 parallelism; expert-DP for MoE experts sharded over an EP group), following Megatron's distributed
 optimizer: every DDP bucket is laid out flat and split evenly, so this rank owns a contiguous range of every
-bucket (layout.py). `.optim` is the torch optimizer over the pieces in this rank's ranges; its state is
+bucket (shard_bucket.py). `.optim` is the torch optimizer over the pieces in this rank's ranges; its state is
 1/P of the dense state. A step: the pieces take their gradients, `.optim` steps them, and one in-place
 all-gather per bucket gives every rank the updated parameters.
 
@@ -36,8 +36,8 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import resolve_group
+from threadpar.parallel.zero.bucketing import build_shard_buckets
 from threadpar.parallel.zero.clip import clip_shard_grad_norm_
-from threadpar.parallel.zero.plan import plan_buckets
 from threadpar.parallel.zero.shard import Shard
 from threadpar.parallel.zero.state import (
     StateSchema,
@@ -107,7 +107,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if len({id(p) for p in named}) != len(named):
             raise ConfigError("ZeroRedundancyOptimizer: a parameter appears more than once in params")
         self._names = {id(p): f"#{i} {tuple(p.shape)}" for i, p in enumerate(named)}
-        buckets, reducers = plan_buckets(named, [self._names[id(p)] for p in named], group, stage)
+        buckets, reducers = build_shard_buckets(named, [self._names[id(p)] for p in named], group, stage)
         # The probe and the checks above raise before anything changes: now take the parameters over.
         self._schemas = [
             probe_schema(optimizer_class, {**defaults, **_hyper(g)}, g["params"][0]) if g["params"] else None
@@ -142,8 +142,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_initialized", False):
             raise ConfigError(
-                "ZeroRedundancyOptimizer: parameters cannot be added after construction (they would need a new "
-                "layout); build the optimizer with every param group"
+                "ZeroRedundancyOptimizer: parameters cannot be added after construction (they would need new "
+                "buckets); build the optimizer with every param group"
             )
         super().add_param_group(param_group)
 

@@ -7,7 +7,7 @@ import torch
 
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.comm.work import Work
-from threadpar.parallel.zero.layout import ShardBucket
+from threadpar.parallel.zero.shard_bucket import ShardBucket
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

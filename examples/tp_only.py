@@ -2,7 +2,7 @@
 nn.Linear layers for column/row-parallel ones and keeps each rank's shard of the weights, so the split
 model computes what the dense one does (checked below against the dense model).
 
-    python demos/tp_only.py
+    python examples/tp_only.py
 """
 
 import copy

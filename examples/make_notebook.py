@@ -1,5 +1,5 @@
-"""Writes demos/train_gpt.ipynb (kept as code so the notebook's source is reviewable and outputs stay out
-of git): `python demos/make_notebook.py`."""
+"""Writes examples/train_gpt.ipynb (kept as code so the notebook's source is reviewable and outputs stay out
+of git): `python examples/make_notebook.py`."""
 
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 """Recipe: data parallelism only. Four rank threads each train a replica of an MLP on their quarter of
 every batch; DistributedDataParallel averages the gradients in buckets while backward runs.
 
-    python demos/ddp_only.py
+    python examples/ddp_only.py
 """
 
 import torch

@@ -1,7 +1,7 @@
 """Recipe: pipeline parallelism only. The GPT's layers are cut into 4 stages (one rank thread each);
 each step runs 8 microbatches with the 1F1B schedule, and the timeline shows how the stages overlapped.
 
-    python demos/pp_only.py
+    python examples/pp_only.py
 """
 
 import torch

@@ -1,11 +1,11 @@
-"""comm/nccl/plan.py: how each dtype and ReduceOp maps onto NCCL, and the buffer views (pure, no CUDA)."""
+"""comm/nccl/reduction.py: how each dtype and ReduceOp maps onto NCCL, and the buffer views (pure, no CUDA)."""
 
 import pytest
 import torch
 
 from threadpar import ReduceOp
 from threadpar.comm.common.tensor_bytes import byte_view
-from threadpar.comm.nccl.plan import contiguous_span, has_native_avg, reduction_plan, wire
+from threadpar.comm.nccl.reduction import contiguous_span, has_native_avg, nccl_reduction, wire
 
 
 @pytest.mark.parametrize(
@@ -25,8 +25,8 @@ from threadpar.comm.nccl.plan import contiguous_span, has_native_avg, reduction_
         (torch.bfloat16, ReduceOp.SUM, False, (True, False, -1, False)),  # NCCL < 2.10 has no bfloat16
     ],
 )
-def test_reduction_plan(dtype, op, native_avg, expected):
-    assert tuple(reduction_plan(dtype, op, native_avg)) == expected
+def test_nccl_reduction(dtype, op, native_avg, expected):
+    assert tuple(nccl_reduction(dtype, op, native_avg)) == expected
 
 
 @pytest.mark.parametrize(
@@ -39,8 +39,8 @@ def test_reduction_plan(dtype, op, native_avg, expected):
     ],
 )
 def test_avg_of_half_types_sums_then_divides_where_one_over_n_is_inexact(dtype, size, native):
-    plan = reduction_plan(dtype, ReduceOp.AVG, True, size)
-    assert (plan.nccl_op, plan.divide) == ((4, False) if native else (0, True))
+    how = nccl_reduction(dtype, ReduceOp.AVG, True, size)
+    assert (how.nccl_op, how.divide) == ((4, False) if native else (0, True))
 
 
 def test_native_avg_from_nccl_2_10():
@@ -50,7 +50,7 @@ def test_native_avg_from_nccl_2_10():
 
 def test_views():
     z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
-    assert torch.equal(wire(z, reduction_plan(z.dtype, ReduceOp.SUM, True)), torch.tensor([1.0, 2, 3, -4]))
+    assert torch.equal(wire(z, nccl_reduction(z.dtype, ReduceOp.SUM, True)), torch.tensor([1.0, 2, 3, -4]))
     assert byte_view(torch.zeros((), dtype=torch.int16)).shape == (2,)
     assert byte_view(z).dtype == torch.uint8 and byte_view(z).numel() == 16
 

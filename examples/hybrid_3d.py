@@ -3,7 +3,7 @@ each stage, DDP over the DP group with gradients averaged once per step, the who
 clipped to 1 (one all-reduce over the launch). The same thing the demo
 (`python -m threadpar.demo --gpus 8`) runs, in a page.
 
-    python demos/hybrid_3d.py
+    python examples/hybrid_3d.py
 """
 
 import torch

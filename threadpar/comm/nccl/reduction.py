@@ -1,4 +1,4 @@
-"""How the nccl backend maps each (dtype, ReduceOp) and tensor layout onto what torch.cuda.nccl offers.
+"""How the nccl backend maps each (dtype, ReduceOp) and tensor view onto what torch.cuda.nccl offers.
 
 NCCL reduces float32/64, float16, bfloat16, int8, uint8, int32 and int64. The `threads` backend also
 supports bool, int16 and complex; the nccl backend covers them the same way:
@@ -32,7 +32,7 @@ NCCL_REDUCIBLE = {
 NCCL_AVG_VERSION = (2, 10)
 
 
-class ReductionPlan(NamedTuple):
+class NcclReduction(NamedTuple):
     gather: bool  # all-gather bytes and reduce locally (dtype/op NCCL lacks)
     as_real: bool  # complex viewed as its float (real, imag) pairs
     nccl_op: int  # the ncclRedOp_t to pass
@@ -53,16 +53,16 @@ def exact_avg_scale(dtype: torch.dtype, size: int) -> bool:
     return power_of_two or dtype not in (torch.float16, torch.bfloat16)
 
 
-def reduction_plan(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int = 2) -> ReductionPlan:
+def nccl_reduction(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int = 2) -> NcclReduction:
     """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16); `size`: the group size (for AVG)."""
     as_real = dtype.is_complex and op in (ReduceOp.SUM, ReduceOp.AVG)
     old_bf16 = dtype == torch.bfloat16 and not native_avg
     if old_bf16 or (not as_real and dtype not in NCCL_REDUCIBLE):
-        return ReductionPlan(gather=True, as_real=False, nccl_op=-1, divide=False)
+        return NcclReduction(gather=True, as_real=False, nccl_op=-1, divide=False)
     floating = as_real or dtype.is_floating_point
     if op is ReduceOp.AVG and not (native_avg and floating and exact_avg_scale(dtype, size)):
-        return ReductionPlan(gather=False, as_real=as_real, nccl_op=NCCL_OPS[ReduceOp.SUM], divide=True)
-    return ReductionPlan(gather=False, as_real=as_real, nccl_op=NCCL_OPS[op], divide=False)
+        return NcclReduction(gather=False, as_real=as_real, nccl_op=NCCL_OPS[ReduceOp.SUM], divide=True)
+    return NcclReduction(gather=False, as_real=as_real, nccl_op=NCCL_OPS[op], divide=False)
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,10 +70,10 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1)
 
 
-def wire(tensor: torch.Tensor, plan: ReductionPlan) -> torch.Tensor:
-    """The 1-D view of a contiguous tensor that NCCL reduces under `plan`."""
+def wire(tensor: torch.Tensor, how: NcclReduction) -> torch.Tensor:
+    """The 1-D view of a contiguous tensor that NCCL reduces as `how` says."""
     flat_view = tensor.view(-1)
-    return torch.view_as_real(flat_view).view(-1) if plan.as_real else flat_view
+    return torch.view_as_real(flat_view).view(-1) if how.as_real else flat_view
 
 
 def contiguous_span(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -17,7 +17,7 @@ from threadpar.errors import ConfigError
 from threadpar.parallel.ddp.bucketing import MIB, TensorSpec, assign_buckets
 from threadpar.parallel.ddp.owners import owners_of
 from threadpar.parallel.ddp.reducer import Reducer
-from threadpar.parallel.zero.layout import ShardBucket
+from threadpar.parallel.zero.shard_bucket import ShardBucket
 
 LEFTOVER_BUCKET_BYTES = 25 * MIB  # DDP's default bucket_cap_mb
 
@@ -55,7 +55,7 @@ def _owner(
     return owners[0].group, owners[0].reducer
 
 
-def plan_buckets(
+def build_shard_buckets(
     params: Sequence[torch.nn.Parameter],
     names: Sequence[str],
     process_group: ProcessGroup | None,
