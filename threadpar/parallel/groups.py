@@ -14,6 +14,7 @@ import torch
 from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.grad_holder import check_grads_in_params
 
 
 def resolve_group(group: ProcessGroup | str | None, axis: str) -> ProcessGroup:
@@ -38,6 +39,8 @@ def resolve_group(group: ProcessGroup | str | None, axis: str) -> ProcessGroup:
 def allreduce_grads(params: Iterable[torch.nn.Parameter], group: ProcessGroup) -> None:
     """Sum the gradients of `params` over `group`: one coalesced all-reduce per dtype, in the same order on
     every member. Parameters without a gradient are skipped (every member must skip the same ones)."""
+    params = list(params)
+    check_grads_in_params(params, "allreduce_grads")
     if group.size() == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

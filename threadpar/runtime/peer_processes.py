@@ -103,6 +103,26 @@ def disconnected(text: str) -> bool:
     return any(words in lowered for words in DISCONNECTED)
 
 
+class _SharedClient:
+    """One store client, made while the store is up, for the short calls of the failure path (publish,
+    questions, the end): cloning a client connects anew, and a connection to a store whose host process
+    is gone retries for the whole store timeout. Calls take turns (a TCPStore client is not shared
+    between concurrent calls); none of them blocks waiting for a key."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._client, name)
+
+        def call(*args: Any) -> Any:
+            with self._lock:
+                return method(*args)
+
+        return call
+
+
 def _clone(store: Any) -> Any:
     try:
         return store.clone()
@@ -141,6 +161,7 @@ class Processes:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._abort: AbortSignal | None = None
+        self._shared: Any = None  # a _SharedClient from the handshake on
         self.peers: list[tuple[str, int]] = []  # (host, pid) of each process, from the handshake
         # group key -> the local rendezvous of a group that spans processes, to answer "who arrived?".
         self._rendezvous: dict[int, Any] = {}
@@ -161,6 +182,7 @@ class Processes:
     # start ------------------------------------------------------------------------------------------------------
     def handshake(self, config: dict[str, Any]) -> None:
         """Wait for every process to reach this launch, and check they all launched the same thing."""
+        self._shared = _SharedClient(self.store_client())
         store = self.store_client()
         store.set(f"proc/{self.rank}", json.dumps([socket.gethostname(), os.getpid()]))
         store.set(f"hello/{self.rank}", json.dumps(config, sort_keys=True))
@@ -226,7 +248,7 @@ class Processes:
         that is gone or frozen). Raises RankAborted if the launch stops meanwhile."""
         answers: dict[int, list[int] | None] = {q: None for q in procs}
         try:
-            store = self.store_client()
+            store = self._shared
             where = {}
             for q in procs:
                 n = store.add(f"asks/{q}", 1)
@@ -297,7 +319,7 @@ class Processes:
     def publish(self, failure: Failure) -> None:
         """Tell every process about a failure here; whoever wrote first is the root cause everywhere."""
         try:
-            stored = self.store_client().compare_set("abort", "", failure.encode())
+            stored = self._shared.compare_set("abort", "", failure.encode())
             winner = Failure.decode(stored)
         except Exception:  # the store is gone too: report what we know
             winner = failure
@@ -359,7 +381,7 @@ class Processes:
             if not failed:
                 assert self.router is not None and self._abort is not None, "finish() before attach()"
                 self.router.close(self._abort, self.timeout)
-            store = self.store_client()
+            store = self._shared
             store.add("finished", 1)
             if not failed:
                 self._wait_finished(store, self.timeout)
