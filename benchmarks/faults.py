@@ -36,7 +36,9 @@ from threadpar.runtime.peer_processes import process_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "procs" / "faults.py"
-STUCK_TIMEOUT_S = 4.0  # tests/procs/faults.py's launch timeout for the stuck scenarios
+STUCK_TIMEOUT_S = (
+    10.0  # the stuck scenarios' launch timeout: above the steps' skew on a loaded 2-core machine
+)
 START_S = 300.0  # how long a job may take to reach its fault (Python and torch starting on a busy machine)
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -45,6 +47,7 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
+    env["FAULTS_STUCK_TIMEOUT"] = str(STUCK_TIMEOUT_S)
     env.update(extra)
     return env
 

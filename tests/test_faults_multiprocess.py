@@ -41,12 +41,22 @@ def outcomes():
         with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
             saving = pool.submit(save_then_resume)
             runs = {f: pool.submit(run_fault, f, "env", BOUND_S) for f in faults}
-            results = {f: run.result() for f, run in runs.items()}
-            results["save"] = saving.result()
+            results = {f: _outcome(run) for f, run in runs.items()}
+            results["save"] = _outcome(saving)
     return results
 
 
-def _check(outcome: Outcome, codes: list[int]) -> None:
+def _outcome(future: concurrent.futures.Future):
+    """The job's outcome, or the exception that ended it (raised again by the test of that fault)."""
+    try:
+        return future.result()
+    except Exception as error:
+        return error
+
+
+def _check(outcome: Outcome | Exception, codes: list[int]) -> None:
+    if isinstance(outcome, Exception):
+        raise outcome
     shown = "\n".join(
         f"--- process {p}:\n{text[-3000:]}" for p, text in outcome.outputs.items() if p is not None
     )
@@ -77,6 +87,8 @@ def test_a_rank_that_stops_calling_collectives_is_named_by_every_process(outcome
 
 
 def test_a_kill_during_a_checkpoint_save_leaves_the_previous_checkpoint_and_the_run_resumes(outcomes):
+    if isinstance(outcomes["save"], Exception):
+        raise outcomes["save"]
     killed, resumed, seen = outcomes["save"]
     _check(killed, [SIGKILL_CODE, 1])
     # Whole (the padding of one step throughout) and no older than the kill's step - 1 (a save per step).

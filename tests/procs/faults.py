@@ -9,7 +9,7 @@ fault itself prints "process P: FAULT ..." just before. Scenarios:
 
 - raise: rank 3 (process 1) raises ValueError at step 3;
 - stuck0, stuck3: rank 0 (process 0) or rank 3 (process 1) stops calling collectives at step 3 (a Python
-  loop of sleeps, as a rank stuck in a long computation), under launch(timeout=STUCK_TIMEOUT_S);
+  loop of sleeps, as a rank stuck in a long computation), under launch(timeout=$FAULTS_STUCK_TIMEOUT, set by the driver);
 - train: trains until a signal or a kill comes from outside (kill -9, SIGTERM, SIGINT);
 - save: as train, and rank 0 also writes a checkpoint (threadpar.checkpoint.save_atomic, ~16 MB so a
   write takes a while) after every step, printing "process 0: saving step S" before each;
@@ -30,7 +30,6 @@ import threadpar
 from threadpar.checkpoint import save_atomic
 from threadpar.parallel import DistributedDataParallel
 
-STUCK_TIMEOUT_S = 4.0
 FAULT_STEP = 3
 PADDING = 4 << 20  # float32 entries of ballast in a checkpoint (16 MB)
 
@@ -89,7 +88,7 @@ def main() -> None:
         start = torch.load(directory / "checkpoint.pt", weights_only=True)  # raises if half-written
         assert bool((start["padding"] == float(start["step"])).all()), "a checkpoint mixes two steps"
         say(f"resumed from step {start['step']}")
-    timeout = STUCK_TIMEOUT_S if scenario.startswith("stuck") else 60.0
+    timeout = float(os.environ["FAULTS_STUCK_TIMEOUT"]) if scenario.startswith("stuck") else 120.0
     threadpar.launch(train, scenario, directory, start, threads_per_process=2, devices="cpu", timeout=timeout)
     say("finished")
 

@@ -346,7 +346,9 @@ class Processes:
         """This process got a signal (SIGTERM, SIGINT): stop every process, naming it as the cause."""
         reason = f"process {self.rank} (ranks {self.ranks_of(self.rank)}) received {name}"
         if not self._stop.is_set():
-            self.publish(Failure(self.rank, -1, name, reason))
+            # torchrun sends SIGTERM when a worker died: then the dead one is the cause to report
+            lost = self._lost_failure(reason, 0.0)
+            self.publish(lost if lost.process != self.rank else Failure(self.rank, -1, name, reason))
         if self._abort is not None:
             self._abort.trigger(reason)
 
