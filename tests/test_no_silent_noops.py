@@ -71,3 +71,12 @@ def test_under_zero_1_clip_grad_norm_still_clips_the_parameters():
         torch.testing.assert_close(after, torch.tensor(1e-3, dtype=after.dtype), rtol=1e-3, atol=0)
 
     run_ranks(body, WORLD)
+
+
+def test_a_copy_of_a_zero_2_model_is_an_ordinary_model():
+    def body():
+        model, _ = _after_backward(stage=2)
+        copied = copy.deepcopy(model)  # the parameters' marks are copied, but they name the originals
+        assert clip_grad_norm_(copied.parameters(), 1.0) == 0  # no gradients, as torch's would say
+
+    run_ranks(body, WORLD)

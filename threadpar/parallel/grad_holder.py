@@ -25,6 +25,7 @@ HOLDER_ATTR = "grad_holder"  # on a Parameter: its GradHolder
 
 @dataclass(frozen=True)
 class GradHolder:
+    param: weakref.ref  # the marked parameter (a deepcopy of it carries the mark but is not it)
     holder: weakref.ref  # the object whose tensors hold this parameter's gradient
     description: str  # e.g. "ZeroRedundancyOptimizer(stage=2)"
     instead: str  # what to call instead, for each function that reads param.grad (a sentence)
@@ -32,7 +33,7 @@ class GradHolder:
 
 def mark_grad_holder(param: torch.Tensor, holder: object, description: str, instead: str) -> None:
     """Record that `holder` keeps `param`'s gradient (and `param.grad` stays None)."""
-    setattr(param, HOLDER_ATTR, GradHolder(weakref.ref(holder), description, instead))
+    setattr(param, HOLDER_ATTR, GradHolder(weakref.ref(param), weakref.ref(holder), description, instead))
 
 
 def check_grads_in_params(params: Iterable[torch.Tensor], what: str) -> None:
@@ -40,7 +41,9 @@ def check_grads_in_params(params: Iterable[torch.Tensor], what: str) -> None:
     `what` (e.g. "threadpar.parallel.clip_grad_norm_") would silently skip it."""
     for index, param in enumerate(params):
         mark = getattr(param, HOLDER_ATTR, None)
-        if param.grad is None and isinstance(mark, GradHolder) and mark.holder() is not None:
+        if not isinstance(mark, GradHolder) or param.grad is not None:
+            continue
+        if mark.param() is param and mark.holder() is not None:
             raise ConfigError(
                 f"{what}: parameter #{index} (shape {list(param.shape)}) has no .grad because "
                 f"{mark.description} keeps its reduced gradient (only this rank's shard of it), so {what} "
