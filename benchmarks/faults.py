@@ -290,12 +290,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for fault in args.faults.split(","):
         for launcher in launchers:
-            outcomes = []
+            outcomes, missed = [], 0
             for _ in range(args.trials):
                 with tempfile.TemporaryDirectory() as tmp:
-                    outcomes.append(run_fault(fault, launcher, directory=Path(tmp)))
+                    try:
+                        outcomes.append(run_fault(fault, launcher, directory=Path(tmp)))
+                    except TimeoutError as error:  # it ended before the fault (e.g. a timeout under load)
+                        missed += 1
+                        print(f"    no fault injected: {str(error)[-300:]}", file=sys.stderr)
             times = [o.after for o in outcomes if o.after is not None]
-            exited = f"{len(times)}/{len(outcomes)}"
+            exited = f"{len(times)}/{len(outcomes)}" + (
+                f" ({missed} ended before the fault)" if missed else ""
+            )
             spread = f"{statistics.median(times):.2f} s ({min(times):.2f}-{max(times):.2f})" if times else "-"
             named = f"{sum(o.named for o in outcomes)}/{len(outcomes)}"
             codes = sorted({str(o.codes) for o in outcomes})
