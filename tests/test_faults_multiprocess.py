@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.faults import Outcome, run_fault
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
 
 JOBS_AT_ONCE = 3  # 6 processes starting torch at once on 2 cores
 BOUND_S = 45.0  # from the fault (a stuck rank: the end of its timeout) to every process gone

@@ -9,7 +9,8 @@ fault itself prints "process P: FAULT ..." just before. Scenarios:
 
 - raise: rank 3 (process 1) raises ValueError at step 3;
 - stuck0, stuck3: rank 0 (process 0) or rank 3 (process 1) stops calling collectives at step 3 (a Python
-  loop of sleeps, as a rank stuck in a long computation), under launch(timeout=$FAULTS_STUCK_TIMEOUT, set by the driver);
+  loop of sleeps, as a rank stuck in a long computation), under launch(timeout=$FAULTS_STUCK_TIMEOUT)
+  (the driver sets it);
 - train: trains until a signal or a kill comes from outside (kill -9, SIGTERM, SIGINT);
 - save: as train, and rank 0 also writes a checkpoint (threadpar.checkpoint.save_atomic, ~16 MB so a
   write takes a while) after every step, printing "process 0: saving step S" before each;
