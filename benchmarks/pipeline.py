@@ -6,11 +6,11 @@
 
 Each stage is synthetic: a chunk's forward sleeps forward_ms / v; its backward has an input-gradient part
 that sleeps backward_ms / v and a weight-gradient part that sleeps weight_ms / v, on separate autograd
-nodes, so a fused backward sleeps both and the zero-bubble schedules' B and W each sleep their own. A stage
+nodes, so a fused backward sleeps both and the zero-bubble schedules' I and W each sleep their own. A stage
 costs the same whatever v, and time.sleep releases the GIL: the rank threads overlap as GPUs would, with
 deterministic costs, even on a 2-core machine. What is measured is the schedule and threadpar's
 per-action overhead (autograd P2P, mailboxes, Python), not kernels. (The first chunk's input needs no
-gradient, so its B has nothing to do and its W sleeps both parts, as in a real model; the simulator is
+gradient, so its I has nothing to do and its W sleeps both parts, as in a real model; the simulator is
 given the same costs.)
 
 Anchors: the simulator's prediction for the same plan and costs, 1F1B's bubble in the same run (ZB-H1's
@@ -79,7 +79,7 @@ class _SleepWeight(torch.autograd.Function):
 
 
 class SleepChunk(nn.Module):
-    """y = sleep_input(x + shift) + sleep_weight(w): B runs sleep_input's backward, W sleep_weight's (and, on
+    """y = sleep_input(x + shift) + sleep_weight(w): I runs sleep_input's backward, W sleep_weight's (and, on
     the first chunk, whose input needs no gradient, the dL/dx chain down to `shift` as well)."""
 
     def __init__(self, width: int, forward_s: float, backward_s: float, weight_s: float) -> None:
@@ -102,7 +102,7 @@ def sleep_costs(plan, forward_s: float, backward_s: float, weight_s: float):
             return forward_s / v
         if a.key not in plan.split:
             return (backward_s + weight_s) / v  # fused
-        if a.chunk == 0:  # no input gradient: B has nothing to do, W runs both parts
+        if a.chunk == 0:  # no input gradient: I has nothing to do, W runs both parts
             return (backward_s + weight_s) / v if a.weight else 0.0
         return (weight_s if a.weight else backward_s) / v
 
@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--forward-ms", type=float, default=20.0, help="forward cost of one stage")
     parser.add_argument(
-        "--backward-ms", type=float, default=20.0, help="input-gradient cost (B) of one stage"
+        "--backward-ms", type=float, default=20.0, help="input-gradient cost (I) of one stage"
     )
     parser.add_argument("--weight-ms", type=float, default=20.0, help="weight-gradient cost (W) of one stage")
     parser.add_argument("--wire-ms", type=float, default=5.0, help="transfer time of the modelled link")
@@ -196,8 +196,8 @@ def main() -> None:
         args.repeats = 3
     print(f"# pipeline schedules on threads ({machine_line()})")
     print(
-        f"# pp={args.pp}, n={args.microbatches}, stage costs F {args.forward_ms:g} ms, B {args.backward_ms:g} ms, "
-        f"W {args.weight_ms:g} ms (time.sleep; a fused backward sleeps B + W), median of {args.repeats} steps\n"
+        f"# pp={args.pp}, n={args.microbatches}, stage costs F {args.forward_ms:g} ms, I {args.backward_ms:g} ms, "
+        f"W {args.weight_ms:g} ms (time.sleep; a full backward B sleeps I + W), median of {args.repeats} steps\n"
     )
     results = {schedule: measure(schedule, v, args) for schedule, v in SCHEDULES}
     print(schedule_table(results))

@@ -9,7 +9,7 @@ from helpers.gpt_reference import SMALL, Reference, check_against, dp_slice, hyb
 
 import threadpar
 from threadpar.models.gpt import GPT, TensorParallel
-from threadpar.models.parallelize_gpt import parallelize_gpt
+from threadpar.models.parallelize_gpt import parallelize_chunk, parallelize_gpt
 from threadpar.parallel import gather_sequence, split_sequence
 from threadpar.testing import run_ranks
 
@@ -51,7 +51,7 @@ def test_context_parallel_gpt_step_equals_single_thread_step(ref, dp, cp, tp, pp
 
 
 def test_context_parallel_gpt_computes_the_plain_logits():
-    """GPT(config, cp=..., tp=...) alone: this rank's part of the sequence in, its part of the logits out."""
+    """parallelize_chunk(GPT(config), cp=..., tp=...) alone: this rank's part of the sequence in, its part of the logits out."""
     config = replace(SMALL, n_layer=2)
     plain = GPT(config).init_weights(torch.Generator().manual_seed(1))
     idx = torch.randint(0, 256, (2, config.block_size), generator=torch.Generator().manual_seed(2))
@@ -59,7 +59,7 @@ def test_context_parallel_gpt_computes_the_plain_logits():
 
     def body():
         cp = threadpar.get_group("CP")
-        model = GPT(config, tp=TensorParallel(group=threadpar.get_group("TP")), cp=cp)
+        model = parallelize_chunk(GPT(config), tp=TensorParallel(group=threadpar.get_group("TP")), cp=cp)
         model.load_state_dict(plain.state_dict())
         logits = model(split_sequence(idx, dim=1))  # [B, T / cp, V / tp]
         gathered = [torch.empty_like(logits) for _ in range(2)]

@@ -7,6 +7,7 @@ from helpers.gpt_reference import SMALL, check_against, hybrid_step, reference
 import threadpar
 from threadpar.demo.memory import SavedActivationTracker
 from threadpar.models.gpt import GPT, GPTConfig, TensorParallel
+from threadpar.models.parallelize_gpt import parallelize_chunk
 from threadpar.testing import run_ranks
 
 LAYOUTS = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 8, 1)]
@@ -62,7 +63,7 @@ def test_recompute_gives_the_same_gradients_and_saves_activation_memory(ref):
 
 
 def test_tensor_parallel_gpt_matches_the_plain_model_module_by_module():
-    """GPT(config, tp=...) alone (no pipeline, no DDP) computes the plain model's logits."""
+    """parallelize_chunk(GPT(config), tp=...) alone (no pipeline, no DDP) computes the plain model's logits."""
     config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8)
     plain = GPT(config).init_weights(torch.Generator().manual_seed(3))
     idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(4))
@@ -70,7 +71,7 @@ def test_tensor_parallel_gpt_matches_the_plain_model_module_by_module():
 
     def body(sp):
         tp = TensorParallel(group=threadpar.get_group("TP"), sequence_parallel=sp)
-        model = GPT(config, tp=tp)
+        model = parallelize_chunk(GPT(config), tp=tp)
         model.load_state_dict(plain.state_dict())
         logits = model(idx)  # [B, T, V / tp]
         gathered = [torch.empty_like(logits) for _ in range(tp.size)]
@@ -98,6 +99,6 @@ def test_bad_model_settings_are_explained():
 
     def body():
         with pytest.raises(threadpar.ConfigError, match="n_head=4 is not divisible by tp=8"):
-            GPT(GPTConfig(n_head=4), tp=TensorParallel(group=threadpar.get_group("TP")))
+            parallelize_chunk(GPT(GPTConfig(n_head=4)), tp=TensorParallel(group=threadpar.get_group("TP")))
 
     run_ranks(body, 8, tp=8)

@@ -170,7 +170,7 @@ def test_no_collective_runs_while_a_communicator_of_another_group_is_being_creat
         t = torch.ones(2)
         threadpar.all_reduce(t, group="TP")  # both TP cliques exist
         threadpar.barrier()
-        pair = threadpar.new_group([0, 1], name="pair")
+        pair = threadpar.new_group([0, 1], group_desc="pair")
         if rank < 2:
             pair.all_reduce(t)  # creates the pair's clique (0.3 s)
             created.set()
@@ -201,7 +201,10 @@ def test_two_processes_launching_two_groups_first_collectives_in_opposite_orders
 
     def body():
         rank = threadpar.get_rank()
-        one, two = threadpar.new_group([0, 2], name="one"), threadpar.new_group([1, 3], name="two")
+        one, two = (
+            threadpar.new_group([0, 2], group_desc="one"),
+            threadpar.new_group([1, 3], group_desc="two"),
+        )
         mine = one if rank in (0, 2) else two
         t = torch.full((2,), float(rank))
         for group in (one, two):  # communicators, one group after the other everywhere
@@ -241,7 +244,8 @@ def test_live_groups_never_share_a_comm_stream_on_a_device():
     tuples = list(itertools.permutations(range(4), 2)) + list(itertools.permutations(range(4), 3))[:6]
 
     def body():
-        groups = [threadpar.new_group(list(ranks)) for ranks in tuples]  # 12 pairs, 6 triples: 42 members
+        # 12 pairs, 6 triples: 42 members (each order its own group: sort_ranks=False)
+        groups = [threadpar.new_group(list(ranks), sort_ranks=False) for ranks in tuples]
         for g in groups:
             if g.is_member():
                 g.all_reduce(torch.ones(1))

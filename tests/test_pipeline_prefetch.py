@@ -1,5 +1,6 @@
-"""Receives posted ahead (PipelineParallel(prefetch=True)): each action's receive is posted while the action
-before it runs, results are unchanged, and over a link whose transfers start once the receive is posted
+"""Receives posted ahead (PipelineParallel(prefetch=True)): the lowered plan posts each action's receive
+before the compute action ahead of it, so that the transfer overlaps it (without prefetch: right before the
+action itself); results are unchanged, and over a link whose transfers start once the receive is posted
 (WireChannel) the time spent waiting for messages falls."""
 
 import re
@@ -55,7 +56,7 @@ class _Deferred:
     "schedule,v", [("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zb_interleaved", 2), ("zbv", 2)]
 )
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_each_receive_is_posted_during_the_action_before_the_one_that_needs_it(schedule, v, prefetch):
+def test_each_receive_is_posted_before_the_action_ahead_of_the_one_that_needs_it(schedule, v, prefetch):
     pp, n = 2, 4
     num_layers = pp * v + 3  # (zbv: n >= 2 pp - 1 = 3)
     inputs, targets = make_batch(2 * n)
@@ -75,19 +76,22 @@ def test_each_receive_is_posted_during_the_action_before_the_one_that_needs_it(s
         events = pipe.timeline.events
         actions = [e for e in events if e.category in ("forward", "backward", "weight")]
         receives = [e for e in events if e.category == "recv"]
-        if not prefetch:
-            assert posts == []
-        else:
-            posted = dict(posts)
-            for recv in receives:
-                message = recv.name.removeprefix("recv ")
-                inside = next(a for a in actions if a.start <= recv.start and recv.end <= a.end)
-                index = actions.index(inside)
-                chunk = int(re.match(r"\d+", message).group())
-                if index == 0 or pipe.plan.rank_of(chunk) == pipe.plan.rank_of(chunk + 1):
-                    continue  # nothing runs before the first action; a message to itself stays local
-                # posted while the previous action ran (after it started, before this one started)
-                assert actions[index - 1].start <= posted[message] <= inside.start, (message, inside.name)
+        posted = dict(posts)
+        for recv in receives:
+            message = recv.name.removeprefix("recv ")
+            inside = next(a for a in actions if a.start <= recv.start and recv.end <= a.end)
+            index = actions.index(inside)
+            chunk = int(re.match(r"\d+", message).group())
+            if pipe.plan.rank_of(chunk) == pipe.plan.rank_of(chunk + 1):
+                continue  # a message to itself stays local
+            previous = actions[index - 1] if index > 0 else None
+            own_forward = previous is not None and previous.name == re.sub("[BI]", "F", inside.name)
+            if prefetch and previous is not None and not own_forward:
+                # posted before the previous action (so the transfer overlaps it), after the one before that
+                earliest, latest = (actions[index - 2].end if index > 1 else 0.0), previous.start
+            else:  # right before the action that needs it (a gradient's: after its own forward ran)
+                earliest, latest = (previous.end if previous else 0.0), inside.start
+            assert earliest <= posted[message] <= latest, (message, inside.name, prefetch)
         return {"loss": loss, "grads": my_gradients(model, chunks)}
 
     assert_matches_reference(run_ranks(body, pp, pp=pp), ref_loss, ref_model)

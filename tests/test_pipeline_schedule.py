@@ -42,16 +42,16 @@ GOLDEN = {
         "r0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3\n"
         "r1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
     ),
-    # zero bubble: W actions; zbv places chunks in a V (rank 0: chunks 0 and 3; rank 1: 1 and 2)
-    ("zbh1", 2, 3, 1): "r0: 0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2\nr1: 1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2",
+    # zero bubble: every backward split into I (input gradient) and W (weight gradient); zbv places chunks in a V (rank 0: chunks 0 and 3; rank 1: 1 and 2)
+    ("zbh1", 2, 3, 1): "r0: 0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2\nr1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2",
     ("zb_interleaved", 2, 2, 2): (
-        "r0: 0F0 0F1 2F0 2F1 2B0 2W0 2B1 2W1 0B0 0W0 0B1 0W1\n"
-        "r1: 1F0 1F1 3F0 3B0 3F1 3B1 3W0 1B0 3W1 1B1 1W0 1W1"
+        "r0: 0F0 0F1 2F0 2F1 2I0 2W0 2I1 2W1 0I0 0W0 0I1 0W1\n"
+        "r1: 1F0 1F1 3F0 3I0 3F1 3I1 3W0 1I0 3W1 1I1 1W0 1W1"
     ),
     # rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2: rank 1 passes 1F to 2F itself
     ("zbv", 2, 3, 2): (
-        "r0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0B0 0W0 3F2 3B2 3W2 0B1 0W1 0B2 0W2\n"
-        "r1: 1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1B1 2B2 1B2 1W1 2W2 1W2"
+        "r0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 3F2 3I2 3W2 0I1 0W1 0I2 0W2\n"
+        "r1: 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1I1 2I2 1I2 1W1 2W2 1W2"
     ),
 }
 
@@ -74,13 +74,20 @@ def test_golden_grid():
 
 
 def test_action_string_form_and_parser():
-    a = Action(rank=1, chunk=5, microbatch=12, forward=False)
+    a = Action(rank=1, chunk=5, microbatch=12, kind="B")
     assert str(a) == "5B12"
     assert Action.parse("5B12", rank=1) == a
-    assert Action.parse(" 0f3 ", rank=0) == Action(0, 0, 3, True)
+    assert Action.parse(" 0f3 ", rank=0) == Action(0, 0, 3, "F")
     assert a.local_chunk(pp=4) == 1
-    with pytest.raises(ScheduleError, match="cannot parse action 'F3'"):
-        Action.parse("F3", rank=0)
+    # the lowered kinds, torch's names: a message per microbatch, a gradient synchronization per chunk
+    for text in ("2SEND_F3", "2RECV_F3", "2SEND_B3", "2RECV_B3", "2SYNC_GRAD"):
+        assert str(Action.parse(text, rank=0)) == text
+    assert Action.parse("2sync_grad", rank=0).kind == "SYNC_GRAD"
+    for bad in ("F3", "2SYNC_GRAD3", "2SEND_F", "2X3"):
+        with pytest.raises(ScheduleError, match=f"cannot parse action '{bad}'"):
+            Action.parse(bad, rank=0)
+    with pytest.raises(ScheduleError, match="unknown action kind 'X'"):
+        Action(0, 0, 0, "X")
 
 
 def test_every_generated_plan_round_trips_through_text():
@@ -219,7 +226,7 @@ def test_pure_modules_import_no_torch_and_no_threads():
     allowed = {"__future__", "re", "collections.abc", "dataclasses", "threadpar.errors"}
     allowed |= {"threadpar.pipeline.schedule"}
     folder = pathlib.Path(pipeline.__file__).parent
-    for name in ("partition.py", "schedule.py", "simulator.py"):
+    for name in ("partition.py", "schedule.py", "lowering.py", "simulator.py"):
         tree = ast.parse((folder / name).read_text())
         imported = {
             alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names

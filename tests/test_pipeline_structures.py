@@ -243,7 +243,7 @@ def test_an_output_that_cannot_travel_is_refused_with_its_path(make, message):
 
     with pytest.raises(ConfigError, match=message) as caught:
         run_ranks(body, 2, pp=2, timeout=20)
-    assert "in action 0F0" in "\n".join(caught.value.__notes__)  # shown on the grid like any failure
+    assert "in action 0SEND_F0" in "\n".join(caught.value.__notes__)  # the send, shown like any failure
 
 
 def test_inputs_and_targets_whose_leaves_do_not_divide_are_refused_with_their_path():

@@ -1,4 +1,4 @@
-"""Zero-bubble schedules on the executor: B computes input gradients only, W the weight gradients later; the
+"""Zero-bubble schedules on the executor: I computes input gradients only, W the weight gradients later; the
 loss and every gradient equal the single-thread model's (plain, DDP and structured messages)."""
 
 import copy
@@ -61,8 +61,8 @@ def test_zero_bubble_train_step_matches_the_whole_model_in_one_thread(schedule, 
 def test_a_plan_mixing_split_and_fused_backwards_matches():
     inputs, targets = make_batch(6)
     ref_loss, ref_model = reference(5, inputs, targets)
-    # microbatch 0 split on both ranks, microbatch 1 fused on rank 0 only, microbatch 2 fused everywhere
-    plan = Plan.parse("r0: 0F0 0F1 0B0 0F2 0B1 0W0 0B2\nr1: 1F0 1B0 1F1 1B1 1W1 1F2 1B2 1W0")
+    # microbatch 0 split on both ranks, microbatch 1 full on rank 0 only, microbatch 2 full everywhere
+    plan = Plan.parse("r0: 0F0 0F1 0I0 0F2 0B1 0W0 0B2\nr1: 1F0 1I0 1F1 1I1 1W1 1F2 1B2 1W0")
 
     def body():
         model = make_model(5)
@@ -86,10 +86,10 @@ class MatmulCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_b_computes_input_gradients_only_and_sends_them_before_w_runs():
+def test_i_computes_input_gradients_only_and_sends_them_before_w_runs():
     """On the middle stage of three (linear blocks without bias on 2-D activations): a fused backward runs
-    two products per layer (dL/dx and dL/dW); B runs only dL/dx, W only dL/dW, and the gradient for the
-    previous stage leaves inside B, before any weight gradient exists."""
+    two products per layer (dL/dx and dL/dW); I runs only dL/dx, W only dL/dW, and the gradient for the
+    previous stage leaves right after I (SEND_B), before any weight gradient exists."""
     layers = 2
 
     def body():
@@ -109,27 +109,27 @@ def test_b_computes_input_gradients_only_and_sends_them_before_w_runs():
                 with MatmulCounter() as counter:
                     result = fn(action, *args)
                 counts[f"{action}"] = counter.count
-                if kind == "B":  # B leaves the weight gradients as they were
+                if kind == "I":  # I leaves the weight gradients as they were
                     for p, old in zip(chunk.parameters(), before):
                         assert (p.grad is None and old is None) or torch.equal(p.grad, old)
                 return result
 
             return wrapper
 
-        pipe._backward_input, pipe._backward_weight = counted("B", run[0]), counted("W", run[1])
+        pipe._backward_input, pipe._backward_weight = counted("I", run[0]), counted("W", run[1])
         pipe.train_step(torch.randn(4, 6), torch.randn(4, 6))
         return counts, [(e.name, e.category) for e in pipe.timeline.events]
 
     results = run_ranks(body, 3, pp=3)
     counts, events = results[1]
-    assert counts == {"1B0": layers, "1B1": layers, "1W0": layers, "1W1": layers}
-    # the send of dL/dx for microbatch 0 is recorded inside 1B0 (events end in order: send, then 1B0)
+    assert counts == {"1I0": layers, "1I1": layers, "1W0": layers, "1W1": layers}
+    # the send of dL/dx for microbatch 0 (message "0B0") is recorded in 1I0 (events end in order: send, 1I0)
     names = [name for name, _ in events]
-    assert names.index("send 0B0") < names.index("1B0") < names.index("1W0")
+    assert names.index("send 0B0") < names.index("1I0") < names.index("1W0")
     assert ("1W0", "weight") in events
-    # Stage 0's input needs no gradient: its B has nothing to do, its W all of the backward (dL/dW of
+    # Stage 0's input needs no gradient: its I has nothing to do, its W all of the backward (dL/dW of
     # both layers and the dL/dx between them: 2 layers - 1).
-    assert results[0][0] == {"0B0": 0, "0B1": 0, "0W0": 2 * layers - 1, "0W1": 2 * layers - 1}
+    assert results[0][0] == {"0I0": 0, "0I1": 0, "0W0": 2 * layers - 1, "0W1": 2 * layers - 1}
 
 
 @pytest.mark.parametrize("schedule,v", [("zbh1", 1), ("zb_interleaved", 2), ("zbv", 2)])
@@ -202,8 +202,8 @@ def test_w_actions_on_a_chunk_without_weights_are_refused_at_construction():
                 PipelineParallel(chunk, loss_fn=F.mse_loss, schedule="zbh1", num_microbatches=2)
             else:
                 raise ConfigError("W actions (stand-in) for chunk 0 on stage 0, but that chunk has no")
-        # a plan that fuses the weightless chunk's backwards and splits the other's runs
-        plan = Plan.parse("r0: 0F0 0F1 0B0 0B1\nr1: 1F0 1B0 1F1 1B1 1W0 1W1")
+        # a plan with full backwards for the weightless chunk and split ones for the other runs
+        plan = Plan.parse("r0: 0F0 0F1 0B0 0B1\nr1: 1F0 1I0 1F1 1I1 1W0 1W1")
         pipe = PipelineParallel(chunk, loss_fn=F.mse_loss, schedule=plan, num_microbatches=2)
         return pipe.train_step(torch.ones(2, 2), torch.zeros(2, 2))
 

@@ -31,12 +31,14 @@ def zero_bubble_plans(max_pp=6, max_v=3):
                 yield zbv(pp, n)
 
 
-def test_w_actions_have_a_string_form_and_mark_their_backward_as_split():
+def test_i_and_w_actions_have_a_string_form_and_mark_their_backward_as_split():
     w = Action.parse("3W12", rank=1)
     assert (w.chunk, w.microbatch, w.forward, w.weight, w.kind, str(w)) == (3, 12, False, True, "W", "3W12")
-    assert Action.parse("0b1", rank=0).kind == "B" and Action(0, 0, 1, True).kind == "F"
-    plan = Plan.parse("r0: 0F0 0F1 0B0 0W0 0B1\nr1: 1F0 1B0 1F1 1B1 1W1")
-    assert plan.split == {(0, 0), (1, 1)}  # 0B1 and 1B0 have no W: they stay fused backwards
+    i = Action.parse("3i12", rank=1)
+    assert (i.kind, i.is_backward, i.accumulates, str(i)) == ("I", True, False, "3I12")
+    assert Action.parse("0b1", rank=0).accumulates and Action(0, 0, 1, "F").forward
+    plan = Plan.parse("r0: 0F0 0F1 0I0 0W0 0B1\nr1: 1F0 1B0 1F1 1I1 1W1")
+    assert plan.split == {(0, 0), (1, 1)}  # 0B1 and 1B0 are full backwards: a B means one on its own
     assert not plan.forward_only and plan.forward_plan().split == frozenset()
 
 
@@ -44,8 +46,8 @@ def test_the_zero_bubble_grid_shows_w_in_its_own_steps():
     assert simulate(zbh1(2, 2)).grid() == (
         "zbh1: pp=2 n=2 v=1\n"
         "step   0    1    2    3    4    5    6\n"
-        "r0    0F0  0F1   .   0B0  0W0  0B1  0W1\n"
-        "r1     .   1F0  1B0  1F1  1B1  1W0  1W1"
+        "r0    0F0  0F1   .   0I0  0W0  0I1  0W1\n"
+        "r1     .   1F0  1I0  1F1  1I1  1W0  1W1"
     )
 
 
@@ -113,7 +115,7 @@ def test_the_v_placement_gives_rank_0_the_first_and_the_last_chunk():
 
 
 def test_a_fused_backward_costs_b_plus_w_and_a_split_one_each_part():
-    mixed = Plan.parse("r0: 0F0 0B0 0W0 0F1 0B1")  # microbatch 0 split, microbatch 1 fused
+    mixed = Plan.parse("r0: 0F0 0I0 0W0 0F1 0B1")  # microbatch 0 split, microbatch 1 full
     sim = simulate(mixed, forward=1, backward=2, weight=3)
     assert sim.finish[0] == (1, 3, 6, 7, 12)
     assert simulate(mixed).finish[0] == (1, 2, 3, 4, 6)  # unit costs: each B, W and F one step
@@ -123,13 +125,19 @@ def test_a_fused_backward_costs_b_plus_w_and_a_split_one_each_part():
 
 
 def test_invalid_w_actions_are_rejected_with_the_reason():
-    with pytest.raises(ScheduleError, match="the W comes before its B 0B0"):
-        Plan.parse("r0: 0F0 0W0 0B0")
+    with pytest.raises(ScheduleError, match="the W comes before its I 0I0"):
+        Plan.parse("r0: 0F0 0W0 0I0")
+    with pytest.raises(ScheduleError, match=r"the W comes before its I 0I0 \(a W follows the I of a split"):
+        Plan.parse("r0: 0F0 0B0 0W0")  # a B is a full backward: it leaves no W to do
     with pytest.raises(ScheduleError, match="0W0 appears twice"):
-        Plan.parse("r0: 0F0 0B0 0W0 0W0")
+        Plan.parse("r0: 0F0 0I0 0W0 0W0")
+    with pytest.raises(ScheduleError, match="0B0 is there already; a backward is either full"):
+        Plan.parse("r0: 0F0 0B0 0I0 0W0")
+    with pytest.raises(ScheduleError, match="misses 1 actions: r0:0W0"):
+        Plan.parse("r0: 0F0 0I0")  # an I leaves its weight gradients to a W
     with pytest.raises(ScheduleError, match="chunk 1 runs on rank 1, not here"):
-        Plan.parse("r0: 0F0 0B0 1W0\nr1: 1F0 1B0")
-    with pytest.raises(ScheduleError, match="cannot parse action '0X1': write chunk, F, B or W"):
+        Plan.parse("r0: 0F0 0I0 1W0\nr1: 1F0 1I0")
+    with pytest.raises(ScheduleError, match="cannot parse action '0X1': write chunk, kind, microbatch"):
         Action.parse("0X1", rank=0)
 
 
@@ -153,16 +161,16 @@ def test_sizes_a_zero_bubble_schedule_cannot_run_raise_at_construction():
 
 
 def test_a_deadlocking_zero_bubble_plan_names_the_actions_that_wait_for_each_other():
-    # Rank 0's B of microbatch 1 waits for rank 1's, which rank 1
-    # runs only after its F of microbatch 2, which waits for rank 0's F of microbatch 2, queued after 0B1.
-    plan = Plan.parse("r0: 0F0 0F1 0B0 0W0 0B1 0W1 0F2 0B2 0W2\nr1: 1F0 1B0 1W0 1F2 1F1 1B1 1W1 1B2 1W2")
+    # Rank 0's I of microbatch 1 waits for rank 1's, which rank 1
+    # runs only after its F of microbatch 2, which waits for rank 0's F of microbatch 2, queued after 0I1.
+    plan = Plan.parse("r0: 0F0 0F1 0I0 0W0 0I1 0W1 0F2 0I2 0W2\nr1: 1F0 1I0 1W0 1F2 1F1 1I1 1W1 1I2 1W2")
     with pytest.raises(ScheduleError) as caught:
         simulate(plan)
     message = str(caught.value)
-    assert "rank 0: 0B1 waits for 1B1 on rank 1" in message
+    assert "rank 0: 0I1 waits for 1I1 on rank 1" in message
     assert "rank 1: 1F2 waits for 0F2 on rank 0" in message
-    assert "[0B1]" in message and "[1F2]" in message
+    assert "[0I1]" in message and "[1F2]" in message
     assert (
-        "they wait for each other: 0B1 waits for 1B1, which rank 1 runs after its blocked 1F2; "
-        "1F2 waits for 0F2, which rank 0 runs after its blocked 0B1"
+        "they wait for each other: 0I1 waits for 1I1, which rank 1 runs after its blocked 1F2; "
+        "1F2 waits for 0F2, which rank 0 runs after its blocked 0I1"
     ) in message

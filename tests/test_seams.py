@@ -65,14 +65,14 @@ def test_the_double_and_the_real_cuda_api_are_cuda_apis_with_the_same_attributes
 )
 def test_every_backend_implements_the_backend_protocol(backend):
     methods = protocol_methods(Backend)
-    assert len(methods) >= 12 and protocol_attributes(Backend) == ["stream_ordered"]
+    assert len(methods) >= 12 and sorted(protocol_attributes(Backend)) == ["backend_name", "stream_ordered"]
     for name in methods:
         assert hasattr(backend, name), f"{backend.__name__} lacks Backend.{name}"
         assert parameters(getattr(backend, name)) == parameters(getattr(Backend, name)), (
             f"{backend.__name__}.{name}{inspect.signature(getattr(backend, name))} differs from "
             f"Backend.{name}{inspect.signature(getattr(Backend, name))}"
         )
-    assert isinstance(backend.stream_ordered, bool)
+    assert isinstance(backend.stream_ordered, bool) and isinstance(backend.backend_name, str)
 
 
 def imported_modules(path: pathlib.Path) -> list[tuple[str, list[str]]]:

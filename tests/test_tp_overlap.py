@@ -23,6 +23,7 @@ from torch import nn
 import threadpar
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPT, GPTConfig, TensorParallel
+from threadpar.models.parallelize_gpt import parallelize_chunk
 from threadpar.parallel import (
     ColumnParallelLinear,
     allreduce_sequence_parallel_grads,
@@ -221,7 +222,7 @@ def test_gpt_with_and_without_overlap_matches_the_plain_model(sp):
             tp = TensorParallel(
                 group=threadpar.get_group("TP"), sequence_parallel=sp, overlap_grad_comm=overlap
             )
-            model = GPT(config, tp=tp)
+            model = parallelize_chunk(GPT(config), tp=tp)
             model.load_state_dict(plain.state_dict())
             columns = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
             assert len(columns) == 5 and all(m.overlap_grad_comm is overlap for m in columns)

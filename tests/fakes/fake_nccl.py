@@ -151,6 +151,16 @@ class FakeFabric:
             raise RuntimeError(op.error)
 
 
+def _check_op(name: str, op: int) -> None:
+    """NCCL's built-in reductions are ncclRedOp_t's ncclSum=0, ncclProd=1, ncclMax=2, ncclMin=3, ncclAvg=4
+    (nccl.h); there is no bitwise op. Any other value (short of a ncclRedOpCreatePreMulSum handle, which
+    torch.cuda.nccl never makes) fails with ncclInvalidArgument; torch.cuda.nccl passes `op` through unchanged."""
+    if op not in range(5):
+        raise RuntimeError(
+            f"NCCL Error 4: invalid argument ({name}: ncclRedOp_t {op} is not a reduction NCCL has)"
+        )
+
+
 def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
     if op == 4 and inputs[0].dtype.is_floating_point:
         return _pre_mul_sum(inputs)
@@ -280,6 +290,7 @@ class FakeNccl:
     # collectives (torch.cuda.nccl's signatures) -----------------------------------------------------------------
     def all_reduce(self, inputs, outputs=None, op=SUM, streams=None, comms=None) -> None:
         outputs = inputs if outputs is None else outputs
+        _check_op("all_reduce", op)
         self._check("all_reduce", inputs, outputs, streams, comms, reduces=True)
         parts = [Part(i, o) for i, o in zip(inputs, outputs)]
         self._issue(
@@ -292,6 +303,7 @@ class FakeNccl:
                 f"invalid root (torch.cuda.nccl.reduce: root {root} is not an index into {len(inputs)} inputs)"
             )
         output = inputs[root] if output is None else output
+        _check_op("reduce", op)
         self._check("reduce", inputs, None, streams, comms, reduces=True)
         if output.numel() != inputs[0].numel() or not output.is_contiguous():
             raise RuntimeError("torch.cuda.nccl.reduce: output must be contiguous, with the inputs' size")
@@ -323,6 +335,7 @@ class FakeNccl:
 
     def reduce_scatter(self, inputs, outputs, op=SUM, streams=None, comms=None) -> None:
         n = len(inputs)
+        _check_op("reduce_scatter", op)
         self._check("reduce_scatter", inputs, outputs, streams, comms, reduces=True, out_factor=1 / n)
         count = inputs[0].numel() // n  # torch: the count per rank comes from the LOCAL list length
         parts = [Part(i, o) for i, o in zip(inputs, outputs)]

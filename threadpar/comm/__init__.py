@@ -1,6 +1,7 @@
 """Process groups and collectives (torch.distributed's API); the backends are the sub-packages `threads`, `nccl`
 and `hierarchical`, on the machinery they share in `common`."""
 
+from threadpar.comm.batch import P2POp, batch_isend_irecv
 from threadpar.comm.functional import (
     all_gather,
     all_gather_into_tensor,
@@ -16,6 +17,7 @@ from threadpar.comm.functional import (
     get_world_size,
     irecv,
     isend,
+    monitored_barrier,
     new_group,
     recv,
     reduce,
@@ -25,32 +27,61 @@ from threadpar.comm.functional import (
     send,
 )
 from threadpar.comm.group import ProcessGroup
+from threadpar.comm.membership import (
+    destroy_process_group,
+    get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
+    init_process_group,
+    is_initialized,
+)
+from threadpar.comm.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
+)
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.comm.work import Work
 
 __all__ = [
+    "P2POp",
     "ProcessGroup",
     "ReduceOp",
     "Work",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_object",
     "all_reduce",
     "all_reduce_coalesced",
     "all_to_all",
     "all_to_all_single",
     "barrier",
+    "batch_isend_irecv",
     "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
     "gather",
+    "gather_object",
+    "get_backend",
+    "get_global_rank",
     "get_group",
+    "get_group_rank",
+    "get_process_group_ranks",
     "get_rank",
     "get_world_size",
+    "init_process_group",
     "irecv",
+    "is_initialized",
     "isend",
+    "monitored_barrier",
     "new_group",
     "recv",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
+    "scatter_object_list",
     "send",
 ]

@@ -25,6 +25,7 @@ class Backend(Protocol):
     """
 
     stream_ordered: bool  # a class attribute: True when ops return their own Work (ordered on device streams)
+    backend_name: str  # a class attribute: what threadpar.get_backend(group) says ("threads", "nccl", ...)
 
     def all_reduce(
         self, member: int, seq: int, call: Call, tensors: list[torch.Tensor], op: ReduceOp
@@ -74,7 +75,9 @@ class Backend(Protocol):
         self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
     ) -> Work | None: ...
 
-    def barrier(self, member: int, seq: int, call: Call) -> Work | None: ...
+    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> Work | None:
+        """`timeout`: how long a member waits for the others (seconds; None: the group's)."""
+        ...
 
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> Work | None: ...
 

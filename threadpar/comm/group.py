@@ -311,8 +311,12 @@ class ProcessGroup(PointToPoint):
             )
         return list(torch.split(t, list(sizes), dim=0))
 
-    def barrier(self, async_op: bool = False) -> Work | None:
+    def barrier(self, async_op: bool = False, timeout: float | None = None) -> Work | None:
+        """`timeout` (seconds): how long each member waits for the others, instead of the group's; the
+        error names the ranks that did not arrive."""
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ConfigError(f"barrier: timeout must be a positive number of seconds, got {timeout!r}")
         seq = self._next("barrier")
         call = Call("barrier")
         member, backend = self._member, self._backend
-        return self._run("barrier", seq, lambda: backend.barrier(member, seq, call), async_op)
+        return self._run("barrier", seq, lambda: backend.barrier(member, seq, call, timeout), async_op)

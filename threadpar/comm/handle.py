@@ -26,11 +26,14 @@ SUPPORTED_DTYPES = {
 class GroupState:
     """What all members of a group share: its name, global ranks and backend object."""
 
-    def __init__(self, name: str, ranks: Sequence[int], backend: Backend) -> None:
+    def __init__(
+        self, name: str, ranks: Sequence[int], backend: Backend, timeout: float | None = None
+    ) -> None:
         self.name = name
         self.ranks = tuple(ranks)
         self.member_of = {r: i for i, r in enumerate(self.ranks)}
         self.backend = backend
+        self.timeout = timeout  # its own wait limit (seconds), or None: the launch's
 
 
 def spec(t: torch.Tensor) -> str:

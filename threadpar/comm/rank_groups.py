@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+import torch
+
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.worker import CommWorker
 from threadpar.comm.group import GroupState, ProcessGroup
@@ -31,6 +33,9 @@ class GroupSource(Protocol):
     world_size: int
     groups: GroupRegistry
     abort: AbortSignal
+    backend: str  # "threads" or "nccl"
+    devices: tuple[torch.device, ...]  # one per global rank
+    timeout: float  # seconds: the launch's, and every group's unless new_group(timeout=...) gives its own
 
     def world_group(self) -> GroupState: ...
 
@@ -55,6 +60,11 @@ class RankGroups:
             )
         return handle
 
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.source.devices[self.rank]
+
     def group(self, which: Axis | str | ProcessGroup | None = None) -> ProcessGroup:
         """None: the world; an axis ("TP" or Axis.TP): this rank's group on it; a name ("TP1"): that group."""
         if which is None:
@@ -75,6 +85,11 @@ class RankGroups:
 def bind(groups: RankGroups | None) -> None:
     """Make `groups` the calling thread's (None: the thread leaves its rank)."""
     _local.groups = groups
+
+
+def has_groups() -> bool:
+    """Whether the calling thread is a rank's (or its comm worker)."""
+    return getattr(_local, "groups", None) is not None
 
 
 def current_groups() -> RankGroups:

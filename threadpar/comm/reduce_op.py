@@ -16,6 +16,9 @@ class ReduceOp(enum.Enum):
     PRODUCT = "PRODUCT"
     MIN = "MIN"
     MAX = "MAX"
+    BAND = "BAND"
+    BOR = "BOR"
+    BXOR = "BXOR"
 
     extra: tuple[tuple[str, str], ...]  # set on every member below (not a member itself: no value here)
 
@@ -38,11 +41,21 @@ for _op in ReduceOp:
     _op.extra = (("op", _op.value),)  # how a call shows its op in a collective's description
 
 
+BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+_BITWISE_INPLACE = {ReduceOp.BAND: "bitwise_and_", ReduceOp.BOR: "bitwise_or_", ReduceOp.BXOR: "bitwise_xor_"}
+
+
 def check_reducible(dtype: torch.dtype, op: ReduceOp) -> None:
     if op is ReduceOp.SUM:
         return
     if dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise ConfigError(f"ReduceOp.{op.value} is not defined for complex tensors ({dtype}); use SUM or AVG")
+    if op in BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        # As torch's gloo backend (ProcessGroupGloo.cpp: band/bor/bxor raise for non-integral dtypes).
+        raise ConfigError(
+            f"ReduceOp.{op.value} is a bitwise op: it needs an integer or bool tensor, got {dtype}; "
+            "reduce a .view() of the bits as an integer dtype, or use another op"
+        )
 
 
 def accumulate_(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp, count: int) -> torch.Tensor:
@@ -68,6 +81,10 @@ def accumulate_(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp,
     elif op is ReduceOp.PRODUCT:
         for p in others:
             acc.mul_(p)
+    elif op in BITWISE:
+        inplace = getattr(acc, _BITWISE_INPLACE[op])
+        for p in others:
+            inplace(p)
     else:
         binary = torch.minimum if op is ReduceOp.MIN else torch.maximum
         for p in others:

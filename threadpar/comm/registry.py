@@ -1,7 +1,8 @@
 """The per-launch registry of groups (InfiniTrain's ProcessGroupFactory GetOrCreate/Get, minus the singleton).
 
 It lives in the launch's World and dies with it, so two launches in one interpreter never share a group.
-The same name, or the same ranks, always gives the same group.
+The same name, or the same ranks, always gives the same group; a group with its own timeout
+(new_group(timeout=...)) is another group of the same ranks, as every torch new_group is a new communicator.
 """
 
 from __future__ import annotations
@@ -15,32 +16,37 @@ from threadpar.errors import ConfigError
 
 
 class GroupRegistry:
-    def __init__(self, world_size: int, make_backend: Callable[[str, tuple[int, ...]], Backend]) -> None:
+    def __init__(
+        self, world_size: int, make_backend: Callable[[str, tuple[int, ...], float | None], Backend]
+    ) -> None:
         self._world_size = world_size
         self._make_backend = make_backend
         self._lock = threading.Lock()
         self._by_name: dict[str, GroupState] = {}
-        self._by_ranks: dict[tuple[int, ...], GroupState] = {}
+        self._by_ranks: dict[tuple[tuple[int, ...], float | None], GroupState] = {}
 
-    def get_or_create(self, ranks: Sequence[int], name: str | None = None) -> GroupState:
+    def get_or_create(
+        self, ranks: Sequence[int], name: str | None = None, timeout: float | None = None
+    ) -> GroupState:
+        """`timeout`: the group's own wait limit in seconds (None: the launch's)."""
         ranks = self._check_ranks(ranks)
         with self._lock:
             if name is not None and name in self._by_name:
                 state = self._by_name[name]
-                if state.ranks != ranks:
+                if state.ranks != ranks or state.timeout != timeout:
                     raise ConfigError(
-                        f"group name '{name}' already names ranks {list(state.ranks)}, not {list(ranks)}; "
-                        "use another name"
+                        f"group name '{name}' already names ranks {list(state.ranks)}"
+                        f"{_with(state.timeout)}, not {list(ranks)}{_with(timeout)}; use another name"
                     )
                 return state
-            existing = self._by_ranks.get(ranks)
+            existing = self._by_ranks.get((ranks, timeout))
             if existing is not None:
                 if name is not None:
                     self._by_name[name] = existing  # an alias for an existing group with the same members
                 return existing
-            group_name = name or self._default_name(ranks)
-            state = GroupState(group_name, ranks, self._make_backend(group_name, ranks))
-            self._by_ranks[ranks] = state
+            group_name = name or self._default_name(ranks) + ("" if timeout is None else f"@{timeout:g}s")
+            state = GroupState(group_name, ranks, self._make_backend(group_name, ranks, timeout), timeout)
+            self._by_ranks[(ranks, timeout)] = state
             self._by_name[state.name] = state
             return state
 
@@ -72,3 +78,7 @@ class GroupRegistry:
                 f"group ranks {bad} are outside 0..{self._world_size - 1} (world_size={self._world_size})"
             )
         return ranks
+
+
+def _with(timeout: float | None) -> str:
+    return "" if timeout is None else f" with timeout {timeout:g} s"

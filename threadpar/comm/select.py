@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from threadpar.comm.backend import Backend, BackendSite
 from threadpar.errors import ConfigError
 
 
-def select_backend(site: BackendSite, name: str, ranks: tuple[int, ...]) -> Backend:
-    """The backend for the group `name` of global `ranks` (the registry calls this once per group).
+class _TimedSite:
+    """The launch's BackendSite with a group's own timeout (new_group(timeout=...))."""
+
+    def __init__(self, site: BackendSite, timeout: float) -> None:
+        self._site = site
+        self.timeout = timeout
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._site, name)
+
+
+def select_backend(
+    site: BackendSite, name: str, ranks: tuple[int, ...], timeout: float | None = None
+) -> Backend:
+    """The backend for the group `name` of global `ranks` (the registry calls this once per group);
+    `timeout`: the group's own, instead of the launch's.
 
     The backends are imported on first use: a CPU launch never loads the nccl package, a one-process launch
     never loads gloo.
     """
+    if timeout is not None:
+        site = _TimedSite(site, timeout)
     here = len(ranks) if site.processes is None else sum(r in site.local_ranks for r in ranks)
     if 0 < here < len(ranks):
         return _spanning_backend(site, name, ranks)

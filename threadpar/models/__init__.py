@@ -1,8 +1,8 @@
-"""Models built from threadpar's layers: a GPT that is tensor-, sequence-, context-, expert- and
-pipeline-parallel."""
+"""A GPT in plain PyTorch, and the functions that make it tensor-, sequence-, context-, expert- and
+pipeline-parallel (parallelize_chunk, parallelize_gpt)."""
 
 from threadpar.models.gpt import GPT, MODEL_SIZES, GPTChunk, GPTConfig, GPTLoss, TensorParallel, model_config
-from threadpar.models.parallelize_gpt import HybridGPT, parallelize_gpt
+from threadpar.models.parallelize_gpt import HybridGPT, gpt_tp_plan, parallelize_chunk, parallelize_gpt
 
 __all__ = [
     "GPT",
@@ -12,6 +12,8 @@ __all__ = [
     "GPTLoss",
     "HybridGPT",
     "TensorParallel",
+    "gpt_tp_plan",
     "model_config",
+    "parallelize_chunk",
     "parallelize_gpt",
 ]

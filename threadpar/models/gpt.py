@@ -1,25 +1,17 @@
-"""A decoder-only GPT in one readable file (after nanoGPT): tensor-, sequence-, context-, expert- and
-pipeline-parallel. Its configuration (GPTConfig, the named sizes) is in config.py.
+"""A decoder-only GPT in one readable file (after nanoGPT), written in plain PyTorch. Its configuration
+(GPTConfig, the named sizes) is in config.py; `parallelize_gpt.parallelize_chunk` makes it tensor-, sequence-,
+context- and expert-parallel (torchtitan's shape: a plain model, then one function that applies the layout).
 
     idx [B, T] -> Embedding (token + learned position) -> Block x n_layer -> Head (final norm, LM head)
 
 A Block is pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x)); attention is causal multi-head
-(F.scaled_dot_product_attention). Built without tp, cp and ep every module is plain PyTorch (nn.Linear,
-nn.Embedding, F.cross_entropy). Built with a TensorParallel spec the same modules use threadpar's layers:
-  - q/k/v: one ColumnParallelLinear with stride 3, so each rank holds whole heads (n_head / tp of them);
-  - attention output projection and MLP down-projection: RowParallelLinear (one all-reduce each);
-  - MLP up-projection: ColumnParallelLinear; the token embedding is vocab-parallel, and so is the LM head,
-    whose logits stay split over the vocabulary for the vocab-parallel cross-entropy;
-  - with sequence parallelism, activations outside attention/MLP are split along T ([B, T / tp, C]):
-    layer norms run on sequence shards (their gradients are summed over the TP group by
-    `allreduce_sequence_parallel_grads`), and the all-reduces become all-gather + reduce-scatter.
-With a CP group (context parallelism) each rank holds a load-balanced part of every sequence (chunks r
-and 2cp - 1 - r of 2cp, `split_sequence`): every [B, T, ...] tensor, the token ids, the logits and the
-targets included, is this rank's [B, T / cp, ...] part; the embedding takes its positions from
-`load_balanced_indices` and attention is ring attention over the CP group (heads may also be split over
-TP). With `moe_experts` > 0 in the config every MLP is a mixture of experts (`MoE`, top-k routing with a
-load-balancing loss that its output backpropagates), its experts sharded over an EP group if given one.
-Whatever the layout, the model computes the same function as the plain one (tests check it).
+(F.scaled_dot_product_attention). Every module is plain PyTorch (nn.Linear, nn.Embedding, F.cross_entropy),
+and the code does not depend on the split sizes: attention takes its number of heads from the tensor (a
+tensor-parallel rank holds n_head / tp of them). What the parallel forms need beyond swapped layers is a
+slot each, None in the plain model and set by `parallelize_chunk`: the embedding's sequence-parallel group
+(it scatters its output along T) and CP group (its positions are this rank's part of each sequence),
+attention's `ring` (ring attention over the CP group), the chunk's `tp` and `cp` (for its loss). Whatever the
+layout, the model computes the same function as the plain one (tests check it).
 
 Pipeline chunks: `GPTChunk(config, layers=range(a, b), first=..., last=...)` holds the embedding if
 first, blocks a..b-1 under their global indices, and the head if last. The whole model is the chunk with
@@ -40,20 +32,9 @@ from torch.utils.checkpoint import checkpoint
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.models.config import MODEL_SIZES, GPTConfig, model_config
-from threadpar.parallel.context_parallel import (
-    RingAttention,
-    context_tensor_parallel_group,
-    load_balanced_indices,
-)
-from threadpar.parallel.expert_parallel import MoE, MoEConfig
-from threadpar.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    mark_sequence_parallel,
-    scatter_to_sp_region,
-    vocab_parallel_cross_entropy,
-)
+from threadpar.parallel.context_parallel import RingAttention, load_balanced_indices
+from threadpar.parallel.expert_parallel import MoE
+from threadpar.parallel.tensor_parallel import scatter_to_sp_region, vocab_parallel_cross_entropy
 
 __all__ = ["GPT", "MODEL_SIZES", "GPTChunk", "GPTConfig", "GPTLoss", "TensorParallel", "model_config"]
 
@@ -75,42 +56,17 @@ class TensorParallel:
         return self.group.size()
 
 
-def _check_parallel(config: GPTConfig, tp: TensorParallel | None, parallel: bool) -> None:
-    if tp is not None and config.n_head % tp.size:
-        raise ConfigError(
-            f"n_head={config.n_head} is not divisible by tp={tp.size}; pick a tp that divides it"
-        )
-    if parallel and config.dropout > 0:
-        raise ConfigError(
-            "dropout > 0 is supported in the plain GPT only: nn.Dropout draws from the process-wide generator "
-            "that all rank threads share; train the parallel GPT with dropout=0"
-        )
-
-
-def _routing_group(tp: TensorParallel | None, cp: ProcessGroup | None) -> ProcessGroup | None:
-    """The ranks holding the other tokens of this rank's sequences (CP, and TP under sequence
-    parallelism), over which a MoE counts routing for its load-balancing loss; None: whole sequences here."""
-    sp = tp is not None and tp.sequence_parallel
-    if cp is None:
-        return tp.group if sp and tp is not None else None
-    return context_tensor_parallel_group() if sp else cp
-
-
 class Embedding(nn.Module):
     """Token + learned position embedding: idx [B, T] -> x [B, T, C], or [B, T / tp, C] under SP.
     Under CP, idx is this rank's part [B, T / cp] and the positions are those it holds."""
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None, cp: ProcessGroup | None) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.tp = tp
-        self.cp = cp
-        self.wte: nn.Embedding | VocabParallelEmbedding
-        if tp is None:
-            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        else:
-            self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, group=tp.group)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # VocabParallelEmbedding under TP
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
+        self.cp: ProcessGroup | None = None  # set by parallelize_chunk under context parallelism
+        self.sequence_parallel_group: ProcessGroup | None = None  # ... and under sequence parallelism
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
@@ -120,97 +76,58 @@ class Embedding(nn.Module):
             cp = self.cp.size()
             positions = load_balanced_indices(T * cp, cp, self.cp.rank(), device=idx.device)
         x = self.wte(idx) + self.wpe(positions)  # [B, T, C], whole on every TP rank
-        if self.tp is not None and self.tp.sequence_parallel:
-            x = scatter_to_sp_region(x, self.tp.group, dim=1)  # [B, T / tp, C]
+        if self.sequence_parallel_group is not None:
+            x = scatter_to_sp_region(x, self.sequence_parallel_group, dim=1)  # [B, T / tp, C]
         return self.drop(x)
 
 
-def _linears(config: GPTConfig, tp: TensorParallel | None, d_in: int, d_out: int, *, stride: int = 1):
-    """An (up, down) pair: up [C -> d_out] column-parallel, down [d_out -> C] row-parallel under TP."""
-    if tp is None:
-        return nn.Linear(d_in, d_out, bias=config.bias), nn.Linear(d_out // stride, d_in, bias=config.bias)
-    sp = tp.sequence_parallel
-    up = ColumnParallelLinear(
-        d_in,
-        d_out,
-        config.bias,
-        stride=stride,
-        sequence_parallel=sp,
-        group=tp.group,
-        overlap_grad_comm=tp.overlap_grad_comm,
-    )
-    down = RowParallelLinear(d_out // stride, d_in, config.bias, sequence_parallel=sp, group=tp.group)
-    return up, down
+def _linears(config: GPTConfig, d_in: int, d_out: int, *, stride: int = 1) -> tuple[nn.Linear, nn.Linear]:
+    """An (up, down) pair: up [C -> d_out], down [d_out / stride -> C] (column- and row-parallel under TP)."""
+    return nn.Linear(d_in, d_out, bias=config.bias), nn.Linear(d_out // stride, d_in, bias=config.bias)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None, cp: ProcessGroup | None) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.head_dim = config.n_embd // config.n_head
-        self.local_heads = config.n_head // (1 if tp is None else tp.size)
-        # qkv: dense weight [3C, C] laid out [q; k; v]; stride 3 gives rank r its heads of each block.
-        self.qkv, self.proj = _linears(config, tp, config.n_embd, 3 * config.n_embd, stride=3)
+        # qkv: dense weight [3C, C] laid out [q; k; v] (under TP, stride 3 gives rank r its heads of each).
+        self.qkv, self.proj = _linears(config, config.n_embd, 3 * config.n_embd, stride=3)
         self.dropout = config.dropout
         self.resid_drop = nn.Dropout(config.dropout)
-        # Under CP: causal attention of this rank's queries on the whole sequence's keys, around the ring.
-        self.ring = RingAttention(cp) if cp is not None else None
+        # Under CP (set by parallelize_chunk): this rank's queries on the whole sequence's keys, in a ring.
+        self.ring: RingAttention | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [B, T, 3 * h * d] with h = this rank's heads (whole T: SP gathered it; T / cp)
+        qkv = self.qkv(x)  # [B, T, 3 * h * d], h = this rank's heads (whole T: SP gathered it; T / cp)
         B, T, _ = qkv.shape
-        q, k, v = (
-            t.view(B, T, self.local_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
-        )
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         if self.ring is not None:
             y = self.ring(q, k, v)  # [B, h, T / cp, d]
         else:
             p = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # [B, h, T, d]
-        y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))  # [B, T, C] (or [B, T / tp, C] under SP)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc, self.proj = _linears(config, tp, config.n_embd, 4 * config.n_embd)
+        self.fc, self.proj = _linears(config, config.n_embd, 4 * config.n_embd)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))  # hidden [B, T, 4C / tp] stays split
-
-
-def _layer_norm(config: GPTConfig, tp: TensorParallel | None) -> nn.LayerNorm:
-    norm = nn.LayerNorm(config.n_embd, bias=config.bias)
-    if tp is not None and tp.sequence_parallel:
-        mark_sequence_parallel(norm)  # replicated weights applied to sequence shards: grads are partial
-    return norm
-
-
-def _moe(config: MoEConfig, tp: TensorParallel | None, ep: ProcessGroup | None, routing_group) -> MoE:
-    """A MoE in place of the MLP. Its experts are not split over TP: every TP rank holds its EP shard's
-    experts. Under SP each TP rank routes its own tokens, so the parameters' gradients are partial sums."""
-    moe = MoE(config, ep, aux_loss_group=routing_group)
-    if tp is not None and tp.sequence_parallel:
-        mark_sequence_parallel(moe)
-    return moe
+        return self.drop(self.proj(F.gelu(self.fc(x))))  # hidden [B, T, 4C / tp] stays split under TP
 
 
 class Block(nn.Module):
-    def __init__(
-        self,
-        config: GPTConfig,
-        tp: TensorParallel | None,
-        cp: ProcessGroup | None = None,
-        ep: ProcessGroup | None = None,
-        routing_group: ProcessGroup | None = None,
-    ) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = _layer_norm(config, tp)
-        self.attn = CausalSelfAttention(config, tp, cp)
-        self.ln_2 = _layer_norm(config, tp)
-        moe = config.moe_config()
-        self.mlp = MLP(config, tp) if moe is None else _moe(moe, tp, ep, routing_group)
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        moe = config.moe_config()  # a MoE in place of the MLP (the MoE default group: see MoE)
+        self.mlp: MLP | MoE = MLP(config) if moe is None else MoE(moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -220,23 +137,10 @@ class Block(nn.Module):
 class Head(nn.Module):
     """Final norm and LM head: x -> logits [B, T, V], or [B, T, V / tp] split over the vocabulary."""
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_f = _layer_norm(config, tp)
-        self.lm_head: nn.Linear | ColumnParallelLinear
-        if tp is None:
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        else:
-            # Vocab-parallel logits [B, T, V / tp]; the vocabulary is padded to a multiple of tp if needed.
-            self.lm_head = ColumnParallelLinear(
-                config.n_embd,
-                config.vocab_size,
-                bias=False,
-                sequence_parallel=tp.sequence_parallel,
-                group=tp.group,
-                pad_out_features_to_multiple_of=1,
-                overlap_grad_comm=tp.overlap_grad_comm,
-            )
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -245,11 +149,7 @@ class Head(nn.Module):
 class GPTChunk(nn.Module):
     """Consecutive layers of a GPT: the embedding if `first`, blocks `layers` (global indices), the head
     if `last`. `recompute` re-runs each block's forward in backward instead of keeping its activations.
-
-    tp: split each layer over a TP group. cp: the CP group each sequence is split over (see the module
-    docstring). ep: the EP group the MoE experts are sharded over (`expert_parallel_groups(ep)[0]`; None:
-    the MoE default, which is the DP group inside a launch and all experts here outside one).
-    """
+    Plain PyTorch: `parallelize_gpt.parallelize_chunk(chunk, tp=..., cp=..., ep=...)` splits it."""
 
     def __init__(
         self,
@@ -258,30 +158,27 @@ class GPTChunk(nn.Module):
         *,
         first: bool = True,
         last: bool = True,
-        tp: TensorParallel | None = None,
-        cp: ProcessGroup | None = None,
-        ep: ProcessGroup | None = None,
         recompute: bool = False,
         autocast_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        cp = cp if cp is not None and cp.size() > 1 else None
-        _check_parallel(config, tp, parallel=tp is not None or cp is not None or ep is not None)
         layers = range(config.n_layer) if layers is None else layers
         if layers and not (layers.start >= 0 and layers.stop <= config.n_layer):
             raise ConfigError(f"layers {layers} are outside the model's 0..{config.n_layer - 1}")
         self.config = config
-        self.tp = tp
-        self.cp = cp
-        self.embedding = Embedding(config, tp, cp) if first else None
-        routing_group = _routing_group(tp, cp) if config.moe_experts and layers else None
-        self.blocks = nn.ModuleDict({str(i): Block(config, tp, cp, ep, routing_group) for i in layers})
-        self.head = Head(config, tp) if last else None
+        self.tp: TensorParallel | None = None  # set by parallelize_chunk
+        self.cp: ProcessGroup | None = None
+        self.embedding = Embedding(config) if first else None
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in layers})
+        self.head = Head(config) if last else None
         self.recompute = recompute
         self.autocast_dtype = autocast_dtype
-        self.moe_layers = [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
         self.aux_loss_sum = 0.0  # this chunk's MoE aux losses, summed over forwards (set it to 0 to restart)
         self.set_aux_loss_scale(1.0)
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
 
     @property
     def cp_size(self) -> int:
@@ -321,7 +218,7 @@ class GPTChunk(nn.Module):
 
 
 class GPT(GPTChunk):
-    """The whole model: one chunk with every layer. Plain PyTorch unless given `tp`, `cp` or `ep`."""
+    """The whole model: one chunk with every layer, in plain PyTorch (see parallelize_chunk)."""
 
     def __init__(self, config: GPTConfig, **kwargs) -> None:
         super().__init__(config, range(config.n_layer), first=True, last=True, **kwargs)

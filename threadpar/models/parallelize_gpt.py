@@ -1,21 +1,28 @@
 """This rank's part of a GPT under the launch's DP x CP x TP x PP layout (and EP), and its training step.
 
-`parallelize_gpt` applies the parallelisms in one short, ordered function (torchtitan's shape):
-  1. pipeline: `get_stage_info` gives this rank's chunks (layer ranges) of the PP group;
-  2. tensor (and sequence) parallel: each chunk is built from TP layers over the TP group;
-  3. context parallel: with cp > 1 each sequence is split over the CP group and attention is ring attention;
-  4. expert parallel: with MoE blocks, the experts are sharded over EP groups of `ep` DP ranks;
-  5. weights: every rank loads its shard of the same dense weights, so the layout changes nothing;
-  6. data parallel: each chunk is wrapped in DDP over the DP group (DP x CP under CP; sharded experts
-     over the ranks holding the same experts); the pipeline runs every backward but a chunk's last inside
-     `no_sync()`, so gradients are averaged once per step, overlapping that backward.
+torchtitan's shape: the model is built plain (models/gpt.py), then one ordered function applies the
+layout. `parallelize_gpt` is that function for a launch:
+  1. pipeline: `get_stage_info` gives this rank's chunks (layer ranges) of the PP group, built plain;
+  2. `parallelize_chunk` on each chunk:
+     a. expert parallel: with MoE blocks, each MoE is swapped for one whose experts are sharded over the
+        EP group (routing counted over the ranks that hold the rest of each sequence);
+     b. tensor (and sequence) parallel: the TP plan (`gpt_tp_plan`) swaps the linear layers and the
+        token embedding for TP layers over the TP group (`parallelize`), and marks the norms (and MoEs)
+        that run on sequence shards;
+     c. context parallel: with cp > 1 attention is swapped for ring attention over the CP group and the
+        embedding takes this rank's positions of each sequence;
+  3. weights: every rank loads its shard of the same dense weights, so the layout changes nothing;
+  4. data parallel: each chunk is wrapped in DDP over the DP group (DP x CP under CP; sharded experts
+     over the ranks holding the same experts); the pipeline's lowered plan synchronizes each chunk's
+     gradients once per step (SYNC_GRAD), overlapping its last backward.
+The MoE swap comes before the TP plan so that the plan's sequence-parallel marks land on the MoE that
+trains. `parallelize_chunk` alone is the way into TP/CP/EP for a model outside a pipeline (tests, demos).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -25,14 +32,118 @@ from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
-from threadpar.models.gpt import GPTChunk, GPTConfig, GPTLoss, TensorParallel
+from threadpar.models.gpt import Block, GPTChunk, GPTConfig, GPTLoss, TensorParallel
 from threadpar.parallel import DistributedDataParallel, mark_grad_placements
-from threadpar.parallel.context_parallel import padding_multiple, split_sequence
-from threadpar.parallel.expert_parallel import expert_parallel_groups
+from threadpar.parallel.context_parallel import (
+    RingAttention,
+    context_tensor_parallel_group,
+    padding_multiple,
+    split_sequence,
+)
+from threadpar.parallel.expert_parallel import MoE, expert_parallel_groups
 from threadpar.parallel.loss_scaler import LossScaler
-from threadpar.parallel.tensor_parallel import allreduce_sequence_parallel_grads, gather_dense_grads
+from threadpar.parallel.tensor_parallel import (
+    ColwiseParallel,
+    VocabParallel,
+    allreduce_sequence_parallel_grads,
+    gather_dense_grads,
+    parallelize,
+)
+from threadpar.parallel.tensor_parallel.parallelize import Style
 from threadpar.pipeline import PipelineParallel, default_chunks_per_rank, get_stage_info, schedule_placement
 from threadpar.runtime.context import get_coords, get_device, get_layout
+
+
+def gpt_tp_plan(chunk: GPTChunk, sequence_parallel: bool) -> dict[str, str | Style]:
+    """The GPT's tensor-parallel plan (`parallelize`'s), for the modules this chunk holds:
+    - q/k/v: one column-parallel layer with stride 3, so each rank holds whole heads (n_head / tp);
+    - attention output projection and MLP down-projection: row-parallel (one all-reduce each);
+    - MLP up-projection: column-parallel; the token embedding vocab-parallel (its output whole: the
+      embedding adds the positions, then scatters the sequence itself under SP), and so is the LM head,
+      whose logits stay split over the (padded) vocabulary for the vocab-parallel cross-entropy;
+    - under sequence parallelism the norms (and MoEs, whose experts are not split over TP) run on
+      sequence shards: their gradients are partial sums over the TP group."""
+    plan: dict[str, str | Style] = {}
+    if chunk.embedding is not None:
+        plan["embedding.wte"] = VocabParallel(reduce_scatter=False)
+    if chunk.blocks:
+        plan["blocks.*.attn.qkv"] = ColwiseParallel(stride=3)
+        plan["blocks.*.attn.proj"] = "rowwise"
+        if chunk.moe_layers:
+            if sequence_parallel:
+                plan["blocks.*.mlp"] = "sequence"
+        else:
+            plan["blocks.*.mlp.fc"] = "colwise"
+            plan["blocks.*.mlp.proj"] = "rowwise"
+        if sequence_parallel:
+            plan["blocks.*.ln_*"] = "sequence"
+    if chunk.head is not None:
+        plan["head.lm_head"] = ColwiseParallel(pad_out_features_to_multiple_of=1)
+        if sequence_parallel:
+            plan["head.ln_f"] = "sequence"
+    return plan
+
+
+def _routing_group(tp: TensorParallel | None, cp: ProcessGroup | None) -> ProcessGroup | None:
+    """The ranks holding the other tokens of this rank's sequences (CP, and TP under sequence
+    parallelism), over which a MoE counts routing for its load-balancing loss; None: whole sequences here."""
+    sp = tp is not None and tp.sequence_parallel
+    if cp is None:
+        return tp.group if sp and tp is not None else None
+    return context_tensor_parallel_group() if sp else cp
+
+
+def parallelize_chunk(
+    chunk: GPTChunk,
+    *,
+    tp: TensorParallel | None = None,
+    cp: ProcessGroup | None = None,
+    ep: ProcessGroup | None = None,
+) -> GPTChunk:
+    """Make a plain GPT chunk (or GPT) this rank's part of the layout, in place; return it. In order: the
+    MoE swap (experts sharded over `ep`: `expert_parallel_groups(ep)[0]`; None: the MoE default, the DP
+    group inside a launch), the TP plan over `tp` (`gpt_tp_plan`), the CP swap (ring attention over `cp`,
+    and each sequence's positions split as `split_sequence` splits it). Call it on the rank thread, before
+    loading the dense weights (`load_model_state`) and before wrapping in DDP."""
+    config = chunk.config
+    cp = cp if cp is not None and cp.size() > 1 else None
+    if tp is not None and config.n_head % tp.size:
+        raise ConfigError(
+            f"n_head={config.n_head} is not divisible by tp={tp.size}; pick a tp that divides it"
+        )
+    if (tp is not None or cp is not None or ep is not None) and config.dropout > 0:
+        raise ConfigError(
+            "dropout > 0 is supported in the plain GPT only: nn.Dropout draws from the process-wide generator "
+            "that all rank threads share; train the parallel GPT with dropout=0"
+        )
+    sp = tp is not None and tp.sequence_parallel
+    # a. expert parallel: the MoEs with their EP group and the group they count routing over
+    moe_config = config.moe_config() if chunk.blocks else None
+    routing = _routing_group(tp, cp) if moe_config is not None else None
+    if moe_config is not None and (ep is not None or routing is not None):
+        for block in chunk.blocks.values():
+            assert isinstance(block, Block)
+            block.mlp = MoE(moe_config, ep, aux_loss_group=routing)
+    # b. tensor (and sequence) parallel
+    if tp is not None:
+        plan = gpt_tp_plan(chunk, sp)
+        if plan:
+            parallelize(
+                chunk, plan, group=tp.group, sequence_parallel=sp, overlap_grad_comm=tp.overlap_grad_comm
+            )
+        if sp and chunk.embedding is not None:
+            chunk.embedding.sequence_parallel_group = tp.group
+        chunk.tp = tp
+    # c. context parallel
+    if cp is not None:
+        for block in chunk.blocks.values():
+            assert isinstance(block, Block)
+            block.attn.ring = RingAttention(cp)
+        if chunk.embedding is not None:
+            chunk.embedding.cp = cp
+        chunk.cp = cp
+    chunk.set_aux_loss_scale(1.0)  # the factor cp of the new MoEs
+    return chunk
 
 
 @dataclass(eq=False)
@@ -147,11 +258,20 @@ def parallelize_gpt(
         config.n_layer, layout.pp, coords.pp, chunks_per_stage, schedule_placement(schedule)
     )
     last_chunk = layout.pp * chunks_per_stage - 1
-    options: dict[str, Any] = dict(
-        tp=tp, cp=cp, ep=ep_group, recompute=recompute, autocast_dtype=autocast_dtype
-    )
     chunks = [
-        GPTChunk(config, range(start, end), first=chunk == 0, last=chunk == last_chunk, **options)
+        parallelize_chunk(
+            GPTChunk(
+                config,
+                range(start, end),
+                first=chunk == 0,
+                last=chunk == last_chunk,
+                recompute=recompute,
+                autocast_dtype=autocast_dtype,
+            ),
+            tp=tp,
+            cp=cp,
+            ep=ep_group,
+        )
         for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk)
     ]
     # On this rank's GPU (a no-op on CPU threads) before the dense weights load there.

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: stage partition, schedules as data, a simulator, thread P2P, the executor, timelines.
+"""Pipeline parallelism: stage partition, schedules as data, their lowering, a simulator, thread P2P, the
+executor (an interpreter of lowered plans), timelines.
 
 from threadpar.pipeline import PipelineParallel, build_chunks
 
@@ -13,6 +14,7 @@ threadpar.launch(train, world_size=4, pp=4)
 
 from threadpar.pipeline.chunks import build_chunks
 from threadpar.pipeline.executor import PipelineParallel
+from threadpar.pipeline.lowering import lower
 from threadpar.pipeline.p2p import (
     Link,
     describe_tag,
@@ -69,6 +71,7 @@ __all__ = [
     "get_stage_info",
     "in_flight_peaks",
     "interleaved_1f1b",
+    "lower",
     "measured_bubble",
     "message_tag",
     "one_f_one_b",

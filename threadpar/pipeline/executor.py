@@ -20,11 +20,18 @@ torch.autocast on the rank's device type (InfiniTrain's TrainStep(..., dtype)); 
 the optimizer stay in their own dtype (fp32 master weights), and activations travel between stages in the
 dtype autocast gave them. With float16, scale the loss (threadpar.parallel.LossScaler).
 
-Each microbatch's saved activations are released as soon as its backward has run (for a split backward:
-its W). A chunk that has a `no_sync()` method (a DistributedDataParallel wrapper) runs every backward but its
-last of the step inside `no_sync()`, so its gradients are synchronized once per step, after the last
-microbatch; with a split backward that last one is the chunk's last W (split_backward.py: W accumulates
-through the parameters' AccumulateGrad nodes, where the reducer's hooks are).
+The executor is a plain interpreter of the lowered plan (lowering.py): the schedule's compute actions plus
+the messages and gradient synchronizations that lowering makes explicit. Per action: RECV_F / RECV_B post
+a receive (the compute action that consumes it waits for it); F runs the chunk (and the loss, on the last
+chunk); SEND_F posts the output to the next chunk's rank; B runs the full backward, I the input gradient
+only and W the weight gradients from what I kept (split_backward.py); SEND_B answers the previous chunk's
+rank (autograd hands dL/d(input) to the link the moment it reaches the input, so that send overlaps the
+rest of the backward; SEND_B sends an empty "no gradient" answer when it never reached it); SYNC_GRAD
+makes the chunk's next gradient-accumulating action synchronize its gradients: a chunk that has a
+`no_sync()` method (a DistributedDataParallel wrapper) runs every other B and W inside `no_sync()`, so its
+gradients are synchronized once per step, overlapping its last backward (for a split one its last W: W
+accumulates through the parameters' AccumulateGrad nodes, where the reducer's hooks are). Each
+microbatch's saved activations are released as soon as its backward has run (for a split backward: its W).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import functools
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +50,7 @@ from torch import nn
 from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError, RankAborted
+from threadpar.pipeline.lowering import lower
 from threadpar.pipeline.p2p import (
     Link,
     LocalChannel,
@@ -66,8 +75,19 @@ from threadpar.pipeline.split_backward import (
 from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
 
-_CATEGORY = {"F": "forward", "B": "backward", "W": "weight"}  # timeline categories
-_DESCRIPTION = {"F": "forward", "B": "backward", "W": "weight gradients"}
+# Timeline categories of the compute actions (messages are recorded by their links as send/recv events).
+_CATEGORY = {"F": "forward", "B": "backward", "I": "backward", "W": "weight"}
+_DESCRIPTION = {
+    "F": "forward",
+    "B": "backward",
+    "I": "input gradient",
+    "W": "weight gradients",
+    "SEND_F": "send of the output",
+    "RECV_F": "receive of the input",
+    "SEND_B": "send of the input gradient",
+    "RECV_B": "receive of the output gradient",
+    "SYNC_GRAD": "gradient synchronization",
+}
 
 
 def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
@@ -81,11 +101,11 @@ def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
 
 
 @functools.lru_cache(maxsize=32)
-def _named_plan(schedule: str, pp: int, n: int, v: int) -> tuple[Plan, Simulation]:
-    """A named schedule's plan and its dry run. Both are immutable data, so the stages of a pipeline (threads
-    of one process) share one copy instead of each building and checking its own."""
+def _named_plan(schedule: str, pp: int, n: int, v: int, prefetch: bool) -> tuple[Plan, Plan, Simulation]:
+    """A named schedule's plan, its lowered form and its dry run. All are immutable data, so the stages of a
+    pipeline (threads of one process) share one copy instead of each building and checking its own."""
     plan = build_plan(schedule, pp, n, v)
-    return plan, simulate(plan)
+    return plan, lower(plan, prefetch=prefetch), simulate(plan)
 
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -110,8 +130,24 @@ def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass(eq=False)
+class _Step:
+    """What one step's interpreter keeps between actions."""
+
+    inputs: list | None = None  # the first stage's microbatches
+    targets: list | None = None  # the last stage's
+    evaluate: bool = False  # eval_step: forwards only, no autograd
+    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)  # F's output until its SEND_F
+    saved: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)  # backward roots
+    pending: dict[tuple[int, int], PendingWeights] = field(default_factory=dict)  # I's waiting for their W
+    sync: set[int] = field(default_factory=set)  # chunks whose next B or W synchronizes gradients
+    losses: list[torch.Tensor] = field(default_factory=list)
+    outputs_of_last_chunk: list[Any] = field(default_factory=list)  # eval_step's result
+    peak: int = 0  # the most microbatches saved at once
+
+
 class PipelineParallel:
-    """This rank's stage of a pipeline: its chunks, its action list, its links to the neighbouring ranks."""
+    """This rank's stage of a pipeline: its chunks, its lowered actions, its links to the neighbouring ranks."""
 
     def __init__(
         self,
@@ -136,16 +172,17 @@ class PipelineParallel:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"PipelineParallel: num_microbatches must be a positive int, got {n!r}")
         self.chunks = chunk_list
-        self.prefetch = bool(prefetch)  # post the next action's receive before the current compute
+        self.prefetch = bool(prefetch)  # lower each receive one compute action ahead of its consumer
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.num_microbatches = n
         self.group = _resolve_group(group)
         self.pp, self.stage = self.group.size(), self.group.rank()
-        # The dry run proves the plan cannot deadlock; its unit-cost grid is what a failure report shows.
-        self.plan, self.simulation = self._make_plan(schedule, len(chunk_list))
+        # The compute plan, the lowered plan this rank runs, and the dry run that proves the plan cannot
+        # deadlock (its unit-cost grid is what a failure report shows).
+        self.plan, self.lowered, self.simulation = self._make_plan(schedule, len(chunk_list))
         check_tag_range(self.plan.num_chunks, n)
-        self.actions: tuple[Action, ...] = self.plan.actions[self.stage]
+        self.actions: tuple[Action, ...] = self.lowered.actions[self.stage]
         self.is_first_stage = self.plan.rank_of(0) == self.stage
         self.is_last_stage = self.plan.rank_of(self.plan.num_chunks - 1) == self.stage
         self.expected_peak_saved_activations = self.simulation.peak_in_flight[self.stage]
@@ -167,18 +204,13 @@ class PipelineParallel:
         self._anchor = gradient_anchor(self.device)
         self._trainable = [[p for p in c.parameters() if p.requires_grad] for c in chunk_list]
         self._check_weight_actions()
-        # Gradient sync (DDP chunks): only the last action of each chunk that accumulates weight gradients
-        # (a fused backward or a W) runs outside no_sync().
-        last_backward = {a.chunk: i for i, a in enumerate(self.actions) if self._accumulates(a)}
-        self._sync_indices = frozenset(last_backward.values())
         self._forward_plan: tuple[Plan, Simulation] | None = None
-        self._saved: dict[tuple[int, int], torch.Tensor | None] = {}
         self._check_agreement()
 
     # construction helpers ---------------------------------------------------------------------------------------
-    def _make_plan(self, schedule: str | Plan, v: int) -> tuple[Plan, Simulation]:
+    def _make_plan(self, schedule: str | Plan, v: int) -> tuple[Plan, Plan, Simulation]:
         if isinstance(schedule, str):
-            return _named_plan(schedule, self.pp, self.num_microbatches, v)
+            return _named_plan(schedule, self.pp, self.num_microbatches, v, self.prefetch)
         if not isinstance(schedule, Plan):
             raise TypeError(
                 f"PipelineParallel: schedule must be a name ('afab', '1f1b', 'interleaved') or a Plan, "
@@ -192,11 +224,8 @@ class PipelineParallel:
                 f"{schedule.forward_only}), but this pipeline has pp={self.pp} ranks, num_microbatches="
                 f"{self.num_microbatches} and {v} chunks on this rank; pass a training plan of those sizes"
             )
-        return schedule, simulate(schedule)
-
-    def _accumulates(self, action: Action) -> bool:
-        """Whether `action` accumulates weight gradients: a W, or a backward that is not split."""
-        return action.weight or (not action.forward and action.key not in self.plan.split)
+        plan = schedule.compute_plan()  # a lowered plan runs as written
+        return plan, lower(schedule, prefetch=self.prefetch), simulate(plan)
 
     def _check_weight_actions(self) -> None:
         """W actions need weights: a chunk without trainable parameters has no weight gradient to defer."""
@@ -207,7 +236,7 @@ class PipelineParallel:
                     f"PipelineParallel: schedule {self.plan.name!r} has W actions (weight gradients) for chunk "
                     f"{chunk} on stage {self.stage}, but that chunk has no parameter that requires grad; use "
                     "a schedule without W actions (e.g. '1f1b' or 'interleaved'), or a plan whose backwards "
-                    "of that chunk are fused (a B with no W)"
+                    "of that chunk are full ones (B, no I and W)"
                 )
 
     def _check_agreement(self) -> None:
@@ -239,45 +268,14 @@ class PipelineParallel:
 
         `inputs` (used on the first stage) and `targets` (on the last): a tensor, or a tuple/list/dict of
         them, each split into num_microbatches along dim 0; constants in them go to every microbatch."""
-        input_mbs = self._split("inputs", inputs) if self.is_first_stage else None
-        target_mbs = self._split("targets", targets) if self.is_last_stage else None
-        saved: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk, microbatch) -> backward root
-        pending: dict[tuple[int, int], PendingWeights] = {}  # split B's waiting for their W
-        self._saved = saved  # for _post_receive: whether a backward will get a gradient message
-        losses: list[torch.Tensor] = []
-        peak = 0
-
-        def run(index: int, action: Action) -> None:
-            nonlocal peak
-            if action.weight:
-                # W: the weight gradients; then the graph (kept by `saved` until here) is freed.
-                self._backward_weight(action, index, pending.pop(action.key))
-                del saved[action.key]
-            elif not action.forward and action.key in self.plan.split:
-                pending[action.key] = self._backward_input(action, saved[action.key])
-            elif action.forward:
-                output = self._forward(action, input_mbs)
-                if action.chunk == self.plan.num_chunks - 1:
-                    assert target_mbs is not None  # the last chunk runs on the last stage, which has them
-                    loss = self._loss(output, target_mbs[action.microbatch])
-                    losses.append(loss.detach())
-                    saved[(action.chunk, action.microbatch)] = loss / self.num_microbatches
-                else:
-                    saved[(action.chunk, action.microbatch)] = send_activation(
-                        output,
-                        self._link_to_next(action.chunk),
-                        chunk=action.chunk,
-                        microbatch=action.microbatch,
-                    )
-                peak = max(peak, len(saved))
-            else:
-                # pop: the graph (this microbatch's activations) is freed by its backward, right here.
-                self._backward(action, index, saved.pop((action.chunk, action.microbatch)))
-
+        step = _Step(
+            inputs=self._split("inputs", inputs) if self.is_first_stage else None,
+            targets=self._split("targets", targets) if self.is_last_stage else None,
+        )
         with torch.enable_grad():
-            self._run(self.actions, self.simulation, run)
-        self.peak_saved_activations = peak
-        loss = self._share_loss(losses)
+            self._run(self.actions, self.simulation, step)
+        self.peak_saved_activations = step.peak
+        loss = self._share_loss(step.losses)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -290,40 +288,63 @@ class PipelineParallel:
         becomes the list of its n values."""
         if self._forward_plan is None:
             plan = self.plan.forward_plan()
-            self._forward_plan = (plan, simulate(plan))
-        plan, simulation = self._forward_plan
-        input_mbs = self._split("inputs", inputs) if self.is_first_stage else None
-        outputs: list[torch.Tensor] = []
-
-        def run(index: int, action: Action) -> None:
-            output = self._forward(action, input_mbs)
-            if action.chunk == plan.num_chunks - 1:
-                outputs.append(output)
-            else:
-                send_activation(
-                    output, self._link_to_next(action.chunk), chunk=action.chunk, microbatch=action.microbatch
-                )
-
+            self._forward_plan = (lower(plan, prefetch=self.prefetch), simulate(plan))
+        lowered, simulation = self._forward_plan
+        step = _Step(inputs=self._split("inputs", inputs) if self.is_first_stage else None, evaluate=True)
         with torch.no_grad():
-            self._run(plan.actions[self.stage], simulation, run)
-        return concat_microbatches(outputs) if self.is_last_stage else None
+            self._run(lowered.actions[self.stage], simulation, step)
+        return concat_microbatches(step.outputs_of_last_chunk) if self.is_last_stage else None
 
-    # the action loop --------------------------------------------------------------------------------------------
-    def _run(self, actions: Sequence[Action], simulation: Simulation, run: Callable[[int, Action], None]):
+    # the interpreter --------------------------------------------------------------------------------------------
+    def _run(self, actions: Sequence[Action], simulation: Simulation, step: _Step) -> None:
         self.timeline.clear()
         record = self.timeline.record
-        for index, action in enumerate(actions):
+        compute_index = -1  # the index of the action in the compute plan (what the failure report marks)
+        for action in actions:
+            compute_index += action.is_compute
             t0 = time.perf_counter()
             try:
-                if self.prefetch and index + 1 < len(actions):
-                    self._post_receive(actions[index + 1])
-                run(index, action)
+                self._execute(action, step)
             except RankAborted:
                 raise  # a consequence of another rank's failure, reported there
             except Exception as error:
-                add_note(error, self._failure_report(simulation, index, action))
+                add_note(error, self._failure_report(simulation, max(compute_index, 0), action))
                 raise
-            record(str(action), _CATEGORY[action.kind], t0, time.perf_counter())
+            if action.is_compute:
+                record(str(action), _CATEGORY[action.kind], t0, time.perf_counter())
+
+    def _execute(self, action: Action, step: _Step) -> None:
+        """Run one action of the lowered plan."""
+        kind, key = action.kind, action.key
+        chunk, microbatch = key
+        if kind == "RECV_F":
+            self._link_from_prev(chunk).post(message_tag(microbatch, chunk - 1, backward=False))
+        elif kind == "RECV_B":
+            if step.saved.get(key) is not None:  # None: this output carries no gradient back
+                self._link_to_next(chunk).post(message_tag(microbatch, chunk, backward=True))
+        elif kind == "F":
+            self._forward(action, step)
+        elif kind == "SEND_F":
+            token = send_activation(
+                step.outputs.pop(key), self._link_to_next(chunk), chunk=chunk, microbatch=microbatch
+            )
+            if not step.evaluate:
+                step.saved[key] = token
+        elif kind == "B":
+            # pop: the graph (this microbatch's activations) is freed by its backward, right here.
+            self._backward(action, step.saved.pop(key), step)
+        elif kind == "I":
+            step.pending[key] = self._backward_input(action, step.saved[key])
+        elif kind == "W":
+            # The weight gradients; then the graph (kept by `saved` until here) is freed.
+            self._backward_weight(action, step.pending.pop(key), step)
+            del step.saved[key]
+        elif kind == "SEND_B":  # the gradient went as autograd reached the input; or none reached it
+            settle_gradient(self._link_from_prev(chunk), chunk=chunk, microbatch=microbatch)
+        elif kind == "SYNC_GRAD":
+            step.sync.add(chunk)
+        else:  # Action rejects unknown kinds; a new kind must be taught here
+            raise ConfigError(f"PipelineParallel cannot run action {action}: no rule for kind {kind!r}")
 
     def _link_from_prev(self, chunk: int) -> Link:
         """The link to the rank of chunk - 1 (where chunk's input comes from and its gradient goes)."""
@@ -333,38 +354,38 @@ class PipelineParallel:
         """The link to the rank of chunk + 1 (where chunk's output goes and its gradient comes from)."""
         return self._links[self.plan.rank_of(chunk + 1)]
 
-    def _post_receive(self, action: Action) -> None:
-        """Post the receive `action` will wait for (its input activation, or its output's gradient), so
-        that its transfer overlaps the current action's compute (see p2p.Channel)."""
-        if action.forward:
-            if action.chunk > 0:
-                self._link_from_prev(action.chunk).post(
-                    message_tag(action.microbatch, action.chunk - 1, False)
-                )
-        elif (
-            not action.weight
-            and action.chunk < self.plan.num_chunks - 1
-            and self._saved.get(action.key) is not None  # None: no gradient comes back for this output
-        ):
-            self._link_to_next(action.chunk).post(message_tag(action.microbatch, action.chunk, backward=True))
-
     def _failure_report(self, simulation: Simulation, index: int, action: Action) -> str:
         grid = simulation.grid(mark=[(self.stage, index)], legend="[x] = the failing action (unit-cost grid)")
+        what = f"({_DESCRIPTION[action.kind]} of microbatch {action.microbatch} through chunk {action.chunk})"
+        if not action.is_compute:
+            what = f"({_DESCRIPTION[action.kind]} of chunk {action.chunk}" + (
+                f", microbatch {action.microbatch})" if action.kind != "SYNC_GRAD" else ")"
+            )
         return (
             f"pipeline schedule {simulation.plan.name!r} failed on rank {self.group.global_rank} "
-            f"(stage {self.stage}) in action {action} ({_DESCRIPTION[action.kind]} of "
-            f"microbatch {action.microbatch} through chunk {action.chunk}), its action #{index}:\n{grid}"
+            f"(stage {self.stage}) in action {action} {what}, at compute action #{index}:\n{grid}"
         )
 
-    def _forward(self, action: Action, input_mbs: list | None) -> Any:
-        chunk, microbatch = action.chunk, action.microbatch
+    def _forward(self, action: Action, step: _Step) -> None:
+        chunk, microbatch = action.key
         if chunk == 0:
-            assert input_mbs is not None  # chunk 0 runs on the first stage, which has the inputs
-            x = input_mbs[microbatch]
+            assert step.inputs is not None  # chunk 0 runs on the first stage, which has the inputs
+            x = step.inputs[microbatch]
         else:
-            x = recv_activation(self._link_from_prev(chunk), self._anchor, chunk=chunk, microbatch=microbatch)
+            anchor = None if step.evaluate else self._anchor
+            x = recv_activation(self._link_from_prev(chunk), anchor, chunk=chunk, microbatch=microbatch)
         with self._autocast():
-            return call_chunk(self.chunks[action.local_chunk(self.pp)], x)
+            output = call_chunk(self.chunks[action.local_chunk(self.pp)], x)
+        if chunk < self.plan.num_chunks - 1:
+            step.outputs[action.key] = output  # for SEND_F
+        elif step.evaluate:
+            step.outputs_of_last_chunk.append(output)
+        else:
+            assert step.targets is not None  # the last chunk runs on the last stage, which has them
+            loss = self._loss(output, step.targets[microbatch])
+            step.losses.append(loss.detach())
+            step.saved[action.key] = loss / self.num_microbatches
+        step.peak = max(step.peak, len(step.saved) + len(step.outputs))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Forward and loss under torch.autocast when autocast_dtype is set (backward runs outside it, as
@@ -373,8 +394,8 @@ class PipelineParallel:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _backward(self, action: Action, index: int, root: torch.Tensor | None) -> None:
-        with self._sync_guard(self.chunks[action.local_chunk(self.pp)], index):
+    def _backward(self, action: Action, root: torch.Tensor | None, step: _Step) -> None:
+        with self._sync_guard(action, step):
             if action.chunk == self.plan.num_chunks - 1:
                 if root is not None and root.requires_grad:
                     root.backward()
@@ -382,20 +403,19 @@ class PipelineParallel:
                 # The token of this chunk's send: its backward receives dL/d(output) from the next stage
                 # (and drops it, for a frozen chunk whose output needs none).
                 run_backward(root)
-        if action.chunk > 0:  # sends dL/d(input) back, or "none" if this backward never reached the input
-            settle_gradient(
-                self._link_from_prev(action.chunk), chunk=action.chunk, microbatch=action.microbatch
-            )
 
-    def _sync_guard(self, module: nn.Module, index: int) -> contextlib.AbstractContextManager:
-        """no_sync() for a DDP chunk, except in the chunk's last gradient-accumulating action of the step."""
-        no_sync = getattr(module, "no_sync", None)
-        if callable(no_sync) and index not in self._sync_indices:
-            return no_sync()
-        return contextlib.nullcontext()
+    def _sync_guard(self, action: Action, step: _Step) -> contextlib.AbstractContextManager:
+        """no_sync() for a DDP chunk, unless a SYNC_GRAD of its chunk came before this action (then this
+        action's backward synchronizes the gradients, once)."""
+        no_sync = getattr(self.chunks[action.local_chunk(self.pp)], "no_sync", None)
+        if action.chunk in step.sync and action.accumulates:
+            step.sync.discard(action.chunk)
+            return contextlib.nullcontext()
+        return no_sync() if callable(no_sync) else contextlib.nullcontext()
 
     def _backward_input(self, action: Action, root: torch.Tensor | None) -> PendingWeights:
-        """B of a split backward: dL/d(input) only, sent upstream at once; returns what its W needs."""
+        """I: dL/d(input) only (handed to the link for SEND_B as soon as it is computed); returns what its W
+        needs."""
         local = action.local_chunk(self.pp)
         edges: list = []
         grads: list[torch.Tensor] = []
@@ -405,18 +425,13 @@ class PipelineParallel:
             else:
                 edges, grads = receive_output_gradients(root, self._anchor)
         # No weight gradient is accumulated here, so no DDP hook fires; no_sync() only for clarity.
-        with self._sync_guard(self.chunks[local], -1):
-            weights = backward_input(edges, grads, self._anchor, self._trainable[local])
-        if action.chunk > 0:
-            settle_gradient(
-                self._link_from_prev(action.chunk), chunk=action.chunk, microbatch=action.microbatch
-            )
-        return weights
+        no_sync = getattr(self.chunks[local], "no_sync", None)
+        with no_sync() if callable(no_sync) else contextlib.nullcontext():
+            return backward_input(edges, grads, self._anchor, self._trainable[local])
 
-    def _backward_weight(self, action: Action, index: int, weights: PendingWeights) -> None:
-        """W of a split backward: the weight gradients from what its B kept."""
-        local = action.local_chunk(self.pp)
-        with self._sync_guard(self.chunks[local], index):
+    def _backward_weight(self, action: Action, weights: PendingWeights, step: _Step) -> None:
+        """W of a split backward: the weight gradients from what its I kept."""
+        with self._sync_guard(action, step):
             backward_weight(weights)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:

@@ -1,14 +1,16 @@
 """Dry-run a plan (pure): blocking receives, buffered sends, unit or given costs; and the grid printer.
 
 Each rank runs its actions in order. An action starts when its rank is free and its inputs have arrived:
-the forward of chunk c needs the forward of chunk c - 1 (same microbatch), the backward (B) of chunk c needs
-its own forward and the B of chunk c + 1, and a W needs its own B. Sends never block (threadpar's
-mailboxes buffer them). Costs: F `forward`, B `backward`, W `weight`; a fused backward (a B without a W in
-the plan) does both halves, so it costs `backward + weight`.
+the forward of chunk c needs the forward of chunk c - 1 (same microbatch), the backward (B or I) of chunk c
+needs its own forward and the backward of chunk c + 1, and a W needs its own I. In a lowered plan the
+messages carry these: a forward waits for the SEND_F of chunk c - 1, a backward for the SEND_B of chunk
+c + 1; messages and SYNC_GRAD cost nothing and wait for nothing (sends never block: threadpar's mailboxes
+buffer them; a receive is posted, and the compute action that consumes it waits). Costs: F `forward`,
+I `backward`, W `weight`; a full backward (B) does both halves, so it costs `backward + weight`.
 If no rank can move while some still have work, the plan deadlocks: `simulate` raises a ScheduleError
 with the grid of what ran and the blocked actions marked. Otherwise it reports every action's start and
 finish, each rank's peak number of saved activations (forwards whose backward, or W when split, has not
-run: a split B keeps the graph alive for its W), the peak number of B's waiting for their W, and the bubble.
+run: an I keeps the graph alive for its W), the peak number of I's waiting for their W, and the bubble.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from threadpar.errors import ConfigError
 from threadpar.pipeline.schedule import Action, Plan, ScheduleError
 
-Key = tuple[int, int, str]  # (chunk, microbatch, kind "F" / "B" / "W")
+Key = tuple[int, int, str]  # (chunk, microbatch, kind: "F", "B", "I", "W", "SEND_F", ...)
 # An error grid wider than this many time steps shows only the steps around the marked actions.
 GRID_MAX_STEPS = 24
 
@@ -31,7 +33,7 @@ class Simulation:
     finish: tuple[tuple[float, ...], ...]
     busy: tuple[float, ...]  # per rank: total cost of its actions
     peak_in_flight: tuple[int, ...]  # per rank: most (chunk, microbatch) activations saved at once
-    peak_awaiting_weight: tuple[int, ...]  # per rank: most split B's whose W has not run yet
+    peak_awaiting_weight: tuple[int, ...]  # per rank: most I's whose W has not run yet
 
     @property
     def makespan(self) -> float:
@@ -51,12 +53,12 @@ class Simulation:
 def in_flight_peaks(plan: Plan) -> tuple[int, ...]:
     """Per rank, the most forwards done whose backward has not fully run (a split one: its W), i.e. what
     its executor must keep saved."""
-    return _peaks(plan, lambda a: 1 if a.forward else -1 if a.weight or a.key not in plan.split else 0)
+    return _peaks(plan, lambda a: 1 if a.forward else -1 if a.accumulates else 0)
 
 
 def awaiting_weight_peaks(plan: Plan) -> tuple[int, ...]:
-    """Per rank, the most split B's done whose W has not run (their graphs wait for the W)."""
-    return _peaks(plan, lambda a: 0 if a.forward or a.key not in plan.split else -1 if a.weight else 1)
+    """Per rank, the most I's done whose W has not run (their graphs wait for the W)."""
+    return _peaks(plan, lambda a: 1 if a.kind == "I" else -1 if a.weight else 0)
 
 
 def _peaks(plan: Plan, change: Callable[[Action], int]) -> tuple[int, ...]:
@@ -70,15 +72,21 @@ def _peaks(plan: Plan, change: Callable[[Action], int]) -> tuple[int, ...]:
     return tuple(peaks)
 
 
-def _inputs(a: Action, last_chunk: int) -> list[Key]:
+def _inputs(plan: Plan, a: Action) -> list[Key]:
     """The actions whose results `a` waits for."""
+    last_chunk = plan.num_chunks - 1
     if a.forward:
-        return [(a.chunk - 1, a.microbatch, "F")] if a.chunk > 0 else []
+        if a.chunk == 0:
+            return []
+        return [(a.chunk - 1, a.microbatch, "SEND_F" if plan.lowered else "F")]
     if a.weight:
-        return [(a.chunk, a.microbatch, "B")]
+        return [(a.chunk, a.microbatch, "I")]
+    if not a.is_backward:
+        return []  # messages and SYNC_GRAD follow their rank's order only
     deps = [(a.chunk, a.microbatch, "F")]
     if a.chunk < last_chunk:
-        deps.append((a.chunk + 1, a.microbatch, "B"))
+        upstream = "SEND_B" if plan.lowered else "I" if (a.chunk + 1, a.microbatch) in plan.split else "B"
+        deps.append((a.chunk + 1, a.microbatch, upstream))
     return deps
 
 
@@ -98,9 +106,8 @@ def _cost_function(
     for name, value in (("forward", forward), ("backward", backward), ("weight", weight)):
         if not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"{name} cost must be a non-negative number, got {value!r}")
-    fused = backward + weight
-    split = plan.split
-    return lambda a: forward if a.forward else weight if a.weight else backward if a.key in split else fused
+    costs = {"F": forward, "I": backward, "W": weight, "B": backward + weight}
+    return lambda a: costs[a.kind]
 
 
 def simulate(
@@ -112,12 +119,16 @@ def simulate(
     cost: Callable[[Action], float] | None = None,
     latency: float = 0.0,
 ) -> Simulation:
-    """Run `plan` with the given cost per forward, backward (B: input gradient) and weight gradient (W), or
-    `cost(action)`, and `latency` from a send on one rank to its receive on another. A fused backward costs
-    backward + weight. weight=None: 1 for a plan with W actions (each its own unit step), else 0 (so that
+    """Run `plan` with the given cost per forward (F), input gradient (I) and weight gradient (W), or
+    `cost(action)` for compute actions, and `latency` from a send on one rank to its receive on another. A
+    full backward (B) costs backward + weight; a lowered plan's messages and SYNC_GRAD cost nothing. weight=None: 1 for a plan with W actions (each its own unit step), else 0 (so that
     `backward` is the whole backward, as before). Raises ScheduleError if the plan deadlocks."""
-    cost_of = _cost_function(plan, forward, backward, weight, cost)
-    pp, last_chunk = plan.pp, plan.num_chunks - 1
+    compute_cost = _cost_function(plan, forward, backward, weight, cost)
+
+    def cost_of(a: Action) -> float:
+        return float(compute_cost(a)) if a.is_compute else 0.0
+
+    pp = plan.pp
     rows = plan.actions
     start = [[0.0] * len(row) for row in rows]
     finish = [[0.0] * len(row) for row in rows]
@@ -132,14 +143,14 @@ def simulate(
             row = rows[r]
             while pos[r] < len(row):
                 a = row[pos[r]]
-                deps = _inputs(a, last_chunk)
+                deps = _inputs(plan, a)
                 if any(d not in done for d in deps):
                     break
                 ready = max(
                     (done[d] + (latency if plan.rank_of(d[0]) != r else 0.0) for d in deps), default=0.0
                 )
                 t0 = max(free[r], ready)
-                t1 = t0 + float(cost_of(a))
+                t1 = t0 + cost_of(a)
                 start[r][pos[r]], finish[r][pos[r]] = t0, t1
                 done[(a.chunk, a.microbatch, a.kind)] = free[r] = t1
                 pos[r] += 1
@@ -158,7 +169,7 @@ def simulate(
 
 
 def _raise_deadlock(plan: Plan, start: list, pos: list[int], free: list[float], done: dict) -> None:
-    pp, last_chunk = plan.pp, plan.num_chunks - 1
+    pp = plan.pp
     lines, marks, shown = [], set(), []
     for r in range(pp):
         row = plan.actions[r]
@@ -167,9 +178,7 @@ def _raise_deadlock(plan: Plan, start: list, pos: list[int], free: list[float], 
             continue
         a = row[pos[r]]
         waits = [
-            f"{c}{k}{m} on rank {plan.rank_of(c)}"
-            for c, m, k in _inputs(a, last_chunk)
-            if (c, m, k) not in done
+            f"{c}{k}{m} on rank {plan.rank_of(c)}" for c, m, k in _inputs(plan, a) if (c, m, k) not in done
         ]
         lines.append(f"  rank {r}: {a} waits for {', '.join(waits)}")
         marks.add((r, pos[r]))
@@ -189,14 +198,14 @@ def _raise_deadlock(plan: Plan, start: list, pos: list[int], free: list[float], 
 def _wait_cycle(plan: Plan, pos: list[int], done: dict) -> str:
     """The blocked actions that wait for each other, as a cycle: "0B0 waits for 1B0, which rank 1 runs after
     its blocked 1F1; 1F1 waits for 0F1, which rank 0 runs after its blocked 0B0"."""
-    pp, last_chunk = plan.pp, plan.num_chunks - 1
+    pp = plan.pp
     order: list[int] = []  # ranks along the chain of waits
     steps: list[str] = []
     r = next(r for r in range(pp) if pos[r] < len(plan.actions[r]))
     while r not in order:
         order.append(r)
         a = plan.actions[r][pos[r]]
-        c, m, k = next(d for d in _inputs(a, last_chunk) if d not in done)
+        c, m, k = next(d for d in _inputs(plan, a) if d not in done)
         q = plan.rank_of(c)  # the rank that would produce it is blocked itself (or it could run)
         blocker = plan.actions[q][pos[q]]
         if (blocker.chunk, blocker.microbatch, blocker.kind) == (c, m, k):
@@ -210,16 +219,19 @@ def _wait_cycle(plan: Plan, pos: list[int], done: dict) -> str:
 def render_grid(
     plan: Plan, starts: Sequence[Sequence[float]], mark: set[tuple[int, int]], legend: str
 ) -> str:
-    """One row per rank, one column per distinct start time; "." where no action starts."""
+    """One row per rank, one column per distinct start time; "." where no action starts, actions that start
+    together (a lowered plan's messages at no cost) joined by "+"."""
     rows = [list(row) for row in starts]
     times = sorted({round(t, 9) for row in rows for t in row})
     column = {t: i for i, t in enumerate(times)}
-    width = max((len(str(a)) for row in plan.actions for a in row), default=3) + 2
-    cells = [["." for _ in times] for _ in range(plan.pp)]
+    parts: list[list[list[Action]]] = [[[] for _ in times] for _ in range(plan.pp)]
     for r, row in enumerate(rows):
         for i, t in enumerate(row):
-            text = str(plan.actions[r][i])
-            cells[r][column[round(t, 9)]] = f"[{text}]" if (r, i) in mark else text
+            parts[r][column[round(t, 9)]].append(plan.actions[r][i])
+    marked = {plan.actions[r][i] for r, i in mark}
+    cells = [["+".join(f"[{a}]" if a in marked else str(a) for a in p) or "." for p in row] for row in parts]
+    # Room for the longest cell and its brackets, so that columns stay apart.
+    width = max((len("+".join(map(str, p))) for row in parts for p in row), default=3) + 2
     keep = _visible_columns(len(times), {column[round(rows[r][i], 9)] for r, i in mark})
     unit = all(float(t).is_integer() for t in times)
     header = f"{plan.name}: pp={plan.pp} n={plan.n} v={plan.v}" + (

@@ -1,18 +1,18 @@
-"""A chunk's backward split in two for zero-bubble schedules: B (the input gradient, sent upstream at once)
-and, later, W (the weight gradients) from what B kept.
+"""A chunk's backward split in two for zero-bubble schedules: I (the input gradient, sent upstream at once)
+and, later, W (the weight gradients) from what I kept.
 
-B runs the autograd engine from the chunk's output gradients towards its received inputs only (`inputs=`
+I runs the autograd engine from the chunk's output gradients towards its received inputs only (`inputs=`
 the gradient anchor of the received activations), so only the nodes on a path to the inputs run, and each
 of them computes only the gradients that path needs: e.g. a linear layer's AddmmBackward computes
-dL/dx and skips the dL/dW matmul (the engine's per-task `should_compute_output`). On the way, B records
+dL/dx and skips the dL/dW matmul (the engine's per-task `should_compute_output`). On the way, I records
 the gradient arriving at every *boundary* node: a node on the input path from which a path leads to a
 parameter without touching the input path (for y = x @ W that is the matmul's node itself). W then starts
 the engine again at the boundary nodes with those recorded gradients and asks for the parameters only, so
-it runs what B skipped and nothing B already did (the same idea as torch.distributed.pipelining's
+it runs what I skipped and nothing I already did (the same idea as torch.distributed.pipelining's
 `stage_backward_input` / `stage_backward_weight`, rebuilt here on this executor's P2P Functions).
 
 W computes the weight gradients with `torch.autograd.grad` (one call per group of parameters that share
-boundary nodes: one call over all groups would also walk the input path between them, redoing B) and
+boundary nodes: one call over all groups would also walk the input path between them, redoing I) and
 then accumulates them with one `torch.autograd.backward` whose roots are the parameters themselves. That
 last call goes through each parameter's AccumulateGrad node, so post-accumulate-grad hooks fire, once per
 parameter and in one backward: a DistributedDataParallel reducer sees a normal backward (no_sync and its
@@ -57,7 +57,7 @@ class _Group:
 
 @dataclass
 class PendingWeights:
-    """What a B leaves for its W: the parameter groups with the gradients recorded at their boundaries,
+    """What an I leaves for its W: the parameter groups with the gradients recorded at their boundaries,
     and the output gradients of roots that never reach the input (all of their backward is W's)."""
 
     groups: list[_Group]
@@ -105,7 +105,7 @@ def backward_input(
     inputs: torch.Tensor,
     params: Sequence[torch.Tensor],
 ) -> PendingWeights:
-    """B: run backward from the output `edges` (with `grads`) to `inputs` only (the leaf whose gradient path
+    """I: run backward from the output `edges` (with `grads`) to `inputs` only (the leaf whose gradient path
     the received activations are on), recording what W needs for `params`."""
     parents = _walk(edge.node for edge in edges)
     anchor = grad_node(inputs)
@@ -162,7 +162,7 @@ def _replacer(captured: Captured):
 
 
 def backward_weight(pending: PendingWeights) -> None:
-    """W: the weight gradients from what B recorded, accumulated into .grad in one backward (hooks fire)."""
+    """W: the weight gradients from what I recorded, accumulated into .grad in one backward (hooks fire)."""
     totals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, gradient)
 
     def add(params: Sequence[torch.Tensor], results: Sequence[torch.Tensor | None]) -> None:
@@ -181,7 +181,7 @@ def backward_weight(pending: PendingWeights) -> None:
         if not roots:
             continue
         # Several boundary nodes of one group may lie on one path (a weight used twice): the recorded
-        # gradient already holds what flows between them, so each takes exactly what B recorded.
+        # gradient already holds what flows between them, so each takes exactly what I recorded.
         handles = (
             [n.register_prehook(_replacer(group.captured.get(n, ()))) for n in group.boundary]
             if len(group.boundary) > 1

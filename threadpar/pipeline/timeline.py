@@ -1,7 +1,7 @@
 """What a pipeline step did, when: per-rank events, a Chrome trace (opens in Perfetto), the measured bubble.
 
-Each rank's executor records every action (forward/backward of one chunk and microbatch) and, nested in
-it, every send and receive, with host `time.perf_counter()` start and end times; all rank threads share
+Each rank's executor records every compute action (forward/backward of one chunk and microbatch) and
+every send and receive (inside an action, or between two: a lowered plan's SEND_F follows its F), with host `time.perf_counter()` start and end times; all rank threads share
 that clock. Compute time is an action's time minus the sends and receives inside it (a receive is mostly
 waiting for the peer). On CUDA these are host times: a kernel may still run after its action ends.
 """
@@ -78,10 +78,9 @@ class Timeline:
         }
 
     def compute_time(self) -> float:
-        """Seconds spent in actions, minus the sends and receives inside them."""
-        actions = sum(e.duration for e in self.events if e.category in ACTION_CATEGORIES)
-        comm = sum(e.duration for e in self.events if e.category in COMM_CATEGORIES)
-        return actions - comm
+        """Seconds spent in actions, minus the sends and receives inside them (a send between two actions,
+        a lowered plan's SEND_F, is not compute)."""
+        return sum(self.action_costs().values())
 
     def waiting_time(self) -> float:
         """Seconds spent in receives: mostly waiting for the peer's message to arrive."""

@@ -104,34 +104,46 @@ class Rendezvous:
         *,
         leader: Callable[[Slot], bool] | None = None,
         final: bool = False,
+        timeout: float | None = None,
     ) -> Slot:
         """Post this member's call and payload for collective `seq`; wait until every member has.
 
         The last member to arrive checks the calls match and then runs `leader(slot)` while the others
         wait; a leader that returns True has done the whole collective for everybody (`slot.finished`).
-        `final` means this is the collective's only barrier.
+        `final` means this is the collective's only barrier. `timeout`: this wait's, instead of the group's
+        (barrier(timeout=...)).
         """
         slot = self._deposit(member, seq, call, payload)
-        self._barrier(slot, member, seq, leader, final, check=True)
+        self._barrier(slot, member, seq, leader, final, check=True, timeout=timeout)
         if slot.error is not None:
             self._raise(slot, seq)
         return slot
 
     def post(
-        self, member: int, seq: int, call: Call, payload: Any, *, leader: Callable[[Slot], Any] | None = None
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        payload: Any,
+        *,
+        leader: Callable[[Slot], Any] | None = None,
+        timeout: float | None = None,
     ) -> Arrival:
         """Post this member's call and payload for collective `seq` without waiting for the others.
 
         The last member to post checks the calls and runs `leader(slot)` (its only barrier); the others
-        learn the outcome from `Arrival.wait()`, which raises what the leader raised.
+        learn the outcome from `Arrival.wait()`, which raises what the leader raised (waiting at most
+        `timeout`, else the group's).
         """
         slot = self._deposit(member, seq, call, payload)
         target, waiter = self._enter(slot, member, seq, leader, final=True, check=True)
-        return Arrival(self, slot, member, seq, target, waiter)
+        return Arrival(self, slot, member, seq, target, waiter, self._timeout if timeout is None else timeout)
 
-    def sync(self, slot: Slot, member: int, seq: int, *, final: bool = False) -> None:
+    def sync(
+        self, slot: Slot, member: int, seq: int, *, final: bool = False, timeout: float | None = None
+    ) -> None:
         """Wait until every member of `slot` has reached this next barrier."""
-        self._barrier(slot, member, seq, None, final, check=False)
+        self._barrier(slot, member, seq, None, final, check=False, timeout=timeout)
         if slot.error is not None:
             self._raise(slot, seq)
 
@@ -165,10 +177,12 @@ class Rendezvous:
             slot.payloads[member] = payload
         return slot
 
-    def _barrier(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool) -> None:
+    def _barrier(
+        self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool, timeout: float | None
+    ) -> None:
         target, waiter = self._enter(slot, member, seq, leader, final, check)
         if waiter is not None:
-            self._wait(slot, member, seq, target, waiter, self._timeout)
+            self._wait(slot, member, seq, target, waiter, self._timeout if timeout is None else timeout)
 
     def _enter(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool):
         """Reach the slot's next barrier; the last member runs the leader and releases the others.
@@ -272,20 +286,21 @@ class Rendezvous:
             f"{slot.calls[member]} #{seq} on group '{self.name}' (global ranks {list(self.group_ranks)}) timed out after "
             f"{timeout:g} s on rank {self.ranks[member]}: ranks {missing} {stage} (waiting: {present}; {calls}). "
             "A rank that skips a collective, calls them in another order, or is stuck in a long computation "
-            "causes this; raise the launch's timeout= if the computation is legitimately slow."
+            "causes this; raise the timeout (the launch's timeout=, or this call's) if the computation is "
+            "legitimately slow."
         )
 
 
 class Arrival:
     """One member's posted call: `wait()` returns once every member has posted and the leader has run."""
 
-    __slots__ = ("_member", "_rendezvous", "_seq", "_slot", "_target", "_waiter")
+    __slots__ = ("_member", "_rendezvous", "_seq", "_slot", "_target", "_timeout", "_waiter")
 
     def __init__(
-        self, rendezvous: Rendezvous, slot: Slot, member: int, seq: int, target: int, waiter
+        self, rendezvous: Rendezvous, slot: Slot, member: int, seq: int, target: int, waiter, timeout: float
     ) -> None:
         self._rendezvous, self._slot, self._member = rendezvous, slot, member
-        self._seq, self._target, self._waiter = seq, target, waiter
+        self._seq, self._target, self._waiter, self._timeout = seq, target, waiter, timeout
 
     def done(self) -> bool:
         """True once the leader has run (successfully or not); never blocks."""
@@ -295,9 +310,9 @@ class Arrival:
         return self._slot.error if self.done() else None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the leader has run (at most `timeout`, default the group's); raise what it raised."""
+        """Block until the leader has run (at most `timeout`, default the post's); raise what it raised."""
         if self._waiter is not None and not self.done():
-            timeout = self._rendezvous._timeout if timeout is None else timeout
+            timeout = self._timeout if timeout is None else timeout
             self._rendezvous._wait(self._slot, self._member, self._seq, self._target, self._waiter, timeout)
         if self._slot.error is not None:
             self._rendezvous._raise(self._slot, self._seq)

@@ -37,6 +37,11 @@ _GLOO_OP = {
     ReduceOp.PRODUCT: dist.ReduceOp(dist.ReduceOp.PRODUCT),
     ReduceOp.MIN: dist.ReduceOp(dist.ReduceOp.MIN),
     ReduceOp.MAX: dist.ReduceOp(dist.ReduceOp.MAX),
+    # gloo reduces integer dtypes bitwise (ProcessGroupGloo.cpp: band/bor/bxor); check_reducible has
+    # already refused floating dtypes, and bool falls back to the byte gather below.
+    ReduceOp.BAND: dist.ReduceOp(dist.ReduceOp.BAND),
+    ReduceOp.BOR: dist.ReduceOp(dist.ReduceOp.BOR),
+    ReduceOp.BXOR: dist.ReduceOp(dist.ReduceOp.BXOR),
 }
 
 Wait = Callable[[Any], None]  # waits for one gloo Work

@@ -86,6 +86,7 @@ def describe_stuck(
 
 class HierarchicalGroup(HierarchicalByteCollectives):
     stream_ordered = False  # ProcessGroup runs each op on the member's comm worker
+    backend_name = "hierarchical"
 
     def __init__(
         self,
@@ -136,14 +137,16 @@ class HierarchicalGroup(HierarchicalByteCollectives):
     def _lanes_for(self, nbytes: int) -> int:
         return max(1, min(self.lanes, nbytes // LANE_MIN_BYTES))
 
-    def _arrive(self, member: int, seq: int, call: Call, payload: Any) -> tuple[int, Slot]:
+    def _arrive(
+        self, member: int, seq: int, call: Call, payload: Any, timeout: float | None = None
+    ) -> tuple[int, Slot]:
         li = self.local_index[member]
 
         def mark_last(slot: Slot) -> bool:  # run by the last member to arrive
             slot.shared[li] = True
             return False
 
-        return li, self.rendezvous.arrive(li, seq, call, payload, leader=mark_last)
+        return li, self.rendezvous.arrive(li, seq, call, payload, leader=mark_last, timeout=timeout)
 
     def _step(
         self,
@@ -157,28 +160,29 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         payload: Callable[[], torch.Tensor] | None = None,
         inline: Callable[[torch.Tensor], None] | None = None,
         agree: Callable[[torch.Tensor], None] | None = None,
+        timeout: float | None = None,
     ) -> None:
         """Steps 2-4 of the module note. The checker (local member 0 when there are lanes, else the last
         arrival) sends `payload()` with the control message; if the calls agree, it finishes a small
         collective with `inline(payloads)` ([processes, INLINE_BYTES] uint8), or runs `agree(payloads)`
         (which may set slot.error) before the lane leaders (0..lanes-1, or the checker alone) run
-        `work(wait, lane)`. Any error is raised on every local member."""
+        `work(wait, lane)`. Any error is raised on every local member. `timeout`: the call's own (barrier)
+        for the wait for the other processes, else the group's."""
+        limit = self._timeout if timeout is None else timeout
         last = slot.shared.index(True)
         checker = li == 0 if lanes > 1 else li == last
         lane = (li if li < lanes else None) if lanes > 1 else (0 if lanes == 1 and checker else None)
         description = f"{call} #{seq} on group '{self.name}' (global ranks {list(self.ranks)})"
 
         def wait(work_: Any) -> None:
-            gloo_ops.wait_work(work_, abort=self._abort, timeout=self._timeout, describe=stuck)
+            gloo_ops.wait_work(work_, abort=self._abort, timeout=limit, describe=stuck)
 
         def stuck() -> str:  # which ranks, in which processes, have not arrived: asked of every process
             arrived = self._processes.arrivals(
                 self.key, seq, [p for p in self.procs if p != self.procs[self.me]]
             )
             arrived[self.procs[self.me]] = self.rendezvous.arrived(seq) or [self.ranks[m] for m in self.local]
-            return describe_stuck(
-                description, self._timeout, self.ranks, self.procs, self.members_by_proc, arrived
-            )
+            return describe_stuck(description, limit, self.ranks, self.procs, self.members_by_proc, arrived)
 
         def recorded(fn: Callable[[], None]) -> None:  # the first error goes to every local member
             try:
@@ -211,6 +215,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         if slot.error is not None and not isinstance(slot.error, str):
             # gloo operations of this group may be left pending: never destroy its gloo groups
             self._processes.abandon(list(self._gloo.values()))
+        # (the group's timeout: the checker's own wait above is bounded by `limit` and ends this one)
         self.rendezvous.sync(slot, li, seq, final=True)
 
     # reductions -------------------------------------------------------------------------------------------------
@@ -319,9 +324,9 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         self._step(slot, li, seq, call, 1, work)
         copy_into(output, slot.result[member * n : (member + 1) * n].view(output.shape))
 
-    def barrier(self, member: int, seq: int, call: Call) -> None:
-        li, slot = self._arrive(member, seq, call, None)
-        self._step(slot, li, seq, call, 0)  # the control message is the barrier
+    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> None:
+        li, slot = self._arrive(member, seq, call, None, timeout)
+        self._step(slot, li, seq, call, 0, timeout=timeout)  # the control message is the barrier
 
     # point to point ---------------------------------------------------------------------------------------------
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> None:

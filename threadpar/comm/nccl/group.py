@@ -79,6 +79,7 @@ class NcclGroup(NcclCopyCollectives):
     """The shared state of one group on the `nccl` backend; methods are called by each member."""
 
     stream_ordered = True  # ProcessGroup: ops return their own Work; no comm worker thread
+    backend_name = "nccl"
 
     def __init__(
         self, name: str, ranks: Sequence[int], world: BackendSite, local: Sequence[int] | None = None
@@ -423,8 +424,7 @@ class NcclGroup(NcclCopyCollectives):
 
         return self._post(member, seq, call, (outputs, tensor), launch)
 
-    def barrier(self, member: int, seq: int, call: Call) -> NcclWork:
+    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> NcclWork:
         """A host barrier: done when every member has reached it (it orders no device work)."""
-        return self._work(
-            member, seq, call, arrival=self.rendezvous.post(self.local_index[member], seq, call, None)
-        )
+        arrival = self.rendezvous.post(self.local_index[member], seq, call, None, timeout=timeout)
+        return self._work(member, seq, call, arrival=arrival)

@@ -5,8 +5,14 @@ supports bool, int16 and complex; the nccl backend covers them the same way:
 
 - data movement (broadcast, all-gather, copies) does not care about dtypes: tensors travel as bytes;
 - complex SUM/AVG reduce the (real, imag) float pairs, which is the same arithmetic;
-- whatever is left (bool, int16, complex PRODUCT) is all-gathered as bytes and reduced by each member on
-  its comm stream, in rank order, with the very function the `threads` backend uses (`accumulate_`).
+- whatever is left (bool, int16, complex PRODUCT, and the bitwise ops BAND/BOR/BXOR on any dtype) is
+  all-gathered as bytes and reduced by each member on its comm stream, in rank order, with the very
+  function the `threads` backend uses (`accumulate_`).
+
+NCCL has no bitwise reductions (ncclRedOp_t in nccl.h: ncclSum, ncclProd, ncclMax, ncclMin, ncclAvg), and
+torch's ProcessGroupNCCL refuses them ("Cannot use ReduceOp.BAND with NCCL": getNcclReduceOp in
+torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp). threadpar reduces them with the byte all-gather above
+instead, so code written for the `threads` backend runs unchanged on GPUs.
 
 AVG uses NCCL's own average (ncclAvg, NCCL >= 2.10) for floating dtypes, except fp16/bf16 over a group
 whose size is not a power of two (NCCL pre-multiplies by a 1/n rounded to half precision: a bias on every
@@ -22,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from threadpar.comm.reduce_op import ReduceOp
+from threadpar.comm.reduce_op import BITWISE, ReduceOp
 
 # ncclRedOp_t values, which torch.cuda.nccl passes through unchanged.
 NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
@@ -57,7 +63,7 @@ def nccl_reduction(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int
     """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16); `size`: the group size (for AVG)."""
     as_real = dtype.is_complex and op in (ReduceOp.SUM, ReduceOp.AVG)
     old_bf16 = dtype == torch.bfloat16 and not native_avg
-    if old_bf16 or (not as_real and dtype not in NCCL_REDUCIBLE):
+    if old_bf16 or op in BITWISE or (not as_real and dtype not in NCCL_REDUCIBLE):
         return NcclReduction(gather=True, as_real=False, nccl_op=-1, divide=False)
     floating = as_real or dtype.is_floating_point
     if op is ReduceOp.AVG and not (native_avg and floating and exact_avg_scale(dtype, size)):

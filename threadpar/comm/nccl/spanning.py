@@ -193,9 +193,9 @@ class NcclSpanningGroup(NcclGroup):
         run = lambda: self._host.all_to_all(member, seq, call, outputs, inputs)  # noqa: E731
         return self._host_staged(member, seq, call, (outputs, inputs), run)
 
-    def barrier(self, member: int, seq: int, call: Call) -> NcclWork:
+    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> NcclWork:
         """A host barrier of every member, in every process (it orders no device work, as in one process)."""
-        run = lambda: self._host.barrier(member, seq, call)  # noqa: E731
+        run = lambda: self._host.barrier(member, seq, call, timeout)  # noqa: E731
         return self._host_staged(member, seq, call, (), run, sync=False)
 
     # point to point ---------------------------------------------------------------------------------------------

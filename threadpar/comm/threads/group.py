@@ -41,6 +41,7 @@ class ThreadsGroup:
     """The shared state of one group on the `threads` backend; methods are called by each member."""
 
     stream_ordered = False  # ProcessGroup runs each op on the member's comm worker
+    backend_name = "threads"
 
     def __init__(
         self,
@@ -276,8 +277,8 @@ class ThreadsGroup:
         receive(member, outputs, slot)
         self._finish(slot, member, seq)
 
-    def barrier(self, member: int, seq: int, call: Call) -> None:
-        self.rendezvous.arrive(member, seq, call, None, final=True)
+    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> None:
+        self.rendezvous.arrive(member, seq, call, None, final=True, timeout=timeout)
 
     # point to point ---------------------------------------------------------------------------------------------
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ def _group_sharing(axes: tuple[str, ...], name: str) -> ProcessGroup:
     ctx = current()
     layout, mine = ctx.world.layout, ctx.coords
     ranks = [r for r in range(layout.world_size) if all(layout.coords_of(r)[a] == mine[a] for a in axes)]
-    return new_group(ranks, name=f"{name}{ranks[0]}")
+    return new_group(ranks, group_desc=f"{name}{ranks[0]}")
 
 
 def data_context_parallel_group() -> ProcessGroup:

@@ -29,7 +29,7 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.clip_grad.placement import mark_grad_placements
 from threadpar.parallel.context_parallel import data_context_parallel_group
-from threadpar.parallel.ddp import owners
+from threadpar.parallel.ddp import owners, torch_options
 from threadpar.parallel.ddp.comm_hooks import CommHook
 from threadpar.parallel.ddp.experts import expert_data_parallel_group, sharded_experts
 from threadpar.parallel.ddp.reducer import Reducer, ReducerOptions
@@ -74,6 +74,15 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, sr
                     t.data.copy_(piece.view_as(t))
 
 
+def _sync_at_init(module: nn.Module, group: ProcessGroup, src: int, expert_ids: set[int]) -> None:
+    """torch's init_sync: check every rank wrapped the same structure, then copy `src`'s parameters (all but
+    the sharded experts') and buffers to the others."""
+    _check_same_structure(module, group)
+    broadcast_coalesced(
+        [*(p for p in module.parameters() if id(p) not in expert_ids), *module.buffers()], group, src
+    )
+
+
 def _check_same_structure(module: nn.Module, group: ProcessGroup) -> None:
     """Fail clearly, at wrap time, if the ranks of the group wrapped modules of different shapes."""
     described = [f"{name}:{list(t.shape)}:{t.dtype}" for name, t in module.state_dict(keep_vars=True).items()]
@@ -95,6 +104,11 @@ def _check_same_structure(module: nn.Module, group: ProcessGroup) -> None:
 class DistributedDataParallel(nn.Module):
     """Data parallelism between rank threads; see the module docstring.
 
+    The parameters are torch's DistributedDataParallel's, in torch's order (tests/test_torch_signatures.py);
+    threadpar's own come after them, keyword-only. device_ids=[i] (the tutorial's line) is accepted on a CUDA
+    rank whose device is cuda:i, and then forward moves tensor inputs there, as torch does; a CPU module
+    takes device_ids=None, as in torch (torch_options.py). init_sync=False skips the check that every rank
+    wrapped the same structure and the first copy of rank 0's parameters and buffers.
     bucket_cap_mb / first_bucket_cap_mb: bucket sizes in MiB (the first bucket is small so communication
     starts early in backward). gradient_as_bucket_view: param.grad is a view into its bucket's flat buffer,
     which comm hooks using bucket.buffer() (compression) then read without a copy; zero grads with
@@ -114,21 +128,61 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        *,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: ProcessGroup | Axis | str | None = None,
-        expert_process_group: ProcessGroup | str | None = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = True,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        expert_process_group: ProcessGroup | str | None = None,
+        first_bucket_cap_mb: float = 1.0,
         gradient_bucketing: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        torch_options.check_unsupported(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            check_reduction=check_reduction,
+            static_graph=static_graph,
+            batched_grad_copy=batched_grad_copy,
+            init_sync=init_sync,
+        )
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise ConfigError(f"DistributedDataParallel: dim must be an int, got {dim!r}")
+        rank_device = context.current().device if context.in_rank() else torch.device("cpu")
+        self.device_ids: list[int] | None = None
+        self._input_device = torch_options.resolve_device_ids(module, device_ids, output_device, rank_device)
+        if self._input_device is not None:
+            self.device_ids = [self._input_device.index]
+        self.output_device = None if self.device_ids is None else self.device_ids[0]
+        self.dim = dim
+        self.static_graph = static_graph
+        if broadcast_buffers is None:  # torch 2.13: None is True, and forward_sync_buffers overrides it
+            broadcast_buffers = True
+        if forward_sync_buffers is not None:
+            broadcast_buffers = forward_sync_buffers
         self.options = DDPOptions(
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
@@ -162,18 +216,15 @@ class DistributedDataParallel(nn.Module):
         self.reducer: Reducer | None = None
         self.expert_reducer: Reducer | None = None  # the sharded experts' (their own group and scale)
         if group.size() > 1:
-            _check_same_structure(module, group)
-            broadcast_coalesced(
-                [*(p for p in module.parameters() if id(p) not in expert_ids), *module.buffers()],
-                group,
-                self._src,
-            )
+            if init_sync:
+                _sync_at_init(module, group, self._src, expert_ids)
             if replicated:
                 self.reducer = self._reducer(replicated, group, abort)
         if sharded:
             expert_group = self.expert_process_group
             assert expert_group is not None  # sharded parameters are experts'
-            broadcast_coalesced([p for _, p in sharded], expert_group, expert_group.ranks[0])
+            if init_sync:
+                broadcast_coalesced([p for _, p in sharded], expert_group, expert_group.ranks[0])
             self.expert_reducer = self._reducer(
                 sharded, expert_group, abort, expert_group.size() / group.size()
             )
@@ -199,6 +250,8 @@ class DistributedDataParallel(nn.Module):
             reducer.settle_interrupted_backward()
         if self._buffers_to_sync:
             broadcast_coalesced(self._buffers_to_sync, self.process_group, self._src)
+        if self._input_device is not None:
+            inputs, kwargs = torch_options.move_inputs(self._input_device, inputs, kwargs)
         return self.module(*inputs, **kwargs)
 
     @property

@@ -56,7 +56,7 @@ def expert_data_parallel_group(experts: list[GroupedExperts], group: ProcessGrou
             f"DistributedDataParallel: the EP groups of size {ep.size()} do not split DDP's group "
             f"'{group.name}' of {group.size()} ranks evenly; give every member an EP group of the same size"
         )
-    return new_group(same)
+    return new_group(same, sort_ranks=False)  # in the order of `group`, on every member alike
 
 
 def expert_parameter_ids(module: nn.Module) -> set[int]:

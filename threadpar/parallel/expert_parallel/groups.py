@@ -33,7 +33,8 @@ def expert_parallel_groups(
         )
     i = dp.rank()
     start = i // ep * ep
-    return new_group(dp.ranks[start : start + ep]), new_group(dp.ranks[i % ep :: ep])
+    expert = new_group(dp.ranks[start : start + ep], sort_ranks=False)
+    return expert, new_group(dp.ranks[i % ep :: ep], sort_ranks=False)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -85,12 +85,17 @@ class RowwiseParallel:
 
 @dataclass(kw_only=True)
 class VocabParallel:
-    """nn.Embedding -> VocabParallelEmbedding."""
+    """nn.Embedding -> VocabParallelEmbedding. reduce_scatter: whether its output is reduce-scattered along
+    the sequence (None: under sequence parallelism); False keeps it whole for a model that adds to it (a
+    position embedding) before it splits the sequence itself."""
 
     pad_vocab_to_multiple_of: int = 1
+    reduce_scatter: bool | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("VocabParallel.pad_vocab_to_multiple_of", self.pad_vocab_to_multiple_of)
+        if self.reduce_scatter is not None:
+            _check_bool(self, "reduce_scatter")
 
 
 @dataclass(kw_only=True)
@@ -264,8 +269,9 @@ def _build(
     if isinstance(style, VocabParallel):
         assert isinstance(old, nn.Embedding)
         pad = style.pad_vocab_to_multiple_of
+        scatter = sp if style.reduce_scatter is None else style.reduce_scatter
         return VocabParallelEmbedding.from_dense(
-            old, pad_vocab_to_multiple_of=pad, reduce_scatter_embeddings=sp, **common
+            old, pad_vocab_to_multiple_of=pad, reduce_scatter_embeddings=scatter, **common
         )
     assert isinstance(old, nn.Dropout) and not isinstance(style, SequenceParallel)
     # Dropout. Under SP, activations outside the TP region are sequence shards: each rank needs its own mask.
