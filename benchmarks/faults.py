@@ -210,7 +210,18 @@ FAULTS = ("raise", "kill", "sigterm", "sigint", "stuck0", "stuck3", "save-kill")
 
 
 def run_fault(fault: str, launcher: str, bound: float = 60.0, directory: Path | None = None) -> Outcome:
-    """One trial of `fault` under `launcher`; every process is killed `bound` seconds after the fault."""
+    """One trial of `fault` under `launcher`; every process is killed `bound` seconds after the fault.
+    A job whose store could not listen on its port (taken by another program between free_port() and
+    process 0's bind, seconds later) is started once more on another port."""
+    try:
+        return _run_fault(fault, launcher, bound, directory)
+    except TimeoutError as error:
+        if "address already in use" not in str(error).lower():
+            raise
+        return _run_fault(fault, launcher, bound, directory)
+
+
+def _run_fault(fault: str, launcher: str, bound: float, directory: Path | None) -> Outcome:
     named = {
         "raise": "raise",
         "stuck0": "stuck0",
