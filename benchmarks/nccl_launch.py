@@ -9,7 +9,9 @@ grouped call for all members, the Work. This measures that cost per collective w
 (streams, events and NCCL calls that do nothing), so the numbers are threadpar's own overhead, a lower
 bound of the real host time (real event records and NCCL enqueues add a few microseconds each).
 
-Side by side in one run, on 4-byte all-reduces: the nccl path (each rank waits for each collective, and
+Side by side in one run, on 4-byte all-reduces: n plain Python threads meeting at a `threading.Barrier`
+(the floor of a design in which the members of a collective meet on the host; issue 23 asks for at most
+0.8x of it), the nccl path (each rank waits for each collective, and
 10 asynchronous ones issued and then waited), the threads backend (its whole cost on CPU), and
 torch.distributed over gloo with one process per rank (the anchor of benchmarks/collectives.py).
 Wall times on a shared machine are noisy, so the CPU time per collective is reported too: the process's
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import threading
 import time
 
@@ -124,6 +127,27 @@ def measure(api, iters: int, repeats: int, barrier) -> list[float]:
     return [waited, batched / ASYNC_BATCH, cpu]
 
 
+def barrier_meeting(n: int, iters: int, repeats: int) -> float:
+    """Seconds per meeting of n plain Python threads at a threading.Barrier: the floor of any design in
+    which every member of a collective waits for the others on the host (the issue's anchor)."""
+    barrier = threading.Barrier(n)
+    times: list[float] = []
+
+    def member(i: int) -> None:
+        for _ in range(3):
+            barrier.wait()
+        t = median_time(barrier.wait, iters=iters, repeats=repeats, sync=barrier.wait)
+        if i == 0:
+            times.append(t)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return times[0]
+
+
 def gloo_worker(rank: int, n: int, iters: int, repeats: int) -> list[float]:
     import torch.distributed as dist
 
@@ -138,20 +162,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="3 repeats of 100")
+    parser.add_argument("--no-gloo", action="store_true", help="leave out the gloo processes (slow to start)")
+    parser.add_argument("--rounds", type=int, default=5, help="Barrier / nccl path alternations")
     args = parser.parse_args()
     repeats, iters = (3, 100) if args.quick else (args.repeats, args.iters)
-    print(f"# host time per 4-byte all-reduce ({machine_line()}); median of {repeats} repeats of {iters}\n")
+    print(
+        f"# host time per 4-byte all-reduce ({machine_line()}); median of {repeats} repeats of {iters}; "
+        f"Barrier and nccl path: median of {args.rounds} alternating rounds (ratio: the rounds' median)\n"
+    )
     rows = []
     for n in args.ranks:
         work = lambda: measure(threadpar, iters, repeats, threadpar.barrier)  # noqa: E731
-        nccl_path = run_fake_gpus(work, n, NullCuda(), timeout=60.0)[0]
+        # The Barrier and the nccl path alternate, round after round: the ratio is the median of the rounds'.
+        meetings, paths = [], []
+        for _ in range(args.rounds):
+            meetings.append(barrier_meeting(n, iters, repeats))
+            paths.append(run_fake_gpus(work, n, NullCuda(), timeout=60.0)[0])
+        meeting = statistics.median(meetings)
+        nccl_path = [statistics.median(p[i] for p in paths) for i in range(3)]
+        waited_ratio = statistics.median(p[0] / m for p, m in zip(paths, meetings))
+        async_ratio = statistics.median(p[1] / m for p, m in zip(paths, meetings))
         threads = threadpar.launch(work, world_size=n, devices="cpu", backend="threads")[0]
-        gloo = run_gloo(gloo_worker, n, iters, repeats)
+        gloo = [float("nan")] * 3 if args.no_gloo else run_gloo(gloo_worker, n, iters, repeats)
         gloo_cpu = gloo[2] * n  # one process per rank
         rows.append(
             [
                 n,
-                *(fmt_time(t) for t in (nccl_path[0], nccl_path[1], threads[0], threads[1], gloo[0])),
+                fmt_time(meeting),
+                *(fmt_time(t) for t in (nccl_path[0], nccl_path[1])),
+                f"{waited_ratio:.2f}x / {async_ratio:.2f}x",
+                *(fmt_time(t) for t in (threads[0], threads[1], gloo[0])),
                 f"{gloo[0] / nccl_path[0]:.1f}x",
                 *(fmt_time(t) for t in (nccl_path[2], threads[2], gloo_cpu)),
                 f"{gloo_cpu / nccl_path[2]:.1f}x",
@@ -159,8 +199,10 @@ def main() -> None:
         )
     headers = [
         "ranks",
+        "threading.Barrier",
         "nccl path, waited",
         f"nccl path, async x{ASYNC_BATCH}",
+        "nccl path / Barrier (waited / async)",
         "threads, waited",
         f"threads, async x{ASYNC_BATCH}",
         "gloo, waited",

@@ -56,6 +56,7 @@ def test_torchrun_processes_run_every_collective_a_pipeline_and_ddp_across_proce
         assert f"process {process}: pipeline OK" in output, output[-6000:]
         # 2 optimizers x 2 ranks here x (6 gradients + 6 parameters)
         assert f"process {process}: DDP OK (48 gradients and parameters match" in output, output[-6000:]
+        assert f"process {process}: torch.distributed OK" in output, output[-6000:]
 
 
 def test_a_failing_rank_or_a_dead_process_stops_every_process():

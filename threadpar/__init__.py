@@ -62,6 +62,7 @@ from threadpar.errors import (
 )
 from threadpar.runtime import (
     LaunchConfig,
+    device_mesh,
     get_coords,
     get_device,
     get_generator,
@@ -108,6 +109,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
+    "device_mesh",
     "errors",
     "gather",
     "gather_object",

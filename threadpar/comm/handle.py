@@ -14,7 +14,7 @@ import torch
 
 from threadpar.comm.backend import Backend
 from threadpar.comm.common.worker import CommWorker
-from threadpar.comm.work import CompletedWork, Work
+from threadpar.comm.work import CompletedWork, LazyText, Work
 from threadpar.errors import ConfigError
 
 SUPPORTED_DTYPES = {
@@ -165,7 +165,7 @@ class GroupHandle:
                 worker.wait_idle()
             fn()
             return None
-        description = f"{op} #{seq} on group '{self.name}' (rank {self.global_rank})"
+        description = LazyText("{} #{} on group '{}' (rank {})", op, seq, self.name, self.global_rank)
         if worker is None:
             return CompletedWork(description, fn())
         return worker.submit(fn, Work(description, self._abort))

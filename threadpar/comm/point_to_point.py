@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from threadpar.comm.handle import GroupHandle, spec
-from threadpar.comm.work import CompletedWork, LazyWork, Work
+from threadpar.comm.work import CompletedWork, LazyText, LazyWork, Work
 from threadpar.errors import ConfigError
 
 
@@ -33,7 +33,7 @@ class PointToPoint(GroupHandle):
         result = self._backend.send(self._member, dst_m, tag, tensor)
         if isinstance(result, Work):
             return result
-        return CompletedWork(f"isend to rank {dst} (tag {tag}, group '{self.name}')")
+        return CompletedWork(LazyText("isend to rank {} (tag {}, group '{}')", dst, tag, self.name))
 
     def recv(
         self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, timeout: float | None = None
@@ -56,7 +56,7 @@ class PointToPoint(GroupHandle):
             return self.ranks[got]
 
         return LazyWork(
-            f"irecv from rank {src} (tag {tag}, group '{self.name}')",
+            LazyText("irecv from rank {} (tag {}, group '{}')", src, tag, self.name),
             complete,
             lambda: self._backend.has_message(self._member, src_m, tag),
         )

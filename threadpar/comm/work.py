@@ -16,13 +16,26 @@ from threadpar.errors import CollectiveTimeoutError
 _FUTURE_LOCK = threading.Lock()
 
 
+class LazyText:
+    """A message formatted only if it is shown (an error, a repr): a Work's description is made for every
+    asynchronous operation and almost never read."""
+
+    __slots__ = ("_args", "_template")
+
+    def __init__(self, template: str, *args: object) -> None:
+        self._template, self._args = template, args
+
+    def __str__(self) -> str:
+        return self._template.format(*self._args)
+
+
 class Work:
     """Completes when its operation has finished on this rank; `wait()` re-raises the operation's error."""
 
     __slots__ = ("_abort", "_description", "_done", "_error", "_future", "_result")
 
-    def __init__(self, description: str, abort: AbortSignal | None = None) -> None:
-        self._description: object = description  # shown with str(); NcclWork passes a lazy Described
+    def __init__(self, description: str | LazyText, abort: AbortSignal | None = None) -> None:
+        self._description: object = description  # shown with str(); lazy on the hot paths
         self._abort = abort
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -105,7 +118,7 @@ class CompletedWork(Work):
 
     __slots__ = ()
 
-    def __init__(self, description: str, result: Any = None) -> None:
+    def __init__(self, description: str | LazyText, result: Any = None) -> None:
         super().__init__(description)
         self._finish(result)
 
@@ -115,7 +128,9 @@ class LazyWork(Work):
 
     __slots__ = ("_lock", "_perform", "_probe")
 
-    def __init__(self, description: str, complete: Callable[[float | None], Any], probe: Callable[[], bool]):
+    def __init__(
+        self, description: str | LazyText, complete: Callable[[float | None], Any], probe: Callable[[], bool]
+    ):
         super().__init__(description)
         self._perform = complete  # (not `_complete`: that is Work's method that completes the future)
         self._probe = probe

@@ -165,9 +165,14 @@ def _train_and_report(
             + (f", MoE {cfg.moe_experts} experts (top-{cfg.moe_top_k})" if cfg.moe_experts else "")
             + (", recompute" if cfg.recompute else "")
             + (f", ZeRO-{cfg.zero}" if cfg.zero else "")
+            + (f", blocks compiled ({cfg.compile})" if cfg.compile else "")
             + (f", resuming at step {run.start_step}" if run.start_step else ""),
             flush=True,
         )
+    if cfg.compile is not None:
+        # Loaded before the launch, so that it raises dynamo's recompile limits for the rank threads, which
+        # compile the blocks (threadpar.runtime.compiling).
+        import torch._dynamo  # noqa: F401
     start = time.perf_counter()
     threadpar.launch(train_rank, run, config=launch_config(cfg, backend, devices))
     wall = time.perf_counter() - start

@@ -57,6 +57,7 @@ class DemoConfig:
     recompute: bool = False
     sequence_parallel: bool = False
     zero: int = 0  # distributed optimizer: 0 off, 1 shards optimizer state, 2 also the reduced gradients
+    compile: str | None = None  # a torch.compile backend for every transformer block; None: eager
     log_every: int = 1
     # The library's Layout of the sizes above (dp, tp, pp derived when not given), over all ranks.
     layout: Layout = field(init=False, repr=False)
@@ -75,6 +76,8 @@ class DemoConfig:
             raise ConfigError(
                 f"--zero {self.zero!r}: choose 0 (off), 1 (shard optimizer state) or 2 (and gradients)"
             )
+        if self.compile is not None:
+            self._check_compile_backend()
         if self.model not in MODEL_SIZES:
             raise ConfigError(f"--model {self.model!r}: choose one of {', '.join(MODEL_SIZES)}")
         if self.microbatches is None:
@@ -117,6 +120,15 @@ class DemoConfig:
             raise ConfigError(f"{self._ranks_text()} with {' '.join(given)}: {error}") from None
         self.layout = layout
         self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
+
+    def _check_compile_backend(self) -> None:
+        import torch._dynamo  # (slow to import: only for --compile)
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if self.compile not in backends:
+            raise ConfigError(
+                f"--compile {self.compile!r}: choose a torch.compile backend: {', '.join(backends)}"
+            )
 
     def _check_sequence_split(self) -> None:
         """Context (and sequence) parallelism split each sequence into equal parts."""
@@ -231,6 +243,13 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
         choices=ZERO_STAGES,
         default=0,
         help="distributed optimizer over DP: 1 shards AdamW's state, 2 also the reduced gradients (ZeRO-1/2)",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="torch.compile every transformer block (default backend inductor; aot_eager compiles fastest)",
     )
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     args = p.parse_args(argv)

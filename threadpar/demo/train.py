@@ -113,6 +113,7 @@ def train_rank(run: RunState) -> None:
         recompute=cfg.recompute,
         autocast_dtype=AUTOCAST[cfg.dtype],
         loss_scaler=scaler,
+        compile=cfg.compile,
     )
     params = list(model.parameters())
     optimizer = make_optimizer(params, cfg.lr, cfg.zero)

@@ -12,7 +12,9 @@ layout. `parallelize_gpt` is that function for a launch:
      c. context parallel: with cp > 1 attention is swapped for ring attention over the CP group and the
         embedding takes this rank's positions of each sequence;
   3. weights: every rank loads its shard of the same dense weights, so the layout changes nothing;
-  4. data parallel: each chunk is wrapped in DDP over the DP group (DP x CP under CP; sharded experts
+  4. compile (optional): each transformer block is torch.compile'd in place (torchtitan compiles per
+     block too): the unit every layout shares, whose collectives (TP mappings) become graph breaks;
+  5. data parallel: each chunk is wrapped in DDP over the DP group (DP x CP under CP; sharded experts
      over the ranks holding the same experts); the pipeline's lowered plan synchronizes each chunk's
      gradients once per step (SYNC_GRAD), overlapping its last backward.
 The MoE swap comes before the TP plan so that the plan's sequence-parallel marks land on the MoE that
@@ -21,8 +23,9 @@ trains. `parallelize_chunk` alone is the way into TP/CP/EP for a model outside a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +54,7 @@ from threadpar.parallel.tensor_parallel import (
 )
 from threadpar.parallel.tensor_parallel.parallelize import Style
 from threadpar.pipeline import PipelineParallel, default_chunks_per_rank, get_stage_info, schedule_placement
+from threadpar.runtime.compiling import keep_dynamo_out_of_comm
 from threadpar.runtime.context import get_coords, get_device, get_layout
 
 
@@ -233,6 +237,7 @@ def parallelize_gpt(
     autocast_dtype: torch.dtype | None = None,
     loss_scaler: LossScaler | None = None,
     bucket_cap_mb: float = 25.0,
+    compile: str | Callable[..., Any] | None = None,
 ) -> HybridGPT:
     """Build this rank's part of the GPT (call on every rank of the launch, with the same arguments).
 
@@ -241,6 +246,10 @@ def parallelize_gpt(
     loss_scaler: fp16 loss scaling; each microbatch loss is multiplied by its current scale before
     backward (train_step returns the unscaled loss; step the optimizer with `loss_scaler.step`).
     The dense weights come from the caller, so that every layout starts from the same model.
+    compile: a torch.compile backend (a name: "inductor", "aot_eager"; or a callable) to compile every transformer block with
+    (Module.compile, in place: names and state dicts stay those of the eager model); None: eager. Import
+    torch._dynamo before the launch, so that it raises dynamo's recompile limits for the rank threads
+    (threadpar.runtime.compiling).
     """
     if config.dropout > 0:
         raise ConfigError(
@@ -278,6 +287,11 @@ def parallelize_gpt(
     device = get_device()
     chunks = [c.to(device) for c in chunks]
     load_model_state(chunks, dense_state)
+    if compile is not None:
+        keep_dynamo_out_of_comm()  # the TP mappings' collectives break the blocks' graphs, untraced
+        for chunk in chunks:
+            for block in chunk.blocks.values():
+                block.compile(backend=compile)
     modules: list[nn.Module] = list(chunks)
     if layout.dp * layout.cp > 1:  # DDP's default group: DP, or DP x CP under context parallelism
         modules = [DistributedDataParallel(c, bucket_cap_mb=bucket_cap_mb) for c in chunks]

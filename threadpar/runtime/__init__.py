@@ -17,6 +17,7 @@ from threadpar.runtime.launch import launch
 from threadpar.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from threadpar.runtime.printing import print0, rank_print
 from threadpar.runtime.process_env import ProcessEnv, process_env
+from threadpar.runtime.torch_world import device_mesh
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -24,6 +25,7 @@ __all__ = [
     "ProcessEnv",
     "RankContext",
     "current",
+    "device_mesh",
     "get_coords",
     "get_device",
     "get_generator",

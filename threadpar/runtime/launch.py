@@ -23,19 +23,24 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError, Terminated
+from threadpar.runtime.compiling import rank_thread_contexts
 from threadpar.runtime.context import RankContext, leave
 from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.peer_processes import Processes
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
 from threadpar.runtime.signals import Signalled, sigterm_raises
+from threadpar.runtime.torch_world import LaunchTorchWorld
 from threadpar.runtime.world import World
 from threadpar.topology import Layout
+
+if TYPE_CHECKING:
+    from threadpar.torch_dist.session import TorchDistSession
 
 CHECK_COLLECTIVES_VAR = "THREADPAR_CHECK_COLLECTIVES"
 # After a failure, how long ranks get to notice the stop signal before one is injected, and then to exit.
@@ -88,20 +93,33 @@ class _Launch:
         self.results: list[Any] = [None] * n  # indexed by thread rank (= global rank in one process)
         self.failures: list[_Failure] = []
         self.contexts = [RankContext(world, r) for r in ranks]
+        self.torch_world = LaunchTorchWorld(world) if world.torch_distributed else None
         self.running = [False] * n  # inside the user's function: only then may an abort be injected
         # Guards running, failures and finished (DESIGN.md rule 10); results[i] is written by rank i alone.
         self.lock = threading.Lock()
         self.finished = 0
         self.all_done = threading.Event()
+        # Each rank runs in a copy of this thread's context, with dynamo's recompile limits raised (compiling).
+        contexts = rank_thread_contexts(n)
         self.threads = [
-            threading.Thread(target=self._rank_main, args=(i,), name=f"threadpar-rank-{r}", daemon=True)
+            threading.Thread(
+                target=contexts[i].run, args=(self._rank_main, i), name=f"threadpar-rank-{r}", daemon=True
+            )
             for i, r in enumerate(ranks)
         ]
 
     def _rank_main(self, i: int) -> None:
         ctx = self.contexts[i]
+        session: TorchDistSession | None = None
         try:
             ctx.enter()
+            if self.torch_world is not None:
+                session = self.torch_world.session(ctx.rank)
+                session.start()
+                # The rank's intra-op thread count again, right before its function (DESIGN.md rule 4):
+                # without it, simulated processes with different intraop_threads saw each other's count
+                # in 4 runs of 6 once the session start (c10d's group construction) ran after enter().
+                torch.set_num_threads(self.world.intraop_threads)
             with self.lock:
                 self.running[i] = True
             try:
@@ -109,9 +127,15 @@ class _Launch:
             finally:
                 with self.lock:
                     self.running[i] = False
+            if session is not None:
+                ending: TorchDistSession = session
+                session = None  # ended here: the failure path below must not end it again
+                ending.end()
         except BaseException as error:
             self._record(ctx.rank, error)
         finally:
+            if session is not None:
+                session.end_quietly()  # after a failure: never masks the error being reported
             leave()
             with self.lock:
                 self.finished += 1
@@ -154,11 +178,15 @@ class _Launch:
         saved_threads = torch.get_num_threads()
         processes = self.world.processes
         try:
+            if self.torch_world is not None:
+                self.torch_world.install()
             self._start_and_wait()
         except (Signalled, KeyboardInterrupt) as signalled:  # a signal while the ranks finish
             self._stop_everything("SIGINT" if isinstance(signalled, KeyboardInterrupt) else signalled.name)
             raise
         finally:
+            if self.torch_world is not None:
+                self.torch_world.uninstall()
             for ctx in self.contexts:
                 ctx.worker.stop()
             torch.set_num_threads(saved_threads)
@@ -306,6 +334,7 @@ def _one_process_world(config: LaunchConfig, threads: int | None) -> World:
         timeout=config.timeout,
         seed=config.seed,
         intraop_threads=_intraop(config, placement.world_size, on_cpu),
+        torch_distributed=config.torch_distributed,
     )
 
 
@@ -378,6 +407,7 @@ def process_world(
         cuda=cuda,
         processes=processes,
         check_collectives=config.check_collectives,
+        torch_distributed=config.torch_distributed,
     )
     processes.attach(world.abort, lambda rank: world.devices[rank])
     return world

@@ -70,6 +70,9 @@ class LaunchConfig:
         debugging aid, like TORCH_DISTRIBUTED_DEBUG). Without it the processes compare only each group's
         first NCCL collective; calls within a process, and calls gloo carries, are always checked. The
         environment variable THREADPAR_CHECK_COLLECTIVES=1 turns it on too, without editing the script.
+    torch_distributed: initialise torch.distributed in every rank thread (a world of its own whose default
+        group is the launch's world on the `threadpar` c10d backend), so torch's DDP, FSDP2, DTensor and
+        pipelining run unchanged; False leaves torch.distributed uninitialised there.
     """
 
     world_size: int | None = None
@@ -86,6 +89,7 @@ class LaunchConfig:
     print_layout: bool = False
     threads_per_process: int | None = None
     check_collectives: bool = False
+    torch_distributed: bool = True
 
     def __post_init__(self) -> None:
         _positive("world_size", self.world_size, "derived from devices, dp*tp*cp*pp or the GPUs", True)
@@ -108,6 +112,8 @@ class LaunchConfig:
         _positive("threads_per_process", self.threads_per_process, "one process", True)
         if not isinstance(self.check_collectives, bool):
             raise ConfigError(f"check_collectives must be True or False, got {self.check_collectives!r}")
+        if not isinstance(self.torch_distributed, bool):
+            raise ConfigError(f"torch_distributed must be True or False, got {self.torch_distributed!r}")
         if self.world_size is not None:
             self.layout(self.world_size)  # the sizes must fit the ranks: say so now, not at launch
 

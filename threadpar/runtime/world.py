@@ -34,6 +34,7 @@ class World:
         cuda: CudaApi | None = None,
         processes: Any = None,
         check_collectives: bool = False,
+        torch_distributed: bool = True,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -57,6 +58,8 @@ class World:
         # Check every NCCL collective between processes, not only each group's first (LaunchConfig).
         self.check_collectives = check_collectives
         self.abort = AbortSignal()
+        # torch.distributed in every rank thread (threadpar.torch_dist; LaunchConfig.torch_distributed).
+        self.torch_distributed = torch_distributed
         # Implements threadpar.comm.backend.BackendSite: the backends take what they need from this World.
         self.groups = GroupRegistry(self.world_size, functools.partial(select_backend, self))
         if processes is not None and backend == "nccl":

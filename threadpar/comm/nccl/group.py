@@ -70,6 +70,8 @@ class _Posted(NamedTuple):
 def _tensors(payload: Any) -> tuple[torch.Tensor, ...]:
     if isinstance(payload, torch.Tensor):
         return (payload,)
+    if type(payload) is list and all(type(t) is torch.Tensor for t in payload):
+        return tuple(payload)  # an all-reduce's tensors: the common case, without the recursion
     if isinstance(payload, (list, tuple)):
         return tuple(t for part in payload for t in _tensors(part))
     return ()
@@ -105,6 +107,9 @@ class NcclGroup(NcclCopyCollectives):
         self._lock = threading.Lock()
         self._streams: list[Any] = [None] * self.size
         self._comms: list[Any] = [None] * self.size
+        # The leaders' caches of the two lists above in local order (made once: _make_local_streams, _nccl).
+        self._local_streams: list[Any] | None = None
+        self._local_comms: list[Any] | None = None
         self._clique_key = tuple(str(d) for d in self.devices)
         self._native_avg = has_native_avg(self._cuda.nccl.version())
         weakref.finalize(self, self._cuda.streams.release, self.devices, self._streams)
@@ -112,6 +117,14 @@ class NcclGroup(NcclCopyCollectives):
         self._health = CliqueHealth()
 
     # setup ------------------------------------------------------------------------------------------------------
+    def _make_local_streams(self) -> list[Any]:
+        """The local members' comm streams in order, kept for the launches after the first. Leaders of two
+        collectives may both make it at first: each builds the same list (`_stream` makes each stream once,
+        under `_lock`), so either write is right (a write-once value: DESIGN.md rule 10's allowed case)."""
+        streams = [self._stream(m) for m in self.local]
+        self._local_streams = streams
+        return streams
+
     def _stream(self, member: int) -> Any:
         stream = self._streams[member]
         if stream is None:
@@ -224,7 +237,7 @@ class NcclGroup(NcclCopyCollectives):
         if slot.error is not None:
             return False
         posted: list[_Posted] = slot.payloads
-        streams = [self._stream(m) for m in self.local]
+        streams = self._local_streams or self._make_local_streams()
         cuda = self._cuda
         while True:
             with cuda.launch_lock:
@@ -243,7 +256,10 @@ class NcclGroup(NcclCopyCollectives):
     def _nccl(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Call torch.cuda.nccl.<name> with every local member's communicator; failures become NcclError."""
         try:
-            getattr(self._cuda.nccl, name)(*args, comms=[self._comms[m] for m in self.local], **kwargs)
+            comms = self._local_comms
+            if comms is None:  # (every member has its communicator by its first launch; made once)
+                comms = self._local_comms = [self._comms[m] for m in self.local]
+            getattr(self._cuda.nccl, name)(*args, comms=comms, **kwargs)
         except RuntimeError as error:
             raise NcclError(f"torch.cuda.nccl.{name} on group '{self.name}' failed: {error}") from error
 
@@ -276,12 +292,13 @@ class NcclGroup(NcclCopyCollectives):
             self._nccl_reduce(wins, wouts, root, how, streams)
         else:
             self._nccl_reduce_scatter(wins, wouts, how, streams)
-        self._divide(how, outs, streams, self._receivers(kind, root))
+        if how.divide:  # AVG as SUM: divide the receivers' outputs
+            self._divide(outs, streams, self._receivers(kind, root))
 
-    def _receivers(self, kind: str, root: int) -> list[int]:
+    def _receivers(self, kind: str, root: int) -> Sequence[int]:
         """The local positions whose outputs a reduction of `kind` writes."""
         if kind != "root":
-            return list(range(len(self.local)))
+            return range(len(self.local))
         return [self.local_index[root]] if root in self.local_index else []
 
     def _nccl_reduce(self, wins, wouts, root: int, how: NcclReduction, streams) -> None:
@@ -295,11 +312,10 @@ class NcclGroup(NcclCopyCollectives):
         """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order."""
         self._nccl("all_gather", ins, outs, streams=streams)
 
-    def _divide(self, how: NcclReduction, outs, streams, positions) -> None:
-        if how.divide:
-            for i in positions:
-                with self._on(streams[i]):
-                    accumulate_(outs[i], (), ReduceOp.AVG, self.size)
+    def _divide(self, outs, streams, positions) -> None:
+        for i in positions:
+            with self._on(streams[i]):
+                accumulate_(outs[i], (), ReduceOp.AVG, self.size)
 
     def _gather_reduce(self, ins, outs, op: ReduceOp, streams, kind: str, root: int) -> None:
         """For dtypes/ops NCCL cannot reduce: all-gather the bytes, then each member reduces in rank order."""

@@ -23,6 +23,7 @@ Pure functions only: no CUDA calls here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -59,6 +60,7 @@ def exact_avg_scale(dtype: torch.dtype, size: int) -> bool:
     return power_of_two or dtype not in (torch.float16, torch.bfloat16)
 
 
+@functools.lru_cache(maxsize=256)  # pure; asked on every collective (thread-safe: DESIGN.md's table)
 def nccl_reduction(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int = 2) -> NcclReduction:
     """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16); `size`: the group size (for AVG)."""
     as_real = dtype.is_complex and op in (ReduceOp.SUM, ReduceOp.AVG)
@@ -72,13 +74,13 @@ def nccl_reduction(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor as a 1-D view."""
-    return tensor.view(-1)
+    """A contiguous tensor as a 1-D view (itself when it is 1-D: a view costs a tensor allocation)."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
 def wire(tensor: torch.Tensor, how: NcclReduction) -> torch.Tensor:
     """The 1-D view of a contiguous tensor that NCCL reduces as `how` says."""
-    flat_view = tensor.view(-1)
+    flat_view = flat(tensor)
     return torch.view_as_real(flat_view).view(-1) if how.as_real else flat_view
 
 

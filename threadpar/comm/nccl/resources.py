@@ -107,27 +107,30 @@ class DeviceInits:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._count: dict[str, int] = {}
+        self._count: dict[torch.device, int] = {}  # only devices inside an init (no zero counts)
 
     def enter(self, device: torch.device) -> None:
         with self._cond:
-            self._count[str(device)] = self._count.get(str(device), 0) + 1
+            self._count[device] = self._count.get(device, 0) + 1
 
     def leave(self, device: torch.device) -> None:
         with self._cond:
-            self._count[str(device)] -= 1
+            self._count[device] -= 1
+            if not self._count[device]:
+                del self._count[device]
             self._cond.notify_all()
 
     def busy(self, devices: Iterable[torch.device]) -> bool:
+        """Asked by every launch: a dict that is empty unless an init is under way."""
         with self._cond:
-            return any(self._count.get(str(d), 0) for d in devices)
+            return bool(self._count) and any(d in self._count for d in devices)
 
     def wait_idle(self, devices: Iterable[torch.device], abort: Any, timeout: float) -> None:
         """Until none of `devices` is in an init (bounded; a stop of the launch ends it)."""
         devices = list(devices)
         deadline = time.monotonic() + timeout
         with self._cond:
-            while any(self._count.get(str(d), 0) for d in devices):
+            while any(d in self._count for d in devices):
                 abort.raise_if_set()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
