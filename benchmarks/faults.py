@@ -43,6 +43,21 @@ START_S = 300.0  # how long a job may take to reach its fault (Python and torch 
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
+_ports_lock = threading.Lock()
+_ports_given: set[int] = set()  # guarded by _ports_lock: jobs run side by side (the tests' thread pool)
+
+
+def job_port() -> int:
+    """A free port for a job's store that no other job of this driver got (free_port() alone can hand
+    two jobs started together the same port, and their processes would meet in one store)."""
+    with _ports_lock:
+        port = free_port()
+        while port in _ports_given:
+            port = free_port()
+        _ports_given.add(port)
+        return port
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -66,7 +81,7 @@ class Job:
             # its own session: Ctrl-C at a terminal reaches the agent and its workers (a process group)
             self.procs.append(self._popen([*command, "--tee", "3", *args], child_env(), new_session=True))
         elif launcher == "env":
-            port = str(free_port())
+            port = str(job_port())
             for r in (0, 1):
                 env = child_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
                 self.procs.append(self._popen([sys.executable, *args], env))
