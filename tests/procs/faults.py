@@ -35,8 +35,11 @@ FAULT_STEP = 3
 PADDING = 4 << 20  # float32 entries of ballast in a checkpoint (16 MB)
 
 
+PROCESS = threadpar.process_env().rank  # here, not in a rank thread: there torch.distributed is the ranks'
+
+
 def say(text: str) -> None:
-    print(f"process {threadpar.process_env().rank}: {text}", flush=True)
+    print(f"process {PROCESS}: {text}", flush=True)
 
 
 def train(scenario: str, directory: Path | None, start: dict | None) -> int:
