@@ -9,7 +9,10 @@ Rows: all-reduce bus bandwidth by size (nccl-tests' busbw: algbw x 2(n-1)/n), th
 step of a 12-layer GPT (threadpar.parallel.DistributedDataParallel vs torch's DDP), and the demo's tokens/s
 (`python -m threadpar.demo --gpus N` in one process vs `torchrun --nproc-per-node=N -m threadpar.demo --gpus 1`,
 the same layout as N processes). ratio = threadpar / torch: above 1, threadpar is faster. Each cell is the
-median of repeated timings. Without GPUs it says so and exits 0 (there is nothing to compare).
+median of repeated timings. Every demo run passes --check (its losses against the single-thread model); a
+mismatch fails the benchmark. A second table runs the demo in one process with DDP, ZeRO-1 and ZeRO-2
+(--zero 0/1/2) and reports the caching allocator's peak per rank (torch.cuda.max_memory_allocated, the
+demo's metrics.json) side by side. Without GPUs it says so and exits 0 (there is nothing to compare).
 """
 
 from __future__ import annotations
@@ -85,19 +88,65 @@ def torch_side(sizes: list[int], gpt: GptShape, repeats: int, steps: int, cpu: b
     return json.loads(out.read_text())
 
 
+def demo_flags(steps: int) -> list[str]:
+    return ["--steps", str(steps), "--model", "small", "--log-every", str(steps), "--check"]
+
+
+def demo_metrics(path: Path) -> dict:
+    """The demo's metrics.json; its --check must have matched the single-thread model."""
+    metrics = json.loads((path / "metrics.json").read_text())
+    check = metrics.get("check")
+    if not check or not check["ok"]:
+        raise SystemExit(
+            f"benchmarks.gpu: the demo in {path} does not match the single-thread model: {check}"
+        )
+    return metrics
+
+
+def run_demo(n: int, flags: list[str], out: Path) -> dict:
+    """`python -m threadpar.demo --gpus n` in one process (n rank threads); its checked metrics."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "threadpar.demo", "--gpus", str(n), *flags, "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+    return demo_metrics(out)
+
+
 def demo_tokens_per_s(n: int, steps: int, cpu: bool, tmp: Path) -> tuple[float, float]:
     """The demo's own tokens/s (metrics.json): one process with n rank threads, then n torchrun processes."""
-    flags = ["--steps", str(steps), "--model", "small", "--log-every", str(steps)]
-    one = tmp / "demo_threadpar"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run(
-        [sys.executable, "-m", "threadpar.demo", "--gpus", str(n), *flags, "--out", str(one)],
-        cwd=ROOT, env=env, check=True, capture_output=True,
-    )  # fmt: skip
+    flags = demo_flags(steps)
+    one = run_demo(n, flags, tmp / "demo_threadpar")
     many = tmp / "demo_torchrun"
     torchrun(n, ["-m", "threadpar.demo", "--gpus", "1", *flags, "--out", str(many)])
-    read = lambda path: json.loads((path / "metrics.json").read_text())["tokens_per_s"]  # noqa: E731
-    return read(one), read(many)
+    return one["tokens_per_s"], demo_metrics(many)["tokens_per_s"]
+
+
+ZERO_STAGES = {"DDP": "0", "ZeRO-1": "1", "ZeRO-2": "2"}
+
+
+def zero_peaks(n: int, steps: int, cpu: bool, tmp: Path) -> dict[str, int | None]:
+    """The demo on n data-parallel ranks with --zero 0/1/2: the largest per-rank allocator peak of each
+    (None on CPU, where there is no caching allocator to ask)."""
+    peaks: dict[str, int | None] = {}
+    for name, stage in ZERO_STAGES.items():
+        layout = ["--dp", str(n), "--tp", "1", "--pp", "1"]  # ZeRO shards over data parallelism only
+        metrics = run_demo(n, [*demo_flags(steps), *layout, "--zero", stage], tmp / f"demo_zero{stage}")
+        values = [p.get("device_allocated_bytes") for p in metrics["peak_memory"].values()]
+        peaks[name] = max(values) if all(v is not None for v in values) and values else None
+    return peaks
+
+
+def zero_rows(peaks: dict[str, int | None]) -> list[list[str]]:
+    ddp = peaks["DDP"]
+    return [
+        [
+            f"demo --zero {ZERO_STAGES[name]} ({name})",
+            "n/a (CPU)" if peak is None else fmt_bytes(peak),
+            "-" if peak is None or not ddp else f"{peak / ddp:.3f}",
+        ]
+        for name, peak in peaks.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,9 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         ours = threadpar_side(sizes, gpt, repeats, steps, args.cpu)
         theirs = torch_side(sizes, gpt, repeats, steps, args.cpu, Path(tmp))
         demo = demo_tokens_per_s(n, demo_steps, args.cpu, Path(tmp))
+        peaks = zero_peaks(n, demo_steps, args.cpu, Path(tmp))
     print(
         table(["measure", "threadpar", "torch.distributed", "ratio"], rows(ours, theirs, demo, sizes, gpt, n))
     )
+    print("\n# allocator peak per rank (the largest rank), demo --model small, every demo run --check'ed\n")
+    print(table(["configuration", "peak allocated / rank", "vs DDP"], zero_rows(peaks)))
     return 0
 
 

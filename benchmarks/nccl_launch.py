@@ -68,7 +68,8 @@ class NullNccl:
 
 
 class NullCuda:
-    """A CudaApi whose device does nothing: what remains is threadpar's own host work."""
+    """A CudaApi and NcclRuntime whose device and library do nothing: what remains is threadpar's own host
+    work."""
 
     def __init__(self) -> None:
         self.nccl = NullNccl()
@@ -77,6 +78,10 @@ class NullCuda:
         self.inits = DeviceInits()
         self.streams = CommStreams()
         self._stream = NullStream()
+
+    @property
+    def cuda(self) -> NullCuda:  # the NcclRuntime's CUDA primitives: itself
+        return self
 
     def nccl_available(self) -> bool:
         return True

@@ -15,3 +15,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["eager", "lazy"])
+def fake_mode(request: pytest.FixtureRequest):
+    """Runs a test twice: its FakeCudas compute each collective at launch (eager), then only when something
+    waits on it, reporting a buffer changed in between as a race (lazy: tests/fakes/fake_device_queue.py).
+    Use with `pytestmark = pytest.mark.usefixtures("fake_mode")` in a module on the nccl path."""
+    from fakes.fake_cuda_nccl import LAZY_DEFAULT
+
+    LAZY_DEFAULT[0] = request.param == "lazy"
+    try:
+        yield request.param
+    finally:
+        LAZY_DEFAULT[0] = False

@@ -55,3 +55,12 @@ def test_the_table_gives_nccl_tests_bus_bandwidth_and_ratios():
     assert table[0] == ["all_reduce 1 MiB: busbw GB/s", "1.6", "0.8", "2.00x"]
     assert table[1] == ["DDP GPT step (tiny): tokens/s", "128", "64", "2.00x"]  # 4 x 2 x 8 tokens per step
     assert table[2][1:] == ["300", "100", "3.00x"]
+
+
+def test_the_zero_table_reports_each_allocator_peak_against_ddps():
+    from benchmarks.gpu import zero_rows
+
+    rows = zero_rows({"DDP": 4 * MIB, "ZeRO-1": 3 * MIB, "ZeRO-2": 2 * MIB})
+    assert [r[0] for r in rows] == ["demo --zero 0 (DDP)", "demo --zero 1 (ZeRO-1)", "demo --zero 2 (ZeRO-2)"]
+    assert [r[2] for r in rows] == ["1.000", "0.750", "0.500"]
+    assert all(r[1] == "n/a (CPU)" for r in zero_rows(dict.fromkeys(("DDP", "ZeRO-1", "ZeRO-2"))))

@@ -11,9 +11,15 @@ from threadpar import ConfigError
 from threadpar.parallel import DistributedDataParallel
 from threadpar.parallel.ddp import comm_hooks
 
+# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+pytestmark = pytest.mark.usefixtures("fake_mode")
+
 
 @pytest.mark.parametrize("view", [False, True], ids=["copy", "view"])
-def test_matches_single_thread_on_the_nccl_backend(view):
+@pytest.mark.parametrize("device_thread", [False, True], ids=["rank-thread", "device-thread"])
+def test_matches_single_thread_on_the_nccl_backend(view, device_thread):
+    """device_thread: backward (the reducer's hooks and end-of-backward callback) runs on a thread of its own
+    without the rank's context, as CUDA's autograd engine runs it (fakes/fake_autograd_thread.py)."""
     template = mlp()
     data = batches(steps=3, rows=8, n_in=6, n_out=3)
     expected_grads, expected_params = reference_run(template, data, adam)
@@ -22,7 +28,7 @@ def test_matches_single_thread_on_the_nccl_backend(view):
         data,
         adam,
         2,
-        runner=lambda body, world: run_fake_gpus(body, world, FakeCuda()),
+        runner=lambda body, world: run_fake_gpus(body, world, FakeCuda(autograd_thread=device_thread)),
         bucket_cap_mb=0,
         first_bucket_cap_mb=0,
         gradient_as_bucket_view=view,

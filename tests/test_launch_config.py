@@ -96,7 +96,7 @@ def test_an_unknown_keyword_is_an_error_that_says_to_use_kwargs_before_any_rank_
         threadpar.launch(ran.append, 1, world_size=2, devices="cpu", plan="mine", world_szie=2)
     message = str(caught.value)
     assert "unknown option(s) 'plan', 'world_szie' (did you mean 'world_size'?)" in message
-    assert "The launch options are: world_size, devices, dp, tp, pp, cp, backend, timeout" in message
+    assert "The launch options are: world_size, devices, dp, tp, pp, cp, ep, backend, timeout" in message
     assert "Pass the function's own keyword arguments as kwargs={...}" in message
     assert ran == []
 

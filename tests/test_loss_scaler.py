@@ -71,3 +71,33 @@ def test_split_form_with_clipping_takes_the_same_branch_on_every_rank():
 def test_bad_settings_are_refused():
     with pytest.raises(threadpar.ConfigError, match="backoff_factor"):
         LossScaler(backoff_factor=1.5)
+
+
+class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value by the host (.item(), float(), bool(): aten._local_scalar_dense,
+    the op that on CUDA waits for the device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bad_value", [None, math.inf])
+def test_a_step_syncs_the_host_once(bad_value):
+    def body():
+        scaler = LossScaler(init_scale=4.0)
+        params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, dtype=torch.float16))]
+        for p in params:
+            p.grad = torch.full_like(p, 8.0)
+        if bad_value is not None and threadpar.get_rank() == 1:
+            params[1].grad[0] = bad_value
+        with HostSyncs() as syncs:
+            stepped = scaler.step(torch.optim.SGD(params, lr=0.125), params)
+        return syncs.count, stepped
+
+    assert run_ranks(body, 2) == [(1, bad_value is None)] * 2

@@ -15,9 +15,12 @@ from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
 import threadpar
 from threadpar import ReduceOp
-from threadpar.comm.reduce_op import check_reducible
+from threadpar.comm.common.reduce_op import check_reducible
 from threadpar.errors import ConfigError
 from threadpar.testing import run_ranks
+
+# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+pytestmark = pytest.mark.usefixtures("fake_mode")
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,

@@ -133,7 +133,7 @@ def test_nccl_on_a_torch_without_nccl_says_so():
         seed=0,
         intraop_threads=1,
     )
-    if world.cuda_api().nccl_available():
+    if world.nccl_runtime().nccl_available():
         pytest.skip("this torch has NCCL")
     with pytest.raises(ConfigError, match=r"this torch build has no NCCL support.*backend='threads'"):
         world.world_group()

@@ -12,6 +12,9 @@ from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_proc
 import threadpar
 from threadpar.testing import run_ranks
 
+# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+pytestmark = pytest.mark.usefixtures("fake_mode")
+
 
 def _broadcast_from_everyone(groups):
     """Every member of every group broadcasts once; returns {(group, src): what this rank got}."""
@@ -297,8 +300,8 @@ def test_copies_to_different_destinations_run_concurrently_and_stay_ordered_with
     scatter, a2a = fake.copies[:4], fake.copies[4:]
     assert len(a2a) == 16
     # who copied to whom, read from the values: scatter sends i to rank i; all_to_all 10 s + m from s to m
-    ends = {id(c): (0, int(c.dst[0].item())) for c in scatter}
-    ends.update({id(c): divmod(int(c.dst[0].item()), 10) for c in a2a})
+    ends = {id(c): (0, int(c.dst.tensor[0].item())) for c in scatter}
+    ends.update({id(c): divmod(int(c.dst.tensor[0].item()), 10) for c in a2a})
     for copies in (scatter, a2a):
         for a in copies:
             for b in copies:

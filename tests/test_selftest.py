@@ -5,7 +5,8 @@ from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
 import threadpar
 from threadpar import selftest
-from threadpar.selftest_models import check_models
+from threadpar.selftest_models import LABELS as MODEL_LABELS
+from threadpar.selftest_models import MODEL_CHECKS, check_models
 from threadpar.testing import run_ranks
 
 
@@ -13,9 +14,9 @@ def test_without_gpus_it_says_so_and_runs_the_cpu_checks(capsys):
     assert selftest.main(["--sizes", "4K", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "no CUDA devices are visible" in out and "NCCL checks are skipped" in out
-    assert "14 of 14 checks passed" in out
-    labels = selftest.LABELS | {"ddp_step": "DDP step", "pipeline_step": "pipeline step"}
-    for name in (*selftest.COLLECTIVES, "ddp_step", "pipeline_step"):
+    assert "17 of 17 checks passed" in out
+    labels = selftest.LABELS | MODEL_LABELS
+    for name in (*selftest.COLLECTIVES, *MODEL_CHECKS):
         assert f"\n{labels.get(name, name)}" in out
 
 
@@ -73,9 +74,9 @@ def test_a_broadcast_that_ignores_its_root_fails_both_broadcast_rows(monkeypatch
 
 def test_the_model_steps_agree_across_backends_and_with_one_thread():
     rows = check_models(fake_gpus(3, FakeCuda()), threads(3), 3)
-    assert [(r[0], r[2]) for r in rows] == [("ddp_step", "pass"), ("pipeline_step", "pass")]
+    assert [(r[0], r[2]) for r in rows] == [(name, "pass") for name in MODEL_CHECKS]
     rows = check_models(threads(2), None, 2)  # against the same step on this thread
-    assert [(r[0], r[2]) for r in rows] == [("ddp_step", "pass"), ("pipeline_step", "pass")]
+    assert [(r[0], r[2]) for r in rows] == [(name, "pass") for name in MODEL_CHECKS]
 
 
 def test_a_wrong_pipeline_loss_fails_the_pipeline_row(monkeypatch):
@@ -86,8 +87,9 @@ def test_a_wrong_pipeline_loss_fails_the_pipeline_row(monkeypatch):
     monkeypatch.setattr(PipelineParallel, "train_step", lambda self, *a, **k: train_step(self, *a, **k) * 0)
     rows = check_models(threads(2), None, 2)
     verdicts = dict((r[0], r[2]) for r in rows)
-    assert verdicts["ddp_step"] == "pass"
+    assert verdicts["ddp_step"] == verdicts["zero2_step"] == verdicts["fp16_scaler_step"] == "pass"
     assert verdicts["pipeline_step"].startswith("rank 0: FAIL (loss: max |diff|")
+    assert verdicts["zbh1_step"].startswith("rank 0: FAIL (loss: max |diff|")
 
 
 @pytest.mark.parametrize(

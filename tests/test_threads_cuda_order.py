@@ -11,8 +11,12 @@ from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
 import threadpar
 import threadpar.comm.threads.group as threads_backend
+from threadpar.comm.common.cuda_seam import CudaApi, NcclRuntime
 from threadpar.comm.threads.stream_order import StreamOrder
 from threadpar.runtime.world import World
+
+# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+pytestmark = pytest.mark.usefixtures("fake_mode")
 
 
 @pytest.mark.parametrize("path", ["one_thread", "split"])
@@ -54,7 +58,7 @@ def test_a_received_message_is_ordered_after_the_senders_copy():
             return produced
         got = threadpar.get_group().recv_tensor(src=0)
         assert torch.equal(got, torch.arange(3.0))
-        assert any(t is got for t, _ in fake.recorded)  # kept alive for the receiver's stream
+        assert any(t.refers_to(got) for t, _ in fake.recorded)  # kept alive for the receiver's stream
         return fake.mark(stream, "consume")
 
     produced, consumed = run_fake_gpus(body, 2, fake, backend="threads")
@@ -74,3 +78,35 @@ def test_threads_groups_get_stream_ordering_only_on_cuda_devices():
 
     assert isinstance(world("cuda:0").world_group().backend._order, StreamOrder)  # two ranks on one GPU
     assert world("cpu").world_group().backend._order is None
+
+
+class CudaPrimitivesOnly:
+    """The CudaApi members of a FakeCuda and nothing else: no NCCL library, lock, pools or error query."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        self._fake = fake
+
+    def __getattr__(self, name: str):
+        if name not in {n for n, v in vars(CudaApi).items() if callable(v) and not n.startswith("_")}:
+            raise AttributeError(f"{name} is not a CUDA primitive (threadpar.comm.common.cuda_seam.CudaApi)")
+        return getattr(self._fake, name)
+
+
+def test_the_threads_backend_orders_streams_with_the_cuda_primitives_alone():
+    """The threads backend's stream order takes a CudaApi only: a seam without the NCCL runtime serves it,
+    and the order still holds (the nccl backend is the only one that asks for an NcclRuntime)."""
+    fake = FakeCuda()
+    primitives = CudaPrimitivesOnly(fake)
+    assert isinstance(primitives, CudaApi) and not isinstance(primitives, NcclRuntime)
+
+    def body():
+        stream = fake.current_stream(threadpar.get_device())
+        t = torch.full((4,), float(threadpar.get_rank()))
+        before = fake.mark(stream, "input")
+        threadpar.all_reduce(t)
+        return before, fake.mark(stream, "after"), t
+
+    results = run_fake_gpus(body, 2, primitives, backend="threads")
+    for _, after, t in results:
+        torch.testing.assert_close(t, torch.full((4,), 1.0))
+        assert all(fake.ordered(before, after) for before, _, _ in results)

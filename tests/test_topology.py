@@ -94,3 +94,43 @@ def test_overview_lists_every_rank_with_its_groups():
     assert lines[1].split()[:4] == ["rank", "dp", "tp", "pp"]
     assert len(lines) == 2 + 4
     assert "TP1[2,3]" in lines[-1] and "DP1[1,3]" in lines[-1]
+
+
+def test_combined_and_expert_axes_partition_the_world_into_their_groups():
+    """Every axes (axes together, EP, EDP) partitions the ranks; a combined axes's members differ only on its
+    axes; EP runs are consecutive in the DP x CP group and EDP takes the same place of every run."""
+    for dp, cp, tp, pp in itertools.product([1, 2, 4], [1, 2], [1, 2], [1, 2]):
+        for ep in (e for e in (1, 2, 4) if (dp * cp) % e == 0):
+            layout = Layout.build(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, order="TP-DP-CP-PP")
+            for axes in [("DP", "CP"), ("CP", "TP"), ("PP", "TP", "DP"), "EP", "EDP"]:
+                groups = layout.groups(axes)
+                assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), axes
+                assert all(len(g) == layout.group_size(axes) for g in groups), axes
+            for r in range(layout.world_size):
+                plane = layout.group_ranks(("DP", "CP"), r)
+                others = [Axis.TP, Axis.PP]
+                assert all(layout.coords_of(m)[o] == layout.coords_of(r)[o] for m in plane for o in others)
+                place = plane.index(r)
+                assert layout.group_ranks("EP", r) == plane[place // ep * ep : place // ep * ep + ep]
+                assert layout.group_ranks("EDP", r) == plane[place % ep :: ep]
+                assert layout.group_name("EDP", r) == f"EDP{layout.group_id('EDP', r)}"
+
+
+def test_axes_are_named_as_the_issue_names_them_and_overview_prints_them():
+    layout = Layout.build(8, cp=2, ep=2)
+    assert layout.group_name(("CP", "DP"), 5) == "DPCP0" and layout.group_name("DPCP", 5) == "DPCP0"
+    assert (layout.group_ranks("EP", 0), layout.group_name("EP", 0)) == ([0, 1], "EP0")
+    assert (layout.group_ranks("EDP", 3), layout.group_name("EDP", 3)) == ([1, 3, 5, 7], "EDP1")
+    header, *rows = layout.overview().splitlines()[1:]
+    assert header.split()[-6:] == ["DPCP", "group", "EP", "group", "EDP", "group"]
+    assert rows[2].split()[-3:] == ["DPCP0[0,1,2,3,4,5,6,7]", "EP1[2,3]", "EDP0[0,2,4,6]"]
+    assert "EP" not in Layout.build(4).overview()  # shown only when ep > 1
+
+
+def test_bad_axes_and_ep_sizes_are_config_errors_that_say_what_to_pass():
+    with pytest.raises(ConfigError, match="must be a positive int that divides dp\\*cp = 2\\*1 = 2"):
+        Layout.build(4, tp=2, ep=4)
+    with pytest.raises(ConfigError, match="unknown axes 'XP'; use an axis"):
+        Layout.build(4).group_ranks("XP", 0)
+    with pytest.raises(ConfigError, match="name an axis twice"):
+        Layout.build(4).group_ranks(("DP", "DP"), 0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import threadpar
-from threadpar.comm.work import CompletedWork, LazyWork, Work
+from threadpar.comm.common.work import CompletedWork, LazyWork, Work
 from threadpar.parallel.ddp.comm_hooks import then
 from threadpar.testing import run_ranks
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import threadpar
-from threadpar.comm.nccl.cuda_api import torch_cuda
+from threadpar.comm.nccl.cuda_api import torch_nccl
 from threadpar.runtime.devices import cuda_device_count
 from threadpar.runtime.launch import available_cores
 from threadpar.selftest_models import LABELS as MODEL_LABELS
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, help="timed runs per collective and size")
     args = parser.parse_args(argv)
     n_gpus = cuda_device_count()
-    nccl = n_gpus > 0 and torch_cuda().nccl_available()
+    nccl = n_gpus > 0 and torch_nccl().nccl_available()
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else GPU_SIZES if nccl else CPU_SIZES
     iters = args.iters or (20 if nccl else 5)
     if nccl:

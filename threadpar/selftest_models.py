@@ -1,7 +1,9 @@
-"""The selftest's model checks: one DDP step and one pipeline step, the same code on any backend."""
+"""The selftest's model checks, the same code on any backend: a DDP step, a ZeRO-2 step, an fp16 step under
+LossScaler, and pipeline steps (1F1B, and zbh1 with its split backward)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,12 +14,20 @@ from torch import nn
 import threadpar
 from threadpar.models.gpt import GPT, GPTConfig
 from threadpar.models.parallelize_gpt import parallelize_gpt
-from threadpar.parallel import DistributedDataParallel
+from threadpar.parallel import DistributedDataParallel, LossScaler, ZeroRedundancyOptimizer
 
-MODEL_CHECKS = ("ddp_step", "pipeline_step")
-LABELS = {"ddp_step": "DDP step (MLP)", "pipeline_step": "pipeline step (GPT, 1F1B)"}
+MODEL_CHECKS = ("ddp_step", "zero2_step", "fp16_scaler_step", "pipeline_step", "zbh1_step")
+LABELS = {
+    "ddp_step": "DDP step (MLP)",
+    "zero2_step": "ZeRO-2 step (MLP, AdamW)",
+    "fp16_scaler_step": "fp16 autocast + LossScaler step",
+    "pipeline_step": "pipeline step (GPT, 1F1B)",
+    "zbh1_step": "pipeline step (GPT, zbh1)",
+}
 # Another device computes the same step in another summation order (cuBLAS vs CPU kernels, fp32).
 MODEL_TOLERANCE = (1e-4, 1e-5)  # rtol, atol as torch.allclose takes them
+# fp16 matmuls under autocast: another device's kernels round differently in half precision.
+FP16_TOLERANCE = (1e-2, 1e-3)
 ROWS_PER_RANK = 4
 Results = dict[str, torch.Tensor]  # named tensors, on the CPU
 LayoutRunner = Callable[..., list[Any]]  # runner(fn, **layout): fn on every rank, the per-rank results
@@ -56,6 +66,58 @@ def ddp_step() -> Results:
     return _step_results(model, loss, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def zero2_step() -> Results:
+    """DDP + ZeroRedundancyOptimizer(AdamW, stage=2): gradients reduce-scattered into shards during backward,
+    then the step and the all-gather of the parameters. Returns the updated parameters."""
+    rank, n, device = threadpar.get_rank(), threadpar.get_world_size(), threadpar.get_device()
+    model, x, y = _mlp_and_batch(n)
+    model = model.to(device)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.0, first_bucket_cap_mb=0.0)  # a bucket per tensor
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.01)
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    loss = F.mse_loss(ddp(x[rows].to(device)), y[rows].to(device))
+    loss.backward()
+    optimizer.step()
+    return {f"param {k}": p.detach().cpu() for k, p in model.named_parameters()}
+
+
+def zero2_reference(n: int) -> list[Results]:
+    model, x, y = _mlp_and_batch(n)
+    F.mse_loss(model(x), y).backward()
+    torch.optim.AdamW(model.parameters(), lr=0.01).step()
+    return [{f"param {k}": p.detach() for k, p in model.named_parameters()}] * n
+
+
+def fp16_scaler_step() -> Results:
+    """fp32 parameters, forward under fp16 autocast, the loss scaled by LossScaler, its one-sync step."""
+    rank, n, device = threadpar.get_rank(), threadpar.get_world_size(), threadpar.get_device()
+    model, x, y = _mlp_and_batch(n)
+    model = model.to(device)
+    ddp = DistributedDataParallel(model)
+    scaler = LossScaler(init_scale=2.0**12)
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    with torch.autocast(device.type, dtype=torch.float16):
+        loss = F.mse_loss(ddp(x[rows].to(device)).float(), y[rows].to(device))
+    scaler.scale_loss(loss).backward()
+    grads = {
+        f"grad {k}": p.grad.detach().cpu().clone() for k, p in model.named_parameters() if p.grad is not None
+    }
+    if not scaler.step(torch.optim.SGD(model.parameters(), lr=0.1), model.parameters()):
+        return {"loss": loss.detach().cpu(), "skipped": torch.ones(1)}  # a finite step must not skip
+    grads = {k: g / scaler.scale for k, g in grads.items()}  # (the scale has not grown: growth_interval 200)
+    return {f"param {k}": p.detach().cpu() for k, p in model.named_parameters()} | grads
+
+
+def fp16_scaler_reference(n: int) -> list[Results]:
+    model, x, y = _mlp_and_batch(n)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(x).float(), y)
+    loss.backward()
+    grads = {f"grad {k}": p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return [{f"param {k}": p.detach() for k, p in model.named_parameters()} | grads] * n
+
+
 def ddp_reference(n: int) -> list[Results]:
     """The same step on this thread, on the whole batch: what every rank must hold."""
     model, x, y = _mlp_and_batch(n)
@@ -73,12 +135,12 @@ def _gpt(n: int) -> tuple[GPTConfig, dict[str, torch.Tensor], torch.Tensor, torc
     return config, dense, inputs, targets
 
 
-def pipeline_step() -> Results:
-    """On each rank, one stage of a GPT cut into world-size stages: one 1F1B step of 2 x pp microbatches;
+def pipeline_step(schedule: str = "1f1b") -> Results:
+    """On each rank, one stage of a GPT cut into world-size stages: one step of 2 x pp microbatches;
     the loss every stage reports (the last stage's, shared) and this stage's gradients."""
     n, device = threadpar.get_world_size(), threadpar.get_device()
     config, dense, inputs, targets = _gpt(n)
-    model = parallelize_gpt(config, dense, schedule="1f1b", num_microbatches=2 * n)
+    model = parallelize_gpt(config, dense, schedule=schedule, num_microbatches=2 * n)
     loss = model.train_step(inputs.to(device), targets.to(device))
     grads = {f"grad {k}": g.cpu() for k, g in model.dense_grads().items() if g is not None}
     return {"loss": loss.detach().cpu(), **grads}
@@ -95,28 +157,34 @@ def pipeline_reference(n: int) -> list[Results]:
     return [whole] * n  # each rank is compared on the names it holds
 
 
-def compare_results(got: Results, want: Results) -> str:
+def compare_results(got: Results, want: Results, tolerance: tuple[float, float] = MODEL_TOLERANCE) -> str:
     for name, tensor in got.items():
         if name not in want:
             return f"FAIL (unexpected {name})"
-        if tensor.shape != want[name].shape or not torch.allclose(tensor, want[name], *MODEL_TOLERANCE):
+        if tensor.shape != want[name].shape or not torch.allclose(tensor, want[name], *tolerance):
             diff = (tensor - want[name]).abs().max().item() if tensor.shape == want[name].shape else "shape"
             return f"FAIL ({name}: max |diff| {diff})"
-    return "pass" if "loss" in got else "FAIL (no loss)"
+    if not any(name == "loss" or name.startswith("param ") for name in got):
+        return "FAIL (no loss and no parameters)"
+    return "pass"
 
 
 def check_models(subject: LayoutRunner, reference: LayoutRunner | None, n: int) -> list[tuple]:
     """Table rows (as selftest.check's) for the DDP and the pipeline step: `subject` against `reference` (another
     backend) or, when None, against the same step on this thread."""
-    steps = {
-        "ddp_step": (ddp_step, ddp_reference, {}),
-        "pipeline_step": (pipeline_step, pipeline_reference, {"pp": n}),
+    zbh1 = functools.partial(pipeline_step, "zbh1")
+    steps: dict[str, tuple[Callable, Callable, dict, tuple[float, float]]] = {
+        "ddp_step": (ddp_step, ddp_reference, {}, MODEL_TOLERANCE),
+        "zero2_step": (zero2_step, zero2_reference, {}, MODEL_TOLERANCE),
+        "fp16_scaler_step": (fp16_scaler_step, fp16_scaler_reference, {}, FP16_TOLERANCE),
+        "pipeline_step": (pipeline_step, pipeline_reference, {"pp": n}, MODEL_TOLERANCE),
+        "zbh1_step": (zbh1, pipeline_reference, {"pp": n}, MODEL_TOLERANCE),
     }
     rows = []
-    for name, (step, direct, layout) in steps.items():
+    for name, (step, direct, layout, tolerance) in steps.items():
         got = subject(step, **layout)
         want = reference(step, **layout) if reference is not None else direct(n)
-        verdicts = [compare_results(g, w) for g, w in zip(got, want)]
+        verdicts = [compare_results(g, w, tolerance) for g, w in zip(got, want)]
         failed = next((f"rank {r}: {v}" for r, v in enumerate(verdicts) if v != "pass"), "pass")
         rows.append((name, "-", failed, None, float("nan"), float("nan")))
     return rows

@@ -4,6 +4,15 @@ A layout is a row-major grid over the axes in `order` (outermost first). The def
 PP, DP, CP, TP: TP is innermost so a TP group is made of adjacent ranks (adjacent GPUs share the fastest
 links), PP is outermost. Groups of an axis are the lines of the grid along that axis; each group gets an
 id and a name like InfiniTrain's ("DP0", "TP1", "PP2").
+
+A group may also span several axes (`Axes`: torch's DeviceMesh would flatten them into one axes): ("DP", "CP") is the
+plane of ranks that share their TP and PP coordinates (named "DPCP0", ...), over which gradients are
+averaged under context parallelism. The expert axes are borrowed from that plane, as torchtitan's
+ParallelDims borrows ep from dp_shard x cp: with `ep` dividing dp * cp, each DP x CP group splits into
+consecutive runs of ep ranks that shard the MoE experts ("EP0", ...), and the ranks at the same place of
+every run hold the same experts ("EDP0", ..., expert data parallel: their expert gradients are averaged).
+
+    dp=4, cp=1, ep=2:  DP0 [0 1 2 3];  EP0 [0 1], EP1 [2 3];  EDP0 [0 2], EDP1 [1 3]
 """
 
 from __future__ import annotations
@@ -35,6 +44,57 @@ class Axis(str, enum.Enum):
 
 
 DEFAULT_ORDER = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+
+EXPERT_AXES = ("EP", "EDP")  # expert parallel, expert data parallel: borrowed from DP x CP
+DATA_AXES = (Axis.DP, Axis.CP)  # the plane the expert axes split
+
+# The axes of a group: one axis, several together (("DP", "CP") or "DPCP"), or an expert axis ("EP", "EDP").
+Axes = Axis | str | tuple[Axis | str, ...]
+# Their canonical form: the axes in Axis order (one or more), or the expert axis's name.
+CanonicalAxes = tuple[Axis, ...] | str
+
+
+def parse_axes(given: Axes) -> CanonicalAxes:
+    """`given` in its canonical form; a ConfigError that lists the choices for anything else."""
+    if isinstance(given, Axis):
+        return (given,)
+    named: Axes = given
+    if isinstance(given, str):
+        name = given.upper()
+        if name in EXPERT_AXES:
+            return name
+        if name in Axis.__members__:
+            return (Axis(name),)
+        # Axes together by name: two letters per axis ("DPCP", "CPTP").
+        if len(name) % 2 == 0 and all(name[i : i + 2] in Axis.__members__ for i in range(0, len(name), 2)):
+            named = tuple(name[i : i + 2] for i in range(0, len(name), 2))
+        else:
+            raise ConfigError(
+                f"unknown axes {given!r}; use an axis (DP, CP, TP, PP), axes together (('DP', 'CP') or "
+                "'DPCP'), or an expert axis (EP, EDP)"
+            )
+    if isinstance(named, (tuple, list)) and named:
+        axes = tuple(Axis.parse(a) for a in named)
+        if len(set(axes)) != len(axes):
+            raise ConfigError(f"axes {given!r} name an axis twice; name each once")
+        return tuple(a for a in Axis if a in axes)
+    raise ConfigError(f"axes are an axis, a tuple of axes or an expert axis (EP, EDP); got {given!r}")
+
+
+def names_axes(value: object) -> bool:
+    """Whether `value` names axes (else, as a string, it may name one group: "TP1", "DPCP0")."""
+    if not isinstance(value, (str, tuple, list)):
+        return False
+    try:
+        parse_axes(value)  # type: ignore[arg-type]
+    except ConfigError:
+        return False
+    return True
+
+
+def axes_label(axes: CanonicalAxes) -> str:
+    """The axes' name: "DP", "DPCP", "EP"; its groups are named this plus their id."""
+    return axes if isinstance(axes, str) else "".join(a.value for a in axes)
 
 
 @dataclass(frozen=True)
@@ -75,6 +135,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     order: tuple[Axis, ...] = DEFAULT_ORDER
+    ep: int = 1  # expert parallel: borrowed from DP x CP (divides dp * cp)
     # Derived in __post_init__ (not arguments, not compared: the fields above determine them).
     _strides: dict[Axis, int] = field(init=False, repr=False, compare=False)
     _world_size: int = field(init=False, repr=False, compare=False)
@@ -84,6 +145,16 @@ class Layout:
             size = self.size(axis)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ConfigError(f"{axis.value.lower()} must be a positive int, got {size!r}")
+        if (
+            not isinstance(self.ep, int)
+            or isinstance(self.ep, bool)
+            or self.ep < 1
+            or (self.dp * self.cp) % self.ep
+        ):
+            raise ConfigError(
+                f"ep={self.ep!r} must be a positive int that divides dp*cp = {self.dp}*{self.cp} = "
+                f"{self.dp * self.cp} (the experts are split over ep of the ranks that share a model shard)"
+            )
         object.__setattr__(self, "order", parse_order(self.order))
         strides: dict[Axis, int] = {}
         stride = 1
@@ -103,6 +174,7 @@ class Layout:
         pp: int = 1,
         cp: int = 1,
         order: Iterable[Axis | str] | str | None = None,
+        ep: int = 1,
     ) -> Layout:
         """Sizes from the user's arguments; `dp` is derived as world / (tp * cp * pp) when not given."""
         for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -124,7 +196,7 @@ class Layout:
                 f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * model} but there are {world_size} ranks; "
                 f"make the product equal {world_size} (or leave dp out to derive it)"
             )
-        return cls(dp=dp, tp=tp, pp=pp, cp=cp, order=parse_order(order))
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp, order=parse_order(order), ep=ep)
 
     # sizes and strides ------------------------------------------------------------------------------------------
     def size(self, axis: Axis | str) -> int:
@@ -176,52 +248,94 @@ class Layout:
                 f"rank {rank!r} is outside 0..{self.world_size - 1} (world_size={self.world_size})"
             )
 
-    # groups -----------------------------------------------------------------------------------------------------
-    def group_ranks(self, axis: Axis | str, rank: int) -> list[int]:
-        """The global ranks that share every coordinate with `rank` except the one on `axis`, in axis order."""
-        axis = Axis.parse(axis)
+    # groups ---------------------------------------------------------------------------------------------------
+    def group_ranks(self, axes: Axes, rank: int) -> list[int]:
+        """The global ranks of `rank`'s group on `axes`: for axes, those that share every coordinate with `rank`
+        except the ones on `axes` (ascending: row-major in `order`); for EP/EDP, see the module docstring."""
+        parsed = parse_axes(axes)
+        if isinstance(parsed, str):
+            plane, ep = self._plane(rank), self.ep
+            place = plane.index(rank)
+            return plane[place // ep * ep :][:ep] if parsed == "EP" else plane[place % ep :: ep]
         c = self.coords_of(rank)
-        base = rank - c[axis] * self.stride(axis)
-        return [base + i * self.stride(axis) for i in range(self.size(axis))]
+        ranks = [rank - sum(c[a] * self.stride(a) for a in parsed)]
+        for axis in parsed:
+            ranks = [r + i * self.stride(axis) for r in ranks for i in range(self.size(axis))]
+        return sorted(ranks)
 
-    def num_groups(self, axis: Axis | str) -> int:
-        return self.world_size // self.size(axis)
+    def _plane(self, rank: int) -> list[int]:
+        return self.group_ranks(DATA_AXES, rank)
 
-    def group_id(self, axis: Axis | str, rank: int) -> int:
-        """Index of `rank`'s group among the groups of `axis`: the other coordinates, row-major in `order`."""
-        axis = Axis.parse(axis)
+    def group_size(self, axes: Axes) -> int:
+        """How many ranks each group of `axes` has."""
+        parsed = parse_axes(axes)
+        if isinstance(parsed, str):
+            return self.ep if parsed == "EP" else self.dp * self.cp // self.ep
+        size = 1
+        for axis in parsed:
+            size *= self.size(axis)
+        return size
+
+    def num_groups(self, axes: Axes) -> int:
+        return self.world_size // self.group_size(axes)
+
+    def group_id(self, axes: Axes, rank: int) -> int:
+        """Index of `rank`'s group among the groups of `axes`: the other coordinates, row-major in `order`;
+        for EP/EDP, the DP x CP group's id, then the run (EP) or the place in the runs (EDP)."""
+        parsed = parse_axes(axes)
+        if isinstance(parsed, str):
+            place = self._plane(rank).index(rank)
+            runs = self.dp * self.cp // self.ep
+            if parsed == "EP":
+                return self.group_id(DATA_AXES, rank) * runs + place // self.ep
+            return self.group_id(DATA_AXES, rank) * self.ep + place % self.ep
         c = self.coords_of(rank)
         gid = 0
         for other in self.order:
-            if other is not axis:
+            if other not in parsed:
                 gid = gid * self.size(other) + c[other]
         return gid
 
-    def group_name(self, axis: Axis | str, rank: int) -> str:
-        axis = Axis.parse(axis)
-        return f"{axis.value}{self.group_id(axis, rank)}"
+    def group_name(self, axes: Axes, rank: int) -> str:
+        """ "DP0", "TP1", "DPCP0", "EP1", "EDP0": the axes' name and the group's id."""
+        return f"{axes_label(parse_axes(axes))}{self.group_id(axes, rank)}"
 
-    def groups(self, axis: Axis | str) -> list[list[int]]:
-        """All groups of `axis`, indexed by group id."""
-        axis = Axis.parse(axis)
+    def groups(self, axes: Axes) -> list[list[int]]:
+        """All groups of `axes`, indexed by group id."""
         found: dict[int, list[int]] = {}
         for r in range(self.world_size):
-            found.setdefault(self.group_id(axis, r), self.group_ranks(axis, r))
+            found.setdefault(self.group_id(axes, r), self.group_ranks(axes, r))
         return [found[i] for i in range(len(found))]
+
+    def shown_axes(self) -> list[CanonicalAxes]:
+        """The axes `overview` prints: every axis (CP when cp > 1), DP x CP when cp > 1, EP/EDP when ep > 1."""
+        shown: list[CanonicalAxes] = [
+            (a,) for a in (Axis.DP, Axis.CP, Axis.TP, Axis.PP) if a is not Axis.CP or self.cp > 1
+        ]
+        if self.cp > 1:
+            shown.append(DATA_AXES)
+        if self.ep > 1:
+            shown += list(EXPERT_AXES)
+        return shown
 
     # human-readable ---------------------------------------------------------------------------------------------
     def describe(self) -> str:
         shown = [a for a in self.order if a is not Axis.CP or self.cp > 1]
         sizes = " x ".join(f"{a.value.lower()}={self.size(a)}" for a in shown)
-        return f"{self.world_size} ranks = {sizes} (order {'-'.join(a.value for a in self.order)}, last is innermost)"
+        experts = f", experts over ep={self.ep} of dp*cp" if self.ep > 1 else ""
+        return (
+            f"{self.world_size} ranks = {sizes} (order {'-'.join(a.value for a in self.order)}, last is "
+            f"innermost{experts})"
+        )
 
     def overview(self) -> str:
         """A table of every rank's coordinates and groups, as InfiniTrain's ProcessGroupOverview prints."""
         axes = [a for a in (Axis.DP, Axis.CP, Axis.TP, Axis.PP) if a is not Axis.CP or self.cp > 1]
-        rows = [["rank", *(a.value.lower() for a in axes), *(f"{a.value} group" for a in axes)]]
+        shown = self.shown_axes()
+        rows = [["rank", *(a.value.lower() for a in axes), *(f"{axes_label(d)} group" for d in shown)]]
         for r in range(self.world_size):
             c = self.coords_of(r)
-            groups = [f"{self.group_name(a, r)} {self.group_ranks(a, r)}".replace(" ", "") for a in axes]
+            groups = [f"{self.group_name(d, r)} {self.group_ranks(d, r)}".replace(" ", "") for d in shown]
             rows.append([str(r), *(str(c[a]) for a in axes), *groups])
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

@@ -37,10 +37,11 @@ def test_every_collective_matches_the_threads_backend():
     assert not failed, failed
 
 
-def test_a_ddp_and_a_pipeline_step_match_the_threads_backend():
+def test_the_model_steps_match_the_threads_backend():
+    """DDP, ZeRO-2, fp16 autocast + LossScaler, 1F1B and zbh1 pipeline steps (threadpar.selftest_models)."""
     n = gpus_or_skip(2)
     rows = check_models(nccl(n), threads(n), n)
-    assert [r[2] for r in rows] == ["pass", "pass"], rows
+    assert [r[2] for r in rows] == ["pass"] * len(rows) and len(rows) == 5, rows
 
 
 def test_ddp_over_every_gpu_matches_one_thread_on_the_whole_batch():

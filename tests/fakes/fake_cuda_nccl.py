@@ -13,6 +13,12 @@ A small simulation rather than a mock:
   (`run_fake_gpu_processes`): their NCCL cliques span them.
 Devices are CPU devices, and every thread has its own default stream: the general case of ranks that
 compute on their own streams (on a real GPU, threads share the device's default stream unless told not to).
+
+Stricter modes (issue 22): `FakeCuda(lazy=True)` runs a collective only when something waits on it and reports
+a buffer changed in between as a race (fake_device_queue.py; conftest's `fake_mode` fixture runs nccl-path
+modules in both modes); `FakeCuda(autograd_thread=True)` runs every backward on a device thread of its own
+without the rank's context (fake_autograd_thread.py). Its logs (`calls`, `copies`, `recorded`) hold tensors
+weakly (`TensorRecord`), so they never keep alive what threadpar let go of.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from threadpar.runtime.world import World
 from threadpar.testing import raise_root_cause
 from threadpar.topology import Layout
 
+from .fake_autograd_thread import device_threads
+from .fake_device_queue import TensorRecord, flush
 from .fake_nccl import FakeComm, FakeFabric, FakeNccl
 
 __all__ = [
@@ -41,6 +49,9 @@ __all__ = [
     "run_fake_gpu_processes", "run_fake_gpus",
 ]  # fmt: skip
 
+
+# The mode of FakeCudas made without lazy=: [False] (eager), or [True] while conftest's fixture runs a test lazily.
+LAZY_DEFAULT = [False]
 
 STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp: kStreamsPerPool = 1 << kStreamsPerPoolBits (5)
 
@@ -56,6 +67,9 @@ class FakeStream:
     def __init__(self, fake: FakeCuda, name: str, device: torch.device, priority: int = 0) -> None:
         self.fake, self.name, self.device, self.priority = fake, name, device, priority
         self.ops: list[tuple] = []
+        self.pending: dict[int, Any] = {}  # lazy mode: node index -> the collective waiting there to run
+        self.flushed = -1  # lazy mode: every node up to this one has run
+        fake.streams_made.append(self)
 
     def _append(self, *op: Any) -> Node:
         with self.fake.lock:
@@ -66,9 +80,15 @@ class FakeStream:
         # Waits for the event's most recent record only, as cudaStreamWaitEvent does (CUDA runtime API docs;
         # torch.cuda.Stream.wait_event -> c10/cuda/CUDAStream.h). Recorded later: not waited for.
         self._append("wait", event, event.node)
+        if self.fake.lazy and event.node is not None and not self.pending:
+            # A stream whose work the double runs at once (a compute stream) must find the awaited work done;
+            # a comm stream with collectives still pending just records the edge (fake_device_queue.flush).
+            flush(event.node.stream, event.node.index)
 
     def synchronize(self) -> None:
-        """The host waits for everything enqueued so far (the double computes at enqueue: just recorded)."""
+        """The host waits for everything enqueued so far (cudaStreamSynchronize)."""
+        if self.fake.lazy:
+            flush(self)
         node = self._append("host-sync")
         with self.fake.lock:
             self.fake.host_syncs.append(node)
@@ -91,7 +111,11 @@ class FakeEvent:
     def query(self) -> bool:
         if self.fake.device_error is not None:
             raise RuntimeError(f"CUDA error: {self.fake.device_error}")
-        return self.complete or not self.fake.hung
+        if self.fake.hung and not self.complete:
+            return False
+        if self.fake.lazy and self.node is not None:  # the host asking makes a lazy stream progress
+            flush(self.node.stream, self.node.index)
+        return True
 
 
 class OwnedLock:
@@ -117,8 +141,8 @@ class OwnedLock:
 @dataclass
 class FakeCall:
     name: str
-    inputs: list[torch.Tensor]
-    outputs: list[torch.Tensor]
+    inputs: list[TensorRecord]  # weak: the log keeps no buffer alive
+    outputs: list[TensorRecord]
     streams: list[FakeStream]
     comms: list[FakeComm]
     nodes: list[Node]  # where it sits on each rank's stream
@@ -129,8 +153,8 @@ class FakeCall:
 
 @dataclass
 class FakeCopy:
-    dst: torch.Tensor
-    src: torch.Tensor
+    dst: TensorRecord
+    src: TensorRecord
     src_stream: FakeStream
     dst_stream: FakeStream
     node: Node
@@ -138,10 +162,28 @@ class FakeCopy:
 
 
 class FakeCuda:
-    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (pass it as World(cuda=...))."""
+    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (the CudaApi) and TorchNcclRuntime (the NcclRuntime)
+    at once (pass it as World(cuda=...)): its fake NCCL enqueues on its fake streams, as the real library
+    does on CUDA's, so one object models the GPUs and the library of one process. Each Protocol's members
+    are in their own section below; `cuda` is the runtime's view of the primitives (itself)."""
 
-    def __init__(self, nccl_version: tuple[int, ...] = (2, 27, 3), fabric: FakeFabric | None = None) -> None:
+    def __init__(
+        self,
+        nccl_version: tuple[int, ...] = (2, 27, 3),
+        fabric: FakeFabric | None = None,
+        *,
+        lazy: bool | None = None,
+        autograd_thread: bool = False,
+    ) -> None:
+        """lazy: collectives run only when something waits on them, and a buffer changed between launch and
+        run is a race (fake_device_queue.py); None: the suite's mode (LAZY_DEFAULT, set by conftest's
+        fixture). autograd_thread: run_fake_gpus runs every backward on a thread of its own per rank, without
+        the rank's context, as CUDA's autograd engine does (fake_autograd_thread.py)."""
         self.lock = threading.RLock()  # guards the fake's own records
+        self.lazy = LAZY_DEFAULT[0] if lazy is None else lazy
+        self.autograd_thread = autograd_thread
+        self.races: list[str] = []  # lazy mode: buffers changed between a collective's launch and its run
+        self.streams_made: list[FakeStream] = []
         self.nccl = FakeNccl(self, nccl_version, fabric)
         self.launch_lock = OwnedLock()
         self.cliques = CliquePool()  # threadpar's own pool: plain Python, nothing to fake
@@ -152,7 +194,7 @@ class FakeCuda:
         self.calls: list[FakeCall] = []
         self.copies: list[FakeCopy] = []
         self.comm_streams: list[FakeStream] = []
-        self.recorded: list[tuple[torch.Tensor, FakeStream]] = []  # record_stream calls
+        self.recorded: list[tuple[TensorRecord, FakeStream]] = []  # record_stream calls (weak)
         self.host_syncs: list[Node] = []  # where the host waited for a stream (FakeStream.synchronize)
         self.hung = False
         self.device_error: str | None = None  # raised by every event query (a sticky CUDA error)
@@ -161,9 +203,6 @@ class FakeCuda:
         self._ids = itertools.count()
 
     # the CudaApi ------------------------------------------------------------------------------------------------
-    def nccl_available(self) -> bool:
-        return True
-
     def pool_stream(self, device: torch.device, priority: int) -> FakeStream:
         """torch.cuda.Stream(device, priority): c10/cuda/CUDAStream.cpp, getStreamFromPool, hands out one of
         kStreamsPerPool = 32 streams per device and priority level, round-robin (get_idx: counter++ % 32), made
@@ -204,6 +243,8 @@ class FakeCuda:
         current = self._current()
         saved = dict(current)
         for stream in streams:
+            if self.lazy:  # host-issued work on a stream follows what waits there: that must run first
+                flush(stream)
             current[stream.device] = stream
         try:
             yield
@@ -231,6 +272,9 @@ class FakeCuda:
         # runs on the source device's current stream, which first waits for an event recorded on the
         # destination device's current stream; then the destination's stream waits for the copy. (The
         # double's devices are all one device: distinct streams stand for distinct devices here.)
+        if self.lazy:  # the double copies at once: what the copy follows on either stream runs first
+            flush(src_stream)
+            flush(dst_stream)
         if src_stream is not dst_stream:
             before = FakeEvent(self)
             before.record(dst_stream)
@@ -243,28 +287,52 @@ class FakeCuda:
         dst.copy_(src)
         with self.lock:
             self.copies.append(
-                FakeCopy(dst, src, src_stream, dst_stream, node, self.launch_lock.held_by_me())
+                FakeCopy(
+                    TensorRecord(dst),
+                    TensorRecord(src),
+                    src_stream,
+                    dst_stream,
+                    node,
+                    self.launch_lock.held_by_me(),
+                )
             )
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         with self.lock:
-            self.recorded.append((tensor, stream))
+            self.recorded.append((TensorRecord(tensor), stream))
 
     def synchronize(self, device: torch.device) -> None:
-        pass  # results are computed when enqueued
+        """cudaDeviceSynchronize: every stream runs what it holds."""
+        if self.lazy:
+            for stream in list(self.streams_made):
+                flush(stream)
+
+    def report_race(self, message: str) -> None:
+        with self.lock:
+            self.races.append(message)
+
+    # the NcclRuntime (nccl, launch_lock, cliques, inits, streams are set in __init__) ---------------------------
+    @property
+    def cuda(self) -> FakeCuda:
+        return self
+
+    def nccl_available(self) -> bool:
+        return True
 
     def async_error(self, comm: FakeComm) -> str | None:
         return self.async_error_message
 
     # for FakeNccl -----------------------------------------------------------------------------------------------
-    def log_nccl(self, name, inputs, outputs, streams, comms, extra) -> None:
+    def log_nccl(self, name, inputs, outputs, streams, comms, extra) -> list[Node]:
         nodes = [s._append("nccl", name) for s in streams]
         call = FakeCall(
-            name, list(inputs), [o for o in outputs if o is not None], list(streams), list(comms), nodes,
-            threading.current_thread().name, self.launch_lock.held_by_me(), extra,
+            name, [TensorRecord(t) for t in inputs], [TensorRecord(o) for o in outputs if o is not None],
+            list(streams), list(comms), nodes, threading.current_thread().name, self.launch_lock.held_by_me(),
+            extra,
         )  # fmt: skip
         with self.lock:
             self.calls.append(call)
+        return nodes
 
     @contextlib.contextmanager
     def released_launch_lock(self):
@@ -324,7 +392,8 @@ def run_fake_gpus(
         cuda=fake,
     )
     try:
-        return _Launch(world, fn, (), {}).run()
+        with device_threads() if fake.autograd_thread else contextlib.nullcontext():
+            return _Launch(world, fn, (), {}).run()
     except RankFailedError as failed:
         failed.error.add_note(f"(raised on rank {failed.rank})")
         raise failed.error from None
@@ -370,7 +439,8 @@ def launch_fake_gpu_processes(
                 1,
                 cuda=fakes[p],
             )
-            outcomes[p] = _Launch(world, fn, (), {}).run()
+            with device_threads() if fakes[p].autograd_thread else contextlib.nullcontext():
+                outcomes[p] = _Launch(world, fn, (), {}).run()
         except BaseException as error:
             outcomes[p] = error
 

@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .fake_device_queue import PendingOp, attach
+
 # torch/csrc/cuda/nccl.cpp, to_nccl_data_type: the dtypes torch maps to an ncclDataType_t (bfloat16 only when
 # built with NCCL >= 2.10). torch also maps bool and the float8 types to ncclUint8; the double accepts bool
 # only for data movement (threadpar never reduces bool through NCCL: nccl/reduction.py gathers it), stricter than
@@ -56,10 +58,13 @@ class FakeComm(NamedTuple):
 
 
 class Part(NamedTuple):
-    """One rank's share of a collective: its input, and where NCCL writes its result (None: nowhere)."""
+    """One rank's share of a collective: its input, and where NCCL writes its result (None: nowhere);
+    the comm stream it was launched on and its node there (for lazy mode)."""
 
     input: torch.Tensor
     output: torch.Tensor | None
+    stream: Any = None
+    node: int = -1
 
 
 @dataclass
@@ -112,10 +117,19 @@ class FakeFabric:
         with self.cond:
             return sorted(r for (u, r), p in self.owner.items() if u == uid and p == process)
 
-    def issue(self, name: str, args: tuple, comms: list[FakeComm], parts: list[Part], release: Any) -> None:
+    def issue(
+        self,
+        name: str,
+        args: tuple,
+        comms: list[FakeComm],
+        parts: list[Part],
+        release: Any,
+        lazy: bool = False,
+    ) -> None:
         """Add this process's parts of a collective; compute it once every rank has; wait until then.
         `release` is a context manager that lets go of the caller's launch lock while it waits (None: the
-        caller keeps it: the real call blocks, connecting to its peers)."""
+        caller keeps it: the real call blocks, connecting to its peers). `lazy`: once every rank has issued
+        it, the collective waits on its comm streams until something waits on it (fake_device_queue.py)."""
         uid, size = comms[0].uid, comms[0].size
         with self.cond:
             indices = {self._issued.get((uid, c.rank), 0) for c in comms}
@@ -132,7 +146,9 @@ class FakeFabric:
             for c, part in zip(comms, parts):
                 op.parts[c.rank] = part
             if op.error is None and len(op.parts) == size:
-                op.error = _compute(op)
+                op.error = _compute(op, run=not lazy)
+                if op.error is None and lazy:
+                    _defer(op)
             if len(op.parts) == size or op.error is not None:
                 op.done = True
                 del self._ops[uid, index]
@@ -198,43 +214,100 @@ def _pre_mul_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     return result
 
 
-def _compute(op: CliqueOp) -> str | None:
-    """Run a collective whose parts have all been issued; returns what NCCL would get wrong, if anything."""
-    parts = [op.parts[r] for r in range(op.size)]  # by NCCL rank
-    inputs = [p.input for p in parts]
-    count, _dtype, reduce_op, root = op.args
-    if op.name == "all_reduce":
-        result = _reduce(inputs, reduce_op)
-        for p in parts:
-            p.output.copy_(result)
-    elif op.name == "reduce":
-        if parts[root].output is None:
+def _defer(op: CliqueOp) -> None:
+    """Lazy mode: leave the checked collective on its comm streams, to run when something waits on it."""
+    parts = [op.parts[r] for r in range(op.size)]
+    pending = PendingOp(
+        op.name,
+        lambda: _compute(op),
+        reads=[p.input for p in parts],
+        writes=[p.output for p in parts if p.output is not None and p.output is not p.input],
+    )
+    attach(pending, [(p.stream, p.node) for p in parts])
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _in_place_offset(op: CliqueOp, parts: list[Part], count: int) -> str | None:
+    """NCCL's in-place rule for the two collectives whose buffers differ in size (docs, usage/inplace.html,
+    "In-place Operations"): ncclAllGather(data + rank * sendcount, data, ...) and ncclReduceScatter(data,
+    data + rank * recvcount, ...) are in place; any other overlap of the send and receive buffers is not
+    an operation NCCL defines (it reads bytes it has already overwritten, or the reverse)."""
+    for rank, p in enumerate(parts):
+        if p.output is None or not _overlap(p.input, p.output):
+            continue
+        whole, piece = (p.output, p.input) if op.name == "all_gather" else (p.input, p.output)
+        want = whole.data_ptr() + rank * count * whole.element_size()
+        if piece.data_ptr() != want:
+            offset = (piece.data_ptr() - whole.data_ptr()) // whole.element_size()
             return (
-                f"NCCL reduce: rank {root} is the root, but torch.cuda.nccl gave it no output buffer (it "
-                "passes the output only at local index root): NCCL would write through a null pointer"
+                f"NCCL {op.name}: rank {rank}'s send and receive buffers overlap, but its "
+                f"{'input' if op.name == 'all_gather' else 'output'} starts at element {offset} of the "
+                f"{'output' if op.name == 'all_gather' else 'input'}, not at rank * count = {rank * count} (NCCL's "
+                "in-place rule, usage/inplace.html): NCCL would read data it already overwrote"
             )
-        parts[root].output.copy_(_reduce(inputs, reduce_op))
-    elif op.name == "broadcast":
-        source = inputs[root].clone()
-        for t in inputs:
-            t.copy_(source)
-    elif op.name == "all_gather":
+    return None
+
+
+def _compute(op: CliqueOp, run: bool = True) -> str | None:
+    """Check a collective whose parts have all been issued and (`run`) compute it; returns what NCCL would
+    get wrong, if anything."""
+    parts = [op.parts[r] for r in range(op.size)]  # by NCCL rank
+    count, _dtype, reduce_op, root = op.args
+    if op.name in ("all_gather", "reduce_scatter"):
+        error = _in_place_offset(op, parts, count)
+        if error is not None:
+            return error
+    if not run:
+        return _sizes(op, parts, count, root)
+    return _sizes(op, parts, count, root) or _execute(op, parts, count, reduce_op, root)
+
+
+def _sizes(op: CliqueOp, parts: list[Part], count: int, root: Any) -> str | None:
+    if op.name == "reduce" and parts[root].output is None:
+        return (
+            f"NCCL reduce: rank {root} is the root, but torch.cuda.nccl gave it no output buffer (it "
+            "passes the output only at local index root): NCCL would write through a null pointer"
+        )
+    if op.name == "all_gather":
         short = [r for r, p in enumerate(parts) if p.output.numel() < op.size * count]
         if short:
             return (
                 f"NCCL all_gather over {op.size} ranks writes {op.size * count} elements, but ranks {short} "
                 "passed smaller outputs (torch.cuda.nccl sizes them by the local inputs): buffer overrun"
             )
-        gathered = torch.cat([t.view(-1) for t in inputs])
-        for p in parts:
-            p.output.copy_(gathered)
-    elif op.name == "reduce_scatter":
-        short = [r for r, t in enumerate(inputs) if t.numel() < op.size * count]
+    if op.name == "reduce_scatter":
+        short = [r for r, p in enumerate(parts) if p.input.numel() < op.size * count]
         if short:
             return (
                 f"NCCL reduce_scatter over {op.size} ranks reads {op.size * count} elements, but ranks {short} "
                 "passed smaller inputs (torch.cuda.nccl counts by the local inputs): buffer overrun"
             )
+    return None
+
+
+def _execute(op: CliqueOp, parts: list[Part], count: int, reduce_op: Any, root: Any) -> str | None:
+    inputs = [p.input for p in parts]
+    if op.name == "all_reduce":
+        result = _reduce(inputs, reduce_op)
+        for p in parts:
+            p.output.copy_(result)
+    elif op.name == "reduce":
+        parts[root].output.copy_(_reduce(inputs, reduce_op))
+    elif op.name == "broadcast":
+        source = inputs[root].clone()
+        for t in inputs:
+            t.copy_(source)
+    elif op.name == "all_gather":
+        gathered = torch.cat([t.view(-1) for t in inputs])
+        for p in parts:
+            p.output.copy_(gathered)
+    elif op.name == "reduce_scatter":
         result = _reduce([t.view(-1)[: op.size * count] for t in inputs], reduce_op).view(op.size, -1)
         for r, p in enumerate(parts):
             p.output.copy_(result[r])
@@ -414,7 +487,10 @@ class FakeNccl:
 
     def _issue(self, name, args, parts, streams, comms, **extra) -> None:
         self._check_not_during_init(name, comms[0].uid)
-        self.fake.log_nccl(name, [p.input for p in parts], [p.output for p in parts], streams, comms, extra)
+        nodes = self.fake.log_nccl(
+            name, [p.input for p in parts], [p.output for p in parts], streams, comms, extra
+        )
+        parts = [p._replace(stream=node.stream, node=node.index) for p, node in zip(parts, nodes)]
         # With runtime connection, the first use of an algorithm connects the peers inside ncclGroupEnd
         # (src/enqueue.cc marks algoNeedConnect when !comm->initAlgoChannels[algorithm]; the group's end
         # sets the connections up, a handshake with the peer processes): the calling thread blocks there,
@@ -426,4 +502,4 @@ class FakeNccl:
             connecting = comms[0].lazy and key not in self._connected
             self._connected.add(key)
         release = None if connecting else self.fake.released_launch_lock
-        self.fabric.issue(name, args, list(comms), parts, release)
+        self.fabric.issue(name, args, list(comms), parts, release, lazy=self.fake.lazy)

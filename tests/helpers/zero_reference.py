@@ -49,10 +49,12 @@ def zero_run(
     state: dict | None = None,
     accumulate: int = 1,
     start: dict | None = None,
+    runner: Callable = run_ranks,
     **ddp_kwargs,
 ):
     """The same on `world` rank threads with DDP; per rank: (final parameters, state_dict, state bytes).
-    accumulate: micro-batches per step, all but the last backward under no_sync(). start: initial weights."""
+    accumulate: micro-batches per step, all but the last backward under no_sync(). start: initial weights.
+    runner(body, world): runs the ranks (default: threadpar.testing.run_ranks, the threads backend)."""
 
     def body():
         rank = threadpar.get_rank()
@@ -78,7 +80,7 @@ def zero_run(
 
         return params_of(model), optimizer.state_dict(), optimizer_state_bytes(optimizer)
 
-    return run_ranks(body, world)
+    return runner(body, world)
 
 
 class _nothing:

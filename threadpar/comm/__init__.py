@@ -2,6 +2,8 @@
 and `hierarchical`, on the machinery they share in `common`."""
 
 from threadpar.comm.batch import P2POp, batch_isend_irecv
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.comm.functional import (
     all_gather,
     all_gather_into_tensor,
@@ -42,8 +44,6 @@ from threadpar.comm.objects import (
     gather_object,
     scatter_object_list,
 )
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
 
 __all__ = [
     "P2POp",

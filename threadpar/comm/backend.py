@@ -7,10 +7,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from threadpar.comm.common.abort import AbortSignal
-from threadpar.comm.common.cuda_seam import CudaApi
+from threadpar.comm.common.cuda_seam import CudaApi, NcclRuntime
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.common.rendezvous import Call
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
+from threadpar.comm.common.work import Work
 
 
 @runtime_checkable
@@ -93,7 +93,7 @@ class BackendSite(Protocol):
 
     backend: str  # "threads" or "nccl"
     devices: tuple[torch.device, ...]  # one per global rank
-    cuda: CudaApi | None  # a test double, or None for torch.cuda
+    cuda: CudaApi | None  # a test double (of CudaApi and NcclRuntime), or None for torch.cuda
     processes: Any  # threadpar.runtime.peer_processes.Processes, or None in a one-process launch
     abort: AbortSignal
     timeout: float
@@ -102,4 +102,8 @@ class BackendSite(Protocol):
     @property
     def local_ranks(self) -> range: ...
 
-    def cuda_api(self) -> CudaApi: ...
+    def cuda_api(self) -> CudaApi:
+        """The CUDA primitives (what the threads backend orders its work on CUDA tensors with)."""
+
+    def nccl_runtime(self) -> NcclRuntime:
+        """The NCCL library and process state (only the nccl backend asks for it)."""

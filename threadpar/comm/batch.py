@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 
 from threadpar.comm import torch_args
+from threadpar.comm.common.work import Work
 from threadpar.comm.functional import GroupLike, get_group, irecv, isend
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 
 

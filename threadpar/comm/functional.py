@@ -1,10 +1,11 @@
 """Module-level collectives with torch.distributed's names, argument orders and in-place semantics.
 
 Parameter names, order and defaults are torch 2.13's (tests/test_torch_signatures.py compares them).
-`group=None` is the world; a group may also be given as an axis ("TP", Axis.TP), a group name ("TP1"),
-or a ProcessGroup handle. `src`/`dst` are global ranks, `group_src`/`group_dst` ranks in `group` (one or
-the other). Inside autograd Functions and hooks, call the methods of a captured ProcessGroup instead: these
-functions look up the calling thread's rank.
+`group=None` is the world; a group may also be given as axes (an axis "TP" or Axis.TP, axes together
+("DP", "CP"), an expert axis "EP"/"EDP"), a group name ("TP1", "DPCP0"), or a ProcessGroup handle.
+`src`/`dst` are global ranks, `group_src`/`group_dst` ranks in `group` (one or the other). Inside autograd
+Functions and hooks, call the methods of a captured ProcessGroup instead: these functions look up the
+calling thread's rank.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from typing import Any
 import torch
 
 from threadpar.comm import torch_args
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.rank_groups import current_groups
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
-from threadpar.topology import Axis
+from threadpar.topology import Axes
 
-GroupLike = ProcessGroup | Axis | str | None
+GroupLike = ProcessGroup | Axes | None
 
 
 def _group(group: GroupLike) -> ProcessGroup:
@@ -74,8 +75,9 @@ def new_group(
 
 
 def get_group(group: GroupLike = None) -> ProcessGroup:
-    """This rank's group: the world when None, its group on an axis ("DP", "TP", "PP", "CP", Axis.TP), the
-    group of that name ("TP1"), or the ProcessGroup given."""
+    """This rank's group: the world when None, its group on axes (an axis "DP", "TP", "PP", "CP",
+    Axis.TP; axes together ("DP", "CP"); the expert axes "EP", "EDP"), the group of that name ("TP1"), or the
+    ProcessGroup given."""
     return _group(group)
 
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.common.reduce_op import ReduceOp, check_reducible
 from threadpar.comm.common.rendezvous import Call
+from threadpar.comm.common.work import Work
 from threadpar.comm.handle import GroupState, _contiguous, _write_back, spec
 from threadpar.comm.point_to_point import PointToPoint
-from threadpar.comm.reduce_op import ReduceOp, check_reducible
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 
 __all__ = ["GroupState", "ProcessGroup", "spec"]

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from threadpar.comm.backend import Backend
+from threadpar.comm.common.work import CompletedWork, LazyText, Work
 from threadpar.comm.common.worker import CommWorker
-from threadpar.comm.work import CompletedWork, LazyText, Work
 from threadpar.errors import ConfigError
 
 SUPPORTED_DTYPES = {

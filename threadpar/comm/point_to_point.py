@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from threadpar.comm.common.work import CompletedWork, LazyText, LazyWork, Work
 from threadpar.comm.handle import GroupHandle, spec
-from threadpar.comm.work import CompletedWork, LazyText, LazyWork, Work
 from threadpar.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ from threadpar.comm.common.worker import CommWorker
 from threadpar.comm.group import GroupState, ProcessGroup
 from threadpar.comm.registry import GroupRegistry
 from threadpar.errors import NotInRankError
-from threadpar.topology import Axis
+from threadpar.topology import Axes, Axis, names_axes
 
 _local = threading.local()
 
@@ -39,7 +39,7 @@ class GroupSource(Protocol):
 
     def world_group(self) -> GroupState: ...
 
-    def axis_group(self, axis: Axis | str, rank: int) -> GroupState: ...
+    def axes_group(self, axes: Axes, rank: int) -> GroupState: ...
 
 
 class RankGroups:
@@ -65,20 +65,22 @@ class RankGroups:
         """This rank's device."""
         return self.source.devices[self.rank]
 
-    def group(self, which: Axis | str | ProcessGroup | None = None) -> ProcessGroup:
-        """None: the world; an axis ("TP" or Axis.TP): this rank's group on it; a name ("TP1"): that group."""
+    def group(self, which: Axes | ProcessGroup | None = None) -> ProcessGroup:
+        """None: the world; axes (an axis "TP" or Axis.TP, axes together ("DP", "CP"), an expert axis "EP"
+        or "EDP"): this rank's group on it; a name ("TP1", "DPCP0"): that group."""
         if which is None:
             if self._world_handle is None:
                 self._world_handle = self.handle(self.source.world_group())
             return self._world_handle
         if isinstance(which, ProcessGroup):
             return which
-        if isinstance(which, Axis) or (isinstance(which, str) and which.upper() in Axis.__members__):
-            return self.handle(self.source.axis_group(which, self.rank))
+        if isinstance(which, Axis) or names_axes(which):
+            return self.handle(self.source.axes_group(which, self.rank))
         if isinstance(which, str):
             return self.handle(self.source.groups.get(which))
         raise TypeError(
-            f"group must be None, an Axis, an axis or group name, or a ProcessGroup; got {which!r}"
+            f"group must be None, axes (an axis, a tuple of axes, EP or EDP), a group name, or a "
+            f"ProcessGroup; got {which!r}"
         )
 
 

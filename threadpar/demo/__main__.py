@@ -91,6 +91,7 @@ def launch_config(cfg: DemoConfig, backend: str, devices: str | None) -> LaunchC
         cp=cfg.layout.cp,
         tp=cfg.layout.tp,
         pp=cfg.layout.pp,
+        ep=cfg.ep if cfg.moe_experts else 1,
         backend=backend,
         devices=devices,
         seed=cfg.seed,

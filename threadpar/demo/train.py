@@ -17,7 +17,7 @@ import torch
 
 from threadpar.checkpoint import load_optimizer_state
 from threadpar.comm import get_group, get_rank
-from threadpar.comm.reduce_op import ReduceOp
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.demo.cli import DemoConfig
 from threadpar.demo.data import Batches, data_parallel_slice
 from threadpar.demo.memory import SavedActivationTracker, device_peak_bytes

@@ -32,18 +32,14 @@ from torch import nn
 
 from threadpar.checkpoint import gather_model_state, gather_optimizer_state, load_model_state
 from threadpar.comm import get_group
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import Block, GPTChunk, GPTConfig, GPTLoss, TensorParallel
 from threadpar.parallel import DistributedDataParallel, mark_grad_placements
-from threadpar.parallel.context_parallel import (
-    RingAttention,
-    context_tensor_parallel_group,
-    padding_multiple,
-    split_sequence,
-)
-from threadpar.parallel.expert_parallel import MoE, expert_parallel_groups
+from threadpar.parallel.context_parallel import RingAttention, padding_multiple, split_sequence
+from threadpar.parallel.expert_parallel import MoE
+from threadpar.parallel.groups import expert_groups, routing_group
 from threadpar.parallel.loss_scaler import LossScaler
 from threadpar.parallel.tensor_parallel import (
     ColwiseParallel,
@@ -88,15 +84,6 @@ def gpt_tp_plan(chunk: GPTChunk, sequence_parallel: bool) -> dict[str, str | Sty
     return plan
 
 
-def _routing_group(tp: TensorParallel | None, cp: ProcessGroup | None) -> ProcessGroup | None:
-    """The ranks holding the other tokens of this rank's sequences (CP, and TP under sequence
-    parallelism), over which a MoE counts routing for its load-balancing loss; None: whole sequences here."""
-    sp = tp is not None and tp.sequence_parallel
-    if cp is None:
-        return tp.group if sp and tp is not None else None
-    return context_tensor_parallel_group() if sp else cp
-
-
 def parallelize_chunk(
     chunk: GPTChunk,
     *,
@@ -105,7 +92,7 @@ def parallelize_chunk(
     ep: ProcessGroup | None = None,
 ) -> GPTChunk:
     """Make a plain GPT chunk (or GPT) this rank's part of the layout, in place; return it. In order: the
-    MoE swap (experts sharded over `ep`: `expert_parallel_groups(ep)[0]`; None: the MoE default, the DP
+    MoE swap (experts sharded over `ep`: `expert_groups()[0]`; None: the MoE default, the DP
     group inside a launch), the TP plan over `tp` (`gpt_tp_plan`), the CP swap (ring attention over `cp`,
     and each sequence's positions split as `split_sequence` splits it). Call it on the rank thread, before
     loading the dense weights (`load_model_state`) and before wrapping in DDP."""
@@ -123,7 +110,7 @@ def parallelize_chunk(
     sp = tp is not None and tp.sequence_parallel
     # a. expert parallel: the MoEs with their EP group and the group they count routing over
     moe_config = config.moe_config() if chunk.blocks else None
-    routing = _routing_group(tp, cp) if moe_config is not None else None
+    routing = routing_group(None if tp is None else tp.group, sp, cp) if moe_config is not None else None
     if moe_config is not None and (ep is not None or routing is not None):
         for block in chunk.blocks.values():
             assert isinstance(block, Block)
@@ -232,7 +219,7 @@ def parallelize_gpt(
     schedule: str = "1f1b",
     num_microbatches: int = 1,
     sequence_parallel: bool = False,
-    ep: int = 1,
+    ep: int | None = None,
     recompute: bool = False,
     autocast_dtype: torch.dtype | None = None,
     loss_scaler: LossScaler | None = None,
@@ -241,8 +228,9 @@ def parallelize_gpt(
 ) -> HybridGPT:
     """Build this rank's part of the GPT (call on every rank of the launch, with the same arguments).
 
-    ep: the expert-parallel size of a MoE GPT (config.moe_experts > 0): the experts are sharded over
-    groups of ep consecutive DP ranks (ep divides dp); 1 keeps every expert on every rank.
+    ep: the expert-parallel size of a MoE GPT (config.moe_experts > 0): the experts are sharded over runs of
+    ep ranks of each DP x CP group (ep divides dp * cp; the launch's EP groups when it equals launch(ep=));
+    1 keeps every expert on every rank; None: the launch's ep.
     loss_scaler: fp16 loss scaling; each microbatch loss is multiplied by its current scale before
     backward (train_step returns the unscaled loss; step the optimizer with `loss_scaler.step`).
     The dense weights come from the caller, so that every layout starts from the same model.
@@ -256,12 +244,12 @@ def parallelize_gpt(
             "parallelize_gpt: dropout > 0 is not supported (nn.Dropout draws from the process-wide generator "
             "that all rank threads share); train with dropout=0"
         )
-    if ep != 1 and not config.moe_experts:
+    if ep is not None and ep != 1 and not config.moe_experts:
         raise ConfigError(f"parallelize_gpt: ep={ep} needs a MoE model; set GPTConfig.moe_experts (or ep=1)")
     layout, coords = get_layout(), get_coords()
     tp = TensorParallel(group=get_group("TP"), sequence_parallel=sequence_parallel) if layout.tp > 1 else None
     cp = get_group("CP") if layout.cp > 1 else None
-    ep_group = expert_parallel_groups(ep)[0] if config.moe_experts else None
+    ep_group = expert_groups(ep)[0] if config.moe_experts else None
     chunks_per_stage = default_chunks_per_rank(schedule)
     info = get_stage_info(
         config.n_layer, layout.pp, coords.pp, chunks_per_stage, schedule_placement(schedule)

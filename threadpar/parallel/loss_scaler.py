@@ -26,9 +26,9 @@ from collections.abc import Iterable
 
 import torch
 
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.parallel.grad_holder import check_grads_in_params
 from threadpar.runtime.context import get_device, in_rank
@@ -81,13 +81,19 @@ class LossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else (get_device() if in_rank() else torch.device("cpu"))
         flag = torch.zeros(1, device=device)
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
-            # One reduction per tensor, then one check: cheap, and a nan propagates through the sum.
-            total = torch.stack([g.float().sum() for g in grads]).sum()
-            flag.fill_(float(not torch.isfinite(total)))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        for where, group in by_device.items():
+            # torch.amp.GradScaler's own kernel (grad_scaler.py, _unscale_grads_): unscales in place and sets
+            # the flag on the device where any element is inf or nan, without a host sync.
+            found = flag if where == flag.device else torch.zeros(1, device=where)
+            inverse = torch.full((1,), 1.0 / self.scale, device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inverse)
+            if found is not flag:
+                flag.copy_(torch.maximum(flag, found.to(flag.device)))
         self.group.all_reduce(flag, op=ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(flag.item())  # the step's one host sync: every rank must branch alike
 
     def update(self, overflow: bool) -> None:
         """After a step (or a skipped one): lower the scale on overflow, else count a good step and grow

@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from threadpar.comm import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError, RankAborted
+from threadpar.parallel.groups import resolve_group
 from threadpar.pipeline.lowering import lower
 from threadpar.pipeline.p2p import (
     Link,
@@ -88,16 +88,6 @@ _DESCRIPTION = {
     "RECV_B": "receive of the output gradient",
     "SYNC_GRAD": "gradient synchronization",
 }
-
-
-def _resolve_group(group: ProcessGroup | str | None) -> ProcessGroup:
-    handle = group if isinstance(group, ProcessGroup) else get_group("PP" if group is None else group)
-    if not handle.is_member():
-        raise ConfigError(
-            f"PipelineParallel: rank {handle.global_rank} is not a member of group '{handle.name}'; "
-            "pass group=None for this rank's PP group"
-        )
-    return handle
 
 
 @functools.lru_cache(maxsize=32)
@@ -176,7 +166,7 @@ class PipelineParallel:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.num_microbatches = n
-        self.group = _resolve_group(group)
+        self.group = resolve_group(group, "PP", who="PipelineParallel")
         self.pp, self.stage = self.group.size(), self.group.rank()
         # The compute plan, the lowered plan this rank runs, and the dry run that proves the plan cannot
         # deadlock (its unit-cost grid is what a failure report shows).

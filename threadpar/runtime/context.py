@@ -15,7 +15,9 @@ import torch
 from threadpar.comm import rank_groups
 from threadpar.comm.common.worker import CommWorker
 from threadpar.errors import NotInRankError
+from threadpar.runtime.param_table import ParamTable
 from threadpar.runtime.rng import derive_seed, make_generator
+from threadpar.runtime.rng_tracker import RNGTracker
 from threadpar.runtime.world import World
 from threadpar.topology import Coords, Layout
 
@@ -33,9 +35,11 @@ class RankContext:
         self.worker = CommWorker(f"threadpar-comm-{rank}", on_start=self.enter)
         # This rank's group handles; the collectives find them through the thread-local that enter() binds.
         self.groups = rank_groups.RankGroups(world, rank, self.worker)
-        # Per-rank objects that higher layers create on first use (e.g. the tensor-parallel RNG tracker),
-        # keyed by a name of their choosing: rank state lives here, never in module globals.
-        self.extras: dict[str, Any] = {}
+        # The tensor-parallel RNG streams (dropout masks, initial weights); generators made on first use.
+        self.rng_tracker = RNGTracker(world.seed, self.coords, self.device)
+        # What the wrappers record about the parameters they hold (threadpar.parallel.records.ParamRecord):
+        # DDP's group, reducer and each gradient's placement, read by ZeRO and clipping.
+        self.params: ParamTable[Any] = ParamTable()
 
     def enter(self) -> None:
         """Make this the calling thread's context (rank thread or its comm worker); set its thread count."""

@@ -32,9 +32,9 @@ def cuda_device_count() -> int:
 
 def nccl_built() -> bool:
     """Whether this torch build can run torch.cuda.nccl (CUDA builds may lack it, e.g. some ROCm or custom ones)."""
-    from threadpar.comm.nccl.cuda_api import torch_cuda  # here: the nccl package loads only when asked
+    from threadpar.comm.nccl.cuda_api import torch_nccl  # here: the nccl package loads only when asked
 
-    return torch_cuda().nccl_available()
+    return torch_nccl().nccl_available()
 
 
 # Why several ranks must not share a CUDA device on the threads backend (issue 14, defect 4). Autograd keeps one

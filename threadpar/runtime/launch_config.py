@@ -57,6 +57,9 @@ class LaunchConfig:
     world_size: number of ranks (default: from devices, dp*tp*cp*pp, or the visible GPUs).
     devices: an int (that many devices), a list of CUDA device ids, or "cpu" (this process's devices).
     dp, tp, pp, cp: layout sizes; dp defaults to world_size / (tp * cp * pp).
+    ep: expert parallelism, borrowed from DP x CP (it divides dp * cp): the MoE experts are split over runs
+        of ep ranks of each DP x CP group (the "EP" groups); the ranks holding the same experts form the
+        "EDP" groups (threadpar.topology).
     backend: "auto" (nccl with one GPU per rank, else threads on CPU), "threads" or "nccl".
     timeout: seconds any collective or receive may wait before it fails, naming who did not arrive.
     seed: base seed of the per-rank generators (threadpar.get_generator()).
@@ -81,6 +84,7 @@ class LaunchConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     backend: str = "auto"
     timeout: float = DEFAULT_TIMEOUT_S
     seed: int = 0
@@ -98,6 +102,12 @@ class LaunchConfig:
         _positive("tp", self.tp, "no tensor parallelism")
         _positive("pp", self.pp, "no pipeline parallelism")
         _positive("cp", self.cp, "no context parallelism")
+        _positive("ep", self.ep, "every expert on every rank")
+        if self.dp is not None and (self.dp * self.cp) % self.ep:
+            raise ConfigError(
+                f"ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = {self.dp * self.cp} (the experts are split "
+                "over ep of the ranks that share a model shard); choose an ep that divides it"
+            )
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
@@ -124,7 +134,9 @@ class LaunchConfig:
 
     def layout(self, world_size: int) -> Layout:
         """The layout of `world_size` ranks with these sizes and order (dp derived when not given)."""
-        return Layout.build(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, order=self.order)
+        return Layout.build(
+            world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, order=self.order, ep=self.ep
+        )
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 
 from threadpar.comm.common.abort import AbortSignal
-from threadpar.comm.common.cuda_seam import CudaApi
+from threadpar.comm.common.cuda_seam import CudaApi, NcclRuntime
 from threadpar.comm.handle import GroupState
 from threadpar.comm.registry import GroupRegistry
 from threadpar.comm.select import select_backend
 from threadpar.errors import ConfigError
-from threadpar.topology import Axis, Layout
+from threadpar.topology import Axes, Layout
 
 
 class World:
@@ -47,8 +47,8 @@ class World:
         self.timeout = float(timeout)
         self.seed = seed
         self.intraop_threads = intraop_threads
-        # The CUDA/NCCL API the backends call (threadpar.comm.nccl.cuda_api); None: torch.cuda. Tests pass a double,
-        # whose devices then stand in for GPUs.
+        # The CUDA primitives the backends call (threadpar.comm.nccl.cuda_api); None: torch.cuda. Tests pass a
+        # double that is also the NCCL runtime, whose devices then stand in for GPUs.
         self.cuda = cuda
         self.processes = (
             processes  # threadpar.runtime.peer_processes.Processes, or None in a one-process launch
@@ -80,11 +80,24 @@ class World:
 
         return torch_cuda()
 
+    def nccl_runtime(self) -> NcclRuntime:
+        """The NCCL runtime over `cuda`: the double itself when it is one, else the process's real one."""
+        if isinstance(self.cuda, NcclRuntime):
+            return self.cuda
+        if self.cuda is not None:
+            raise ConfigError(
+                f"World(cuda=...) got a {type(self.cuda).__name__}, which has CUDA primitives but no NCCL runtime "
+                "(threadpar.comm.common.cuda_seam.NcclRuntime); the nccl backend needs both: pass a double of both"
+            )
+        from threadpar.comm.nccl.cuda_api import torch_nccl
+
+        return torch_nccl()
+
     def world_group(self) -> GroupState:
         return self.groups.get_or_create(range(self.world_size), "WORLD")
 
-    def axis_group(self, axis: Axis | str, rank: int) -> GroupState:
-        axis = Axis.parse(axis)
+    def axes_group(self, axes: Axes, rank: int) -> GroupState:
+        """`rank`'s group on axes (an axis, axes together, EP or EDP), named as the layout names it."""
         return self.groups.get_or_create(
-            self.layout.group_ranks(axis, rank), self.layout.group_name(axis, rank)
+            self.layout.group_ranks(axes, rank), self.layout.group_name(axes, rank)
         )

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup as ThreadparGroup
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.torch_dist.work import C10dWork, completed
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from threadpar.comm.work import Work
+from threadpar.comm.common.work import Work
 
 
 class C10dWork(dist.Work):

@@ -1,8 +1,14 @@
-"""`CudaApi`: the CUDA and NCCL calls the backends make, as one seam that a test double can stand in for.
+"""The CUDA and NCCL calls the backends make, as two seams a test double can stand in for.
 
-The real implementation is `threadpar.comm.nccl.cuda_api.TorchCuda` (torch.cuda streams and events,
-torch.cuda.nccl); tests pass `tests.fakes.fake_cuda_nccl.FakeCuda` as `World(cuda=...)`. A test checks that
-both implement every member here with the same parameters, so the two cannot drift apart.
+`CudaApi`: CUDA primitives (streams from torch's pool, the current stream, events, stream-ordered copies,
+the device guard, synchronisation); what the `threads` backend needs to order its work on CUDA tensors
+with the callers' streams. `NcclRuntime`: the NCCL library and the process's NCCL state on top of them
+(torch.cuda.nccl, the launch lock, the pool of communicator cliques, the comm streams live groups hold, the
+devices inside communicator creation, the async-error query), with the `CudaApi` it runs on; only the
+`nccl` backend uses it. The real ones are `threadpar.comm.nccl.cuda_api.TorchCuda` and `TorchNcclRuntime`;
+tests pass `tests.fakes.fake_cuda_nccl.FakeCuda`, which models the GPUs and the library of one process
+together and implements both, as `World(cuda=...)`. A test checks that the real ones and the double
+implement every member here with the same parameters, so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -20,6 +26,35 @@ Event = Any
 
 @runtime_checkable
 class CudaApi(Protocol):
+    """CUDA primitives: streams, events, devices, copies."""
+
+    def pool_stream(self, device: torch.device, priority: int) -> Stream:
+        """torch.cuda.Stream(device, priority): one of torch's 32 pooled streams (the nccl backend takes them
+        through NcclRuntime.streams)."""
+
+    def current_stream(self, device: torch.device) -> Stream: ...
+
+    def event(self) -> Event: ...
+
+    def on_streams(self, *streams: Stream) -> contextlib.AbstractContextManager[None]: ...
+
+    def device_guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]: ...
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor, src_stream: Stream, dst_stream: Stream) -> None: ...
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None: ...
+
+    def synchronize(self, device: torch.device) -> None: ...
+
+
+@runtime_checkable
+class NcclRuntime(Protocol):
+    """The NCCL library and the process-wide NCCL state, over the CUDA primitives of `cuda`."""
+
+    @property
+    def cuda(self) -> CudaApi:
+        """The CUDA primitives the communicators' streams and events come from."""
+
     @property
     def nccl(self) -> Any:
         """torch.cuda.nccl, or the double's FakeNccl: version, unique_id, init_rank and the collectives."""
@@ -41,22 +76,5 @@ class CudaApi(Protocol):
         """The comm streams live groups hold (threadpar.comm.nccl.resources.CommStreams)."""
 
     def nccl_available(self) -> bool: ...
-
-    def pool_stream(self, device: torch.device, priority: int) -> Stream:
-        """torch.cuda.Stream(device, priority): one of torch's 32 pooled streams (use through `streams`)."""
-
-    def current_stream(self, device: torch.device) -> Stream: ...
-
-    def event(self) -> Event: ...
-
-    def on_streams(self, *streams: Stream) -> contextlib.AbstractContextManager[None]: ...
-
-    def device_guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]: ...
-
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor, src_stream: Stream, dst_stream: Stream) -> None: ...
-
-    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None: ...
-
-    def synchronize(self, device: torch.device) -> None: ...
 
     def async_error(self, comm: Any) -> str | None: ...

@@ -208,6 +208,10 @@ class Rendezvous:
                 slot.phase = target
                 if final or slot.finished or slot.error is not None:
                     del self._slots[seq]
+                    # Nobody reads the members' tensors after the last barrier: let go of them now, or
+                    # every Arrival (an nccl Work's) would keep all members' payloads alive.
+                    slot.payloads = [None] * self.size
+                    slot.shared = [None] * self.size
                 waiters, slot.waiters = slot.waiters, []
         if last:
             for w in waiters:

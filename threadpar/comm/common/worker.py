@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.work import Work
+from threadpar.comm.common.work import Work
 
 
 class CommWorker:
@@ -53,6 +53,8 @@ class CommWorker:
                 work._finish(fn())
             except BaseException as error:
                 work._finish(error=error)
+            # The op's closure holds its tensors: drop it before blocking for the next one.
+            del item, fn, work
 
     def stop(self, timeout: float = 2.0) -> None:
         if self._thread is not None:

@@ -192,12 +192,10 @@ class HierarchicalByteCollectives:
 
         splits = lambda: byte_view(torch.tensor(in_splits + out_splits, dtype=torch.int64))  # noqa: E731
         self._step(slot, li, seq, call, 1, work, payload=splits, agree=agree)
-        offset = 0
-        for members in self.members_by_proc:
-            for m in members:
-                for i in local:
-                    target = slot.payloads[i][0][m]
-                    n = target.nbytes
-                    if i == li:
-                        copy_into(target, typed(slot.result[offset : offset + n], target))
-                    offset += n
+        offset = 0  # (the slot let go of the payloads at its last meeting: `expected` holds them)
+        for targets in expected:  # per process, member-major, local-member-minor
+            for position, target in enumerate(targets):
+                n = target.nbytes
+                if position % len(local) == li:
+                    copy_into(target, typed(slot.result[offset : offset + n], target))
+                offset += n

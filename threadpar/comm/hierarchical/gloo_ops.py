@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.fastcopy import copy_into
+from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.common.tensor_bytes import byte_view
-from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.errors import CollectiveTimeoutError
 
 # How often a waiter looks at the stop signal (completion wakes it at once).

@@ -31,11 +31,11 @@ from threadpar.comm.common import call_check
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.fastcopy import copy_into
 from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view, pieces, split_range
 from threadpar.comm.hierarchical import gloo_ops
 from threadpar.comm.hierarchical.copies import HierarchicalByteCollectives, concat_bytes
-from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.errors import RankAborted
 
 # A lane gets at least this many bytes: below it, one more gloo call costs more than it saves.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from threadpar.comm.common.abort import AbortSignal
-from threadpar.comm.common.cuda_seam import CudaApi
+from threadpar.comm.common.cuda_seam import CudaApi, NcclRuntime
 from threadpar.comm.common.mailbox import Mailboxes
 from threadpar.comm.common.rendezvous import Call
 from threadpar.comm.nccl.work import NcclWork
@@ -40,6 +40,7 @@ class NcclCopyCollectives:
     local: tuple[int, ...]  # the members whose threads run in this process
     mailboxes: Mailboxes
     _cuda: CudaApi
+    _runtime: NcclRuntime
     _abort: AbortSignal
     _timeout: float
     _post: Callable[..., NcclWork]
@@ -124,7 +125,7 @@ class NcclCopyCollectives:
                 continue
             lane = lanes.get((s, m))
             if lane is None:
-                lane = lanes[s, m] = cuda.streams.lane(cuda, self.devices[self.local[s]], m)
+                lane = lanes[s, m] = self._runtime.streams.lane(cuda, self.devices[self.local[s]], m)
                 lane.wait_event(start[s])
             cuda.copy_(dst, src, lane, streams[m])
         for (s, _), lane in lanes.items():
@@ -143,7 +144,7 @@ class NcclCopyCollectives:
         src_stream, dst_stream = self._stream(member), self._stream(dst)
         ready, done = cuda.event(), cuda.event()
         ready.record(cuda.current_stream(self.devices[member]))
-        with cuda.launch_lock:
+        with self._runtime.launch_lock:
             src_stream.wait_event(ready)
             # Allocated while the receiver's comm stream is current there: the buffer belongs to that stream.
             with self._on(dst_stream):
@@ -156,7 +157,7 @@ class NcclCopyCollectives:
         self.mailboxes.put(member, dst, tag, (message, done))
         return NcclWork(
             f"send to rank {self.ranks[dst]} (tag {tag}, group '{self.name}')",
-            cuda=cuda,
+            runtime=self._runtime,
             device=self.devices[member],
             abort=self._abort,
             timeout=self._timeout,

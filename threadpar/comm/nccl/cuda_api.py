@@ -1,10 +1,11 @@
-"""Every CUDA and NCCL call threadpar makes, behind one small object that tests replace with a double.
+"""Every CUDA and NCCL call threadpar makes, behind two small objects that tests replace with a double.
 
 The nccl backend and the `threads` backend on CUDA tensors never call torch.cuda directly: they call a
-`CudaApi` (the launch's `World.cuda`, else `torch_cuda()`), so that tests on a machine without a GPU can pass
+`CudaApi` (CUDA primitives: the launch's `World.cuda`, else `torch_cuda()`), and the nccl backend an
+`NcclRuntime` on top of it (`torch_nccl()`), so that tests on a machine without a GPU can pass
 tests/fakes/fake_cuda_nccl.py, which records the calls and computes the collectives on CPU tensors.
 
-The process's instances of what must be process-wide live here (`torch_cuda()`): the launch lock (NCCL calls
+The process's instances of what must be process-wide live here (`torch_nccl()`): the launch lock (NCCL calls
 are not thread-safe across communicators that share a device, whichever launch they belong to) and the
 bookkeeping in resources.py: the pool of cliques (torch never destroys the communicators `init_rank`
 creates, so a finished launch hands its cliques back for the next launch on the same devices), the comm
@@ -25,26 +26,20 @@ import torch
 from threadpar.comm.nccl.resources import CliqueHealth, CliquePool, CommStreams, DeviceInits
 
 # The process-wide bookkeeping (re-exported: the double and the tests import them from here too).
-__all__ = ["CliqueHealth", "CliquePool", "CommStreams", "DeviceInits", "TorchCuda", "torch_cuda"]
+__all__ = [
+    "CliqueHealth",
+    "CliquePool",
+    "CommStreams",
+    "DeviceInits",
+    "TorchCuda",
+    "TorchNcclRuntime",
+    "torch_cuda",
+    "torch_nccl",
+]
 
 
 class TorchCuda:
-    """The real thing: torch.cuda streams and events, torch.cuda.nccl, and NCCL's async-error query."""
-
-    def __init__(
-        self, launch_lock: threading.Lock, cliques: CliquePool, inits: DeviceInits, streams: CommStreams
-    ) -> None:
-        import torch.cuda.nccl as nccl
-
-        self.nccl = nccl
-        self.launch_lock = launch_lock
-        self.cliques = cliques
-        self.inits = inits
-        self.streams = streams
-
-    def nccl_available(self) -> bool:
-        """False on torch builds without NCCL (CPU-only builds), where torch.cuda.nccl cannot run."""
-        return hasattr(torch._C, "_nccl_all_reduce") and hasattr(torch._C, "_nccl_init_rank")
+    """The real CUDA primitives: torch.cuda streams, events, copies, the device guard (no state of its own)."""
 
     def pool_stream(self, device: torch.device, priority: int) -> torch.cuda.Stream:
         """One of torch's pooled streams (shared round-robin: use through CommStreams)."""
@@ -79,6 +74,31 @@ class TorchCuda:
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
+
+
+class TorchNcclRuntime:
+    """The real NCCL runtime: torch.cuda.nccl, the process's NCCL bookkeeping, NCCL's async-error query."""
+
+    def __init__(
+        self,
+        cuda: TorchCuda,
+        launch_lock: threading.Lock,
+        cliques: CliquePool,
+        inits: DeviceInits,
+        streams: CommStreams,
+    ) -> None:
+        import torch.cuda.nccl as nccl
+
+        self.cuda = cuda
+        self.nccl = nccl
+        self.launch_lock = launch_lock
+        self.cliques = cliques
+        self.inits = inits
+        self.streams = streams
+
+    def nccl_available(self) -> bool:
+        """False on torch builds without NCCL (CPU-only builds), where torch.cuda.nccl cannot run."""
+        return hasattr(torch._C, "_nccl_all_reduce") and hasattr(torch._C, "_nccl_init_rank")
 
     def async_error(self, comm: Any) -> str | None:
         """NCCL's asynchronous error of a communicator (ncclCommGetAsyncError), or None if all is well or the
@@ -136,17 +156,23 @@ def _make_async_error_query():
     return query
 
 
+_CUDA = TorchCuda()
 _LAUNCH_LOCK = threading.Lock()
 _CLIQUES = CliquePool()
 _INITS = DeviceInits()
 _STREAMS = CommStreams()
-_default: list[TorchCuda] = []
+_default: list[TorchNcclRuntime] = []
 _default_lock = threading.Lock()
 
 
 def torch_cuda() -> TorchCuda:
-    """The process's real CudaApi (created on first use; importing it needs no GPU)."""
+    """The process's real CudaApi (stateless; importing it needs no GPU)."""
+    return _CUDA
+
+
+def torch_nccl() -> TorchNcclRuntime:
+    """The process's real NcclRuntime (created on first use: it imports torch.cuda.nccl)."""
     with _default_lock:
         if not _default:
-            _default.append(TorchCuda(_LAUNCH_LOCK, _CLIQUES, _INITS, _STREAMS))
+            _default.append(TorchNcclRuntime(_CUDA, _LAUNCH_LOCK, _CLIQUES, _INITS, _STREAMS))
         return _default[0]

@@ -33,6 +33,7 @@ import torch
 
 from threadpar.comm.backend import BackendSite
 from threadpar.comm.common.mailbox import Mailboxes
+from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.nccl.copies import NcclCopyCollectives
@@ -47,7 +48,6 @@ from threadpar.comm.nccl.reduction import (
 )
 from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.nccl.work import Described, NcclWork
-from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.errors import ConfigError, NcclError
 
 # The NCCL rank torch.cuda.nccl.broadcast broadcasts from, whatever `root` it is given: torch 2.13's
@@ -94,8 +94,9 @@ class NcclGroup(NcclCopyCollectives):
         self.local = tuple(range(self.size)) if local is None else tuple(local)
         self.local_index = {m: i for i, m in enumerate(self.local)}
         self.local_devices = tuple(self.devices[m] for m in self.local)
-        self._cuda = world.cuda_api()
-        if not self._cuda.nccl_available():
+        self._runtime = world.nccl_runtime()
+        self._cuda = self._runtime.cuda
+        if not self._runtime.nccl_available():
             raise ConfigError(
                 f"backend='nccl' (group '{name}'): this torch build has no NCCL support (torch.cuda.nccl cannot "
                 f"run; torch {torch.__version__}); install a CUDA build of torch, or use backend='threads'"
@@ -111,8 +112,8 @@ class NcclGroup(NcclCopyCollectives):
         self._local_streams: list[Any] | None = None
         self._local_comms: list[Any] | None = None
         self._clique_key = tuple(str(d) for d in self.devices)
-        self._native_avg = has_native_avg(self._cuda.nccl.version())
-        weakref.finalize(self, self._cuda.streams.release, self.devices, self._streams)
+        self._native_avg = has_native_avg(self._runtime.nccl.version())
+        weakref.finalize(self, self._runtime.streams.release, self.devices, self._streams)
         # Spoiled by any failure of this group's operations: its clique is then never pooled.
         self._health = CliqueHealth()
 
@@ -130,7 +131,7 @@ class NcclGroup(NcclCopyCollectives):
         if stream is None:
             with self._lock:
                 if self._streams[member] is None:  # (one no other live group holds: CommStreams)
-                    self._streams[member] = self._cuda.streams.acquire(self._cuda, self.devices[member])
+                    self._streams[member] = self._runtime.streams.acquire(self._cuda, self.devices[member])
                 stream = self._streams[member]
         return stream
 
@@ -139,14 +140,14 @@ class NcclGroup(NcclCopyCollectives):
         comm = self._comms[member]
         if comm is not None:
             return comm
-        cuda = self._cuda
+        runtime = self._runtime
 
         def choose(slot: Slot) -> bool:
             # A clique a finished launch left on these devices, or a fresh unique id for a new one. The
             # clique goes back to the pool when this group is dropped (the members fill self._comms).
-            slot.result = cuda.cliques.take(self._clique_key) or cuda.nccl.unique_id()
+            slot.result = runtime.cliques.take(self._clique_key) or runtime.nccl.unique_id()
             weakref.finalize(
-                self, cuda.cliques.give_back, self._clique_key, self._comms, self._health, self._abort
+                self, runtime.cliques.give_back, self._clique_key, self._comms, self._health, self._abort
             )
             return False
 
@@ -158,7 +159,7 @@ class NcclGroup(NcclCopyCollectives):
         if isinstance(slot.result, bytes):
             try:
                 with self._initialising(member):
-                    comm = cuda.nccl.init_rank(self.size, slot.result, member)
+                    comm = runtime.nccl.init_rank(self.size, slot.result, member)
             except RuntimeError as error:
                 raise NcclError(
                     f"creating the NCCL communicator of rank {self.ranks[member]} in group '{self.name}' "
@@ -173,14 +174,14 @@ class NcclGroup(NcclCopyCollectives):
     def _initialising(self, member: int) -> Iterator[None]:
         """Around this member's ncclCommInitRank: its device is marked (taken under the launch lock, so that
         no launch is issuing then), and launches on it wait until the init returns (DeviceInits)."""
-        cuda, device = self._cuda, self.devices[member]
-        with cuda.launch_lock:
-            cuda.inits.enter(device)
+        runtime, device = self._runtime, self.devices[member]
+        with runtime.launch_lock:
+            runtime.inits.enter(device)
         try:
-            with cuda.device_guard(device):
+            with self._cuda.device_guard(device):
                 yield
         finally:
-            cuda.inits.leave(device)
+            runtime.inits.leave(device)
 
     def _check_devices(self, member: int, op: str, tensors: Sequence[torch.Tensor]) -> None:
         device = self.devices[member]
@@ -216,7 +217,7 @@ class NcclGroup(NcclCopyCollectives):
         """The Work of `member`'s call; `state`: what it waits for (arrival, done event, communicator)."""
         return NcclWork(
             Described(call, seq, self.name, self.ranks[member]),
-            cuda=self._cuda,
+            runtime=self._runtime,
             device=self.devices[member],
             abort=self._abort,
             timeout=self._timeout,
@@ -238,10 +239,10 @@ class NcclGroup(NcclCopyCollectives):
             return False
         posted: list[_Posted] = slot.payloads
         streams = self._local_streams or self._make_local_streams()
-        cuda = self._cuda
+        cuda, runtime = self._cuda, self._runtime
         while True:
-            with cuda.launch_lock:
-                if not cuda.inits.busy(self.local_devices):
+            with runtime.launch_lock:
+                if not runtime.inits.busy(self.local_devices):
                     for p, stream in zip(posted, streams):
                         stream.wait_event(p.ready)
                     launch([p.payload for p in posted], streams)
@@ -251,7 +252,7 @@ class NcclGroup(NcclCopyCollectives):
                             cuda.record_stream(t, stream)
                     return True
             # a communicator of another group is being created on one of these devices: wait, unlocked
-            cuda.inits.wait_idle(self.local_devices, self._abort, self._timeout)
+            runtime.inits.wait_idle(self.local_devices, self._abort, self._timeout)
 
     def _nccl(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Call torch.cuda.nccl.<name> with every local member's communicator; failures become NcclError."""
@@ -259,7 +260,7 @@ class NcclGroup(NcclCopyCollectives):
             comms = self._local_comms
             if comms is None:  # (every member has its communicator by its first launch; made once)
                 comms = self._local_comms = [self._comms[m] for m in self.local]
-            getattr(self._cuda.nccl, name)(*args, comms=comms, **kwargs)
+            getattr(self._runtime.nccl, name)(*args, comms=comms, **kwargs)
         except RuntimeError as error:
             raise NcclError(f"torch.cuda.nccl.{name} on group '{self.name}' failed: {error}") from error
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from threadpar.comm.reduce_op import BITWISE, ReduceOp
+from threadpar.comm.common.reduce_op import BITWISE, ReduceOp
 
 # ncclRedOp_t values, which torch.cuda.nccl passes through unchanged.
 NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}

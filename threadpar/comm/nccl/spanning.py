@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from threadpar.comm.backend import BackendSite
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.common.rendezvous import Call, Slot
 from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
 from threadpar.comm.nccl.bootstrap import join_nccl_group
@@ -55,7 +56,6 @@ from threadpar.comm.nccl.group import NcclGroup, _tensors
 from threadpar.comm.nccl.process_check import ProcessCheck
 from threadpar.comm.nccl.reduction import NCCL_OPS, NcclReduction
 from threadpar.comm.nccl.work import NcclWork
-from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import NcclError
 
 
@@ -108,7 +108,6 @@ class NcclSpanningGroup(NcclGroup):
             return False
 
         self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=meet, final=True)
-        cuda = self._cuda
         try:
             with self._initialising(member):
                 comm = join_nccl_group(
@@ -117,7 +116,7 @@ class NcclSpanningGroup(NcclGroup):
                     member,
                     self.size,
                     self._timeout,
-                    nccl=cuda.nccl,
+                    nccl=self._runtime.nccl,
                 )
         except RuntimeError as error:
             raise NcclError(

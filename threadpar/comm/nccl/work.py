@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.cuda_seam import NcclRuntime
 from threadpar.comm.common.rendezvous import Arrival
+from threadpar.comm.common.work import Work
 from threadpar.comm.nccl.resources import CliqueHealth
-from threadpar.comm.work import Work
 from threadpar.errors import CollectiveTimeoutError, NcclError
 
 # First sleep between two polls of the done event (InfiniTrain sleeps 50 us); it doubles up to the cap so
@@ -58,13 +59,13 @@ class Described:
 
 
 class NcclWork(Work):
-    __slots__ = ("_arrival", "_comm", "_cuda", "_device", "_done_event", "_health", "_timeout")
+    __slots__ = ("_arrival", "_comm", "_device", "_done_event", "_health", "_runtime", "_timeout")
 
     def __init__(
         self,
         description: str | Described,
         *,
-        cuda: Any,
+        runtime: NcclRuntime,
         device: torch.device,
         abort: AbortSignal,
         timeout: float,
@@ -80,7 +81,7 @@ class NcclWork(Work):
         self._error: BaseException | None = None
         self._result: Any = None
         self._future = None
-        self._cuda = cuda
+        self._runtime = runtime  # its async-error query, and its CUDA primitives' current stream
         self._device = device
         self._timeout = timeout  # for synchronize(), which has no timeout argument
         self._arrival = arrival  # None: launched at issue time (a send)
@@ -101,19 +102,21 @@ class NcclWork(Work):
         """Wait until the leader has launched the operation; raise what went wrong there."""
         if self._error is not None:
             raise self._error
-        if self._arrival is not None:
+        arrival = self._arrival  # (read once: another thread's wait may drop it)
+        if arrival is not None:
             try:
-                self._arrival.wait(timeout)
+                arrival.wait(timeout)
             except CollectiveTimeoutError as error:
                 self._spoil(error)  # not failed (a later wait may still succeed), but never pooled
                 raise
             except Exception as error:
                 raise self._fail(error) from None
+            self._arrival = None  # launched: the comm stream holds the tensors now (record_stream)
 
     def _check_async_error(self) -> None:
         if self._comm is None:
             return
-        message = self._cuda.async_error(self._comm)
+        message = self._runtime.async_error(self._comm)
         if message is not None:
             raise self._fail(
                 NcclError(f"{self._description} failed on the device: {message} (an asynchronous NCCL error)")
@@ -134,7 +137,8 @@ class NcclWork(Work):
     def is_completed(self) -> bool:
         if self._done.is_set():
             return True
-        if self._arrival is not None and not self._arrival.done():
+        arrival = self._arrival
+        if arrival is not None and not arrival.done():
             return False
         try:
             self._launched(0)
@@ -155,7 +159,7 @@ class NcclWork(Work):
         self._launched(None)
         self._check_async_error()
         if self._done_event is not None:
-            self._cuda.current_stream(self._device).wait_event(self._done_event)
+            self._runtime.cuda.current_stream(self._device).wait_event(self._done_event)
         return True
 
     def synchronize(self) -> None:

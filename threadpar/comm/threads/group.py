@@ -26,9 +26,9 @@ import torch
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.fastcopy import copy_into
 from threadpar.comm.common.mailbox import Mailboxes, Message
+from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import pieces, split_range
-from threadpar.comm.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.threads.stream_order import Fences, StreamOrder
 from threadpar.errors import ConfigError
 

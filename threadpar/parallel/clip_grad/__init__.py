@@ -3,11 +3,11 @@ it reads (placement.py)."""
 
 from threadpar.parallel.clip_grad.norm import clip_grad_norm_, scale_grads_by_norm_, total_grad_norm
 from threadpar.parallel.clip_grad.placement import (
-    GradPlacement,
     grad_placements,
     mark_grad_placement,
     mark_grad_placements,
 )
+from threadpar.parallel.records import GradPlacement
 
 __all__ = [
     "GradPlacement",

@@ -19,12 +19,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
-from threadpar.parallel.clip_grad.placement import GradPlacement, grad_placements
+from threadpar.parallel.clip_grad.placement import grad_placements
 from threadpar.parallel.grad_holder import check_grads_in_params
+from threadpar.parallel.records import GradPlacement
 from threadpar.runtime.context import get_device, in_rank
 
 

@@ -11,90 +11,49 @@ first member is the one that counts.
     RowParallelLinear.bias, SP-marked norms GradPlacement(replicated_over=(TP,), data_parallel=DP)
     MoE experts sharded over EP             GradPlacement(replicated_over=(TP,), data_parallel=expert-DP)
 
-The marker is an attribute of the Parameter (`param.grad_placement`, as Megatron marks
-`param.tensor_model_parallel`). `mark_grad_placements(module)` derives it from what the layers already
-record: a TensorParallelModule's `shard_specs` and `group` (TP layers; GroupedExperts over their EP
-group), and the launch's layout for everything else (a parameter outside the TP layers is replicated on
-every TP rank, as in Megatron). DistributedDataParallel marks the modules it wraps (with its group, and
-the expert-DP group for sharded experts); mark a model yourself when no DDP wraps it. torch's
-Parameter.__deepcopy__ and `to_empty` make new Parameter objects without the marker: mark after them.
+The placement is a record in the rank's table of parameter records (threadpar.parallel.records: where
+Megatron sets `param.tensor_model_parallel`, nothing is set on the Parameter here), kept under the module
+and name holding the parameter, so `to_empty` and `load_state_dict(assign=True)` keep it. `grad_placements_of
+(module)` derives it from what the layers already record: a TensorParallelModule's `shard_specs` and
+`group` (TP layers; GroupedExperts over their EP group), and the launch's layout for everything else (a
+parameter outside the TP layers is replicated on every TP rank, as in Megatron). DistributedDataParallel
+records the modules it wraps (with its group, and the expert-DP group for sharded experts);
+`mark_grad_placements(model)` records a model no DDP wraps. A deep copy is another model: mark it too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.groups import data_parallel_group, tensor_parallel_group
+from threadpar.parallel.records import GradPlacement, ParamRecord, latest_placements, param_table
 from threadpar.runtime.context import get_layout, in_rank
 
-PLACEMENT_ATTR = "grad_placement"  # on a Parameter: its GradPlacement
+# (qualified name, module, its own parameter's name, the placement or None when it cannot be told)
+Placed = tuple[str, nn.Module, str, GradPlacement | None]
 
 HOW_TO_MARK = (
     "mark it: wrap the model in threadpar.parallel.DistributedDataParallel or call "
     "threadpar.parallel.mark_grad_placements(model) on every rank (both mark what the TP layers, the MoE "
-    "experts and the layout tell; mark again after to_empty, deepcopy or load_state_dict(assign=True), which "
-    "make new Parameters); a layer over a group of your own needs mark_grad_placement(param, "
-    "GradPlacement(replicated_over=<groups holding identical copies>, data_parallel=<its DP group>))"
+    "experts and the layout tell; a deep copy is another model: mark it too); a layer over a group of your "
+    "own needs mark_grad_placement(param, GradPlacement(replicated_over=<groups holding identical copies>, "
+    "data_parallel=<its DP group>))"
 )
 
 
-@dataclass(frozen=True, eq=False)
-class GradPlacement:
-    """The groups whose members hold an identical copy of this rank's gradient tensor.
-
-    replicated_over: model-parallel groups (e.g. TP for a LayerNorm weight or an SP-replicated bias).
-    data_parallel: the group over which the reduced gradient is identical (DDP's group; the expert-DP
-        group for experts sharded over EP); None when no other rank holds a copy.
-    A ZeRO optimizer that keeps 1/dp of the reduced gradient per rank uses `sharded_over_data_parallel()`.
-    """
-
-    replicated_over: tuple[ProcessGroup, ...] = ()
-    data_parallel: ProcessGroup | None = None
-
-    def __post_init__(self) -> None:
-        groups = (*self.replicated_over, *([self.data_parallel] if self.data_parallel is not None else []))
-        for group in groups:
-            if not isinstance(group, ProcessGroup):
-                raise ConfigError(f"GradPlacement takes ProcessGroup handles, got {type(group).__name__}")
-            if not group.is_member():
-                raise ConfigError(
-                    f"GradPlacement: rank {group.global_rank} is not in group '{group.name}' "
-                    f"{list(group.ranks)}; name the groups this rank's copy is shared in"
-                )
-
-    @property
-    def counted(self) -> bool:
-        """Whether this rank's copy is the one that counts (the first member of every replica group)."""
-        groups = (*self.replicated_over, *([self.data_parallel] if self.data_parallel is not None else []))
-        return all(group.rank() == 0 for group in groups)
-
-    def sharded_over_data_parallel(self) -> GradPlacement:
-        """The placement of this rank's 1/dp slice of the reduced gradient (ZeRO-2): the slices of the
-        DP ranks are distinct pieces, so only the model-parallel copies remain."""
-        return replace(self, data_parallel=None)
-
-
 def mark_grad_placement(param: torch.Tensor, placement: GradPlacement) -> None:
-    """Record where `param`'s gradient sits in the whole model's gradient (see the module docstring)."""
+    """Record where `param`'s gradient sits in the whole model's gradient (see the module docstring), in
+    this rank's table. Outside a launch every gradient is the only copy, which clipping assumes there, so
+    only GradPlacement() (no groups) can be given and nothing is recorded."""
     if not isinstance(placement, GradPlacement):
         raise TypeError(f"mark_grad_placement takes a GradPlacement, got {type(placement).__name__}")
-    setattr(param, PLACEMENT_ATTR, placement)
-
-
-def _tp_group() -> ProcessGroup | None:
-    return get_group("TP") if get_layout().tp > 1 else None
-
-
-def _default_data_parallel() -> ProcessGroup:
-    from threadpar.parallel.ddp.distributed import default_group
-
-    return default_group()
+    if in_rank():
+        param_table().add_parameter(param, ParamRecord(placement))
 
 
 def _same_ranks(a: ProcessGroup, b: ProcessGroup | None) -> bool:
@@ -106,33 +65,47 @@ def mark_grad_placements(
     *,
     data_parallel: ProcessGroup | None = None,
     expert_data_parallel: ProcessGroup | None = None,
-    strict: bool = True,
 ) -> nn.Module:
-    """Mark every parameter of `module` (call on every rank, after the model is built; returns it).
+    """Record every parameter's placement in this rank's table (call on every rank, after the model is
+    built; returns it). Outside a launch nothing is recorded: every gradient there is the only copy.
 
     data_parallel: the group its reduced gradients are identical over (None: this rank's DP group, DP x CP
     under context parallelism). expert_data_parallel: for MoE experts sharded over an EP group, the ranks
-    holding the same experts (`expert_parallel_groups(ep)[1]`); needed when those are more than one.
-    strict=False (what DistributedDataParallel uses): leave a parameter whose placement cannot be told
-    unmarked instead of raising; clipping it then raises, naming it.
+    holding the same experts (`expert_groups()[1]`, `expert_parallel_groups(ep)[1]`); needed when those are
+    more than one.
     """
-    if not in_rank():  # a plain model on one thread: every tensor is the only copy
-        for param in module.parameters():
-            mark_grad_placement(param, GradPlacement())
-        return module
-    tp = _tp_group()
-    dp = _default_data_parallel() if data_parallel is None else data_parallel
+    if in_rank():
+        table = param_table()
+        for _, sub, name, placement in grad_placements_of(module, data_parallel, expert_data_parallel):
+            table.add(sub, name, ParamRecord(placement))
+    return module
+
+
+def grad_placements_of(
+    module: nn.Module,
+    data_parallel: ProcessGroup | None = None,
+    expert_data_parallel: ProcessGroup | None = None,
+    strict: bool = True,
+) -> list[Placed]:
+    """(qualified name, module, name, placement) for every parameter of `module` (inside a launch; a shared
+    module's under each of its names). strict=False (what
+    DistributedDataParallel uses): a placement that cannot be told is None instead of an error (clipping
+    that parameter then raises, naming it)."""
+    tp = tensor_parallel_group()
+    dp = data_parallel_group() if data_parallel is None else data_parallel
+    placed: list[Placed] = []
     for module_name, sub in module.named_modules(remove_duplicate=False):
-        for name, param in sub.named_parameters(recurse=False):
+        for name, _ in sub.named_parameters(recurse=False):
             where = f"{module_name}.{name}" if module_name else name
             try:
-                mark_grad_placement(param, _placement_of(sub, name, where, tp, dp, expert_data_parallel))
+                placed.append(
+                    (where, sub, name, _placement_of(sub, name, where, tp, dp, expert_data_parallel))
+                )
             except ConfigError:
                 if strict:
                     raise
-                if hasattr(param, PLACEMENT_ATTR):
-                    delattr(param, PLACEMENT_ATTR)  # a stale marker would be worse than none
-    return module
+                placed.append((where, sub, name, None))
+    return placed
 
 
 def _placement_of(
@@ -185,11 +158,12 @@ def _layout_replicates() -> str | None:
 
 
 def grad_placements(params: Sequence[torch.Tensor]) -> list[GradPlacement]:
-    """Each parameter's marker; unmarked ones are distinct pieces only when the layout replicates nothing."""
+    """Each parameter's placement (its latest record's, in this rank's table); unrecorded ones are distinct
+    pieces only when the layout replicates nothing."""
     replicates = _layout_replicates()
     placements = []
-    for index, param in enumerate(params):
-        placement = getattr(param, PLACEMENT_ATTR, None)
+    for index, (param, record) in enumerate(zip(params, latest_placements(params))):
+        placement = None if record is None else record.placement
         if placement is None:
             if replicates is not None:
                 raise ConfigError(
@@ -198,10 +172,5 @@ def grad_placements(params: Sequence[torch.Tensor]) -> list[GradPlacement]:
                     f"parameters, so how it counts in the whole model's norm is unknown; {HOW_TO_MARK}"
                 )
             placement = GradPlacement()
-        elif not isinstance(placement, GradPlacement):
-            raise ConfigError(
-                f"clip_grad_norm_: parameter #{index} has a '{PLACEMENT_ATTR}' attribute of type "
-                f"{type(placement).__name__}; it must be a GradPlacement (use mark_grad_placement)"
-            )
         placements.append(placement)
     return placements

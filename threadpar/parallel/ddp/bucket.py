@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from threadpar.comm.work import Work
+from threadpar.comm.common.work import Work
 
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 

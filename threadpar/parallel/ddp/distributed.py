@@ -27,13 +27,13 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
-from threadpar.parallel.clip_grad.placement import mark_grad_placements
-from threadpar.parallel.context_parallel import data_context_parallel_group
-from threadpar.parallel.ddp import owners, torch_options
+from threadpar.parallel.clip_grad.placement import grad_placements_of
+from threadpar.parallel.ddp import torch_options
 from threadpar.parallel.ddp.comm_hooks import CommHook
-from threadpar.parallel.ddp.experts import expert_data_parallel_group, sharded_experts
+from threadpar.parallel.ddp.experts import experts_group, sharded_experts
 from threadpar.parallel.ddp.reducer import Reducer, ReducerOptions
-from threadpar.parallel.groups import resolve_group
+from threadpar.parallel.groups import data_parallel_group, expert_data_parallel_group, resolve_group
+from threadpar.parallel.records import ParamRecord
 from threadpar.runtime import context
 from threadpar.topology import Axis
 
@@ -46,14 +46,6 @@ class DDPOptions(ReducerOptions):
         super().__post_init__()
         if not isinstance(self.broadcast_buffers, bool):
             raise ConfigError(f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}")
-
-
-def default_group() -> ProcessGroup:
-    """This rank's DP group; with context parallelism its DP x CP group (the ranks it shares TP and PP
-    coordinates with), over which Megatron averages gradients too."""
-    if context.current().world.layout.cp > 1:
-        return data_context_parallel_group()
-    return resolve_group(None, "DP")
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, src: int) -> None:
@@ -118,7 +110,8 @@ class DistributedDataParallel(nn.Module):
     forward. find_unused_parameters: allow parameters that get no gradient on some ranks or iterations.
     gradient_bucketing=False: one all-reduce per parameter (for comparison and debugging).
     expert_process_group: where the gradients of MoE experts sharded over an EP group are reduced; None
-    derives it (the members of process_group at this rank's EP rank, one all-gather when wrapping).
+    derives it from the groups, with no collective (the launch's EDP group for its EP groups; for an EP
+    group carved out of process_group, the members at this rank's place in it: parallel/groups.py).
 
     Overlap needs a spare core (or a GPU): on CPU ranks that already use every core, all-reducing during
     backward only time-shares the cores, and one bucket (a large bucket_cap_mb and first_bucket_cap_mb)
@@ -196,7 +189,9 @@ class DistributedDataParallel(nn.Module):
                 "a module without any has no gradients to average"
             )
         self.module = module
-        self.process_group = default_group() if process_group is None else resolve_group(process_group, "DP")
+        self.process_group = (
+            data_parallel_group() if process_group is None else resolve_group(process_group, "DP")
+        )
         group = self.process_group
         self._src = group.ranks[0]
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers and group.size() > 1 else []
@@ -208,7 +203,7 @@ class DistributedDataParallel(nn.Module):
         self.expert_process_group: ProcessGroup | None = None
         if experts:
             self.expert_process_group = (
-                expert_data_parallel_group(experts, group)
+                expert_data_parallel_group(experts_group(experts), group)
                 if expert_process_group is None
                 else resolve_group(expert_process_group, "DP")
             )
@@ -228,15 +223,25 @@ class DistributedDataParallel(nn.Module):
             self.expert_reducer = self._reducer(
                 sharded, expert_group, abort, expert_group.size() / group.size()
             )
-        # Where each reduced gradient sits in the whole model's gradient, for clip_grad_norm_.
-        mark_grad_placements(
-            module, data_parallel=group, expert_data_parallel=self.expert_process_group, strict=False
-        )
-        # For the distributed optimizer: where each parameter's gradient is reduced (frozen ones included).
-        owners.record((p for p in module.parameters() if id(p) not in expert_ids), group, self.reducer)
-        if self.expert_process_group is not None:
-            expert_params = [p for e in experts for p in e.parameters()]
-            owners.record(expert_params, self.expert_process_group, self.expert_reducer)
+        self.param_records = self._record(module, expert_ids)
+
+    def _record(self, module: nn.Module, expert_ids: set[int]) -> dict[str, ParamRecord]:
+        """This wrapper's record of every parameter it holds (frozen ones included): the group its gradient
+        is averaged over and the reducer whose buckets do it (for the distributed optimizer), and where
+        the reduced gradient sits in the whole model's gradient (for clip_grad_norm_). Also entered in
+        the rank's table (threadpar.parallel.records), through which ZeRO and clipping find them."""
+        placed = grad_placements_of(module, self.process_group, self.expert_process_group, strict=False)
+        table = context.current().params
+        records: dict[str, ParamRecord] = {}
+        for where, sub, name, placement in placed:
+            param = sub._parameters[name]
+            expert = id(param) in expert_ids
+            group = self.expert_process_group if expert else self.process_group
+            assert group is not None  # sharded experts have their expert-DP group
+            record = ParamRecord.of_ddp(placement, group, self.expert_reducer if expert else self.reducer)
+            records[where] = record
+            table.add(sub, name, record)
+        return records
 
     def _reducer(self, named: list, group: ProcessGroup, abort, scale: float = 1.0) -> Reducer:
         return Reducer([p for _, p in named], [n for n, _ in named], group, self.options, abort, scale)

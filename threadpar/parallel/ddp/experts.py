@@ -9,12 +9,13 @@ batch (Megatron's expert gradient scaling: expert-DP size / DP size, then an ave
 
     DDP group [d0 d1 d2 d3], ep = 2:  EP groups [d0 d1] [d2 d3];  expert-DP groups [d0 d2] [d1 d3]
 
+threadpar.parallel.groups.expert_data_parallel_group finds that group by rank arithmetic.
+
 With ep = 1 (every expert on every rank) the experts are ordinary replicas and DDP treats them so.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from threadpar.comm.group import ProcessGroup
@@ -27,36 +28,16 @@ def sharded_experts(module: nn.Module) -> list[GroupedExperts]:
     return [sub for sub in module.modules() if isinstance(sub, GroupedExperts) and sub.ep_size > 1]
 
 
-def expert_data_parallel_group(experts: list[GroupedExperts], group: ProcessGroup) -> ProcessGroup:
-    """The members of `group` that hold the same experts as this rank (a collective over `group`: every
-    member calls it when it wraps its module)."""
-    from threadpar.comm.functional import new_group
-
+def experts_group(experts: list[GroupedExperts]) -> ProcessGroup:
+    """The one EP group the experts of a module are sharded over."""
     ep = experts[0].group
     if any(list(e.group.ranks) != list(ep.ranks) for e in experts):
         raise ConfigError(
             "DistributedDataParallel: the MoE layers of this module shard their experts over different EP "
-            "groups; use one EP group for the whole module (expert_parallel_groups(ep)), or pass "
+            "groups; use one EP group for the whole module (launch(ep=...) and expert_groups()), or pass "
             "expert_process_group"
         )
-    outside = [r for r in ep.ranks if r not in group.ranks]
-    if outside:
-        raise ConfigError(
-            f"DistributedDataParallel: the experts are sharded over EP group {list(ep.ranks)}, but ranks "
-            f"{outside} of it are not in DDP's group '{group.name}' {list(group.ranks)}; carve the EP group out "
-            "of the data-parallel group (expert_parallel_groups(ep)), or pass expert_process_group"
-        )
-    device = experts[0].fc1_weight.device
-    mine = torch.tensor([ep.size(), ep.rank()], dtype=torch.int64, device=device)
-    everyone = torch.empty(2 * group.size(), dtype=torch.int64, device=device)
-    group.all_gather_into_tensor(everyone, mine)
-    same = [group.ranks[m] for m, seat in enumerate(everyone.view(-1, 2).tolist()) if seat == mine.tolist()]
-    if len(same) * ep.size() != group.size():
-        raise ConfigError(
-            f"DistributedDataParallel: the EP groups of size {ep.size()} do not split DDP's group "
-            f"'{group.name}' of {group.size()} ranks evenly; give every member an EP group of the same size"
-        )
-    return new_group(same, sort_ranks=False)  # in the order of `group`, on every member alike
+    return ep
 
 
 def expert_parameter_ids(module: nn.Module) -> set[int]:

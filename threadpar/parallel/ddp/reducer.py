@@ -37,9 +37,9 @@ from typing import Any, Protocol
 import torch
 
 from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.ddp.bucket import Bucket, shares_memory
 from threadpar.parallel.ddp.bucketing import TensorSpec, assign_buckets, caps_in_bytes, rebuild_order
@@ -56,13 +56,22 @@ class ShardedReduction(Protocol):
     """Takes over the reduction of every bucket (the distributed optimizer's ZeRO-2: a reduce-scatter into
     the optimizer's shards instead of an all-reduce), see `Reducer.shard_reduction`."""
 
-    def reduce_bucket(self, index: int, grads: list[torch.Tensor], async_op: bool) -> Work | None:
-        """Start reducing bucket `index` (its gradients in bucket order, zeros for missing ones)."""
+    def gradient_ready(self, index: int) -> None:
+        """Parameter `index` (the reducer's) has its gradient of this synchronized backward in param.grad
+        (or None: none on this rank); the reduction takes it from there."""
+        ...
+
+    def reduce_bucket(self, index: int, scale: float, async_op: bool) -> Work | None:
+        """Start reducing bucket `index`, its gradients multiplied by `scale` (zeros for missing ones)."""
         ...
 
     def backward_done(self, used: list[bool] | None) -> None:
         """After every bucket's reduction finished; `used[i]`: parameter i got a gradient on some rank
         (None: every parameter did)."""
+        ...
+
+    def backward_abandoned(self) -> None:
+        """The backward failed midway (its reductions are finished): forget what it staged."""
         ...
 
 
@@ -224,6 +233,9 @@ class Reducer:
         self._next = 0
         self._ready_order: list[int] = []
         self._placeholders: dict[int, torch.Tensor] = {}  # zeros standing in for missing gradients
+        # Whether each parameter had a gradient when it was prepared (a sharded reduction drops param.grad
+        # as soon as its bucket is launched, so param.grad no longer says so at the end of backward).
+        self._had_grad = [False] * len(self._params)
         for bucket in self._buckets:
             bucket.reduction = None
 
@@ -250,6 +262,8 @@ class Reducer:
             if not self._rebuilt:
                 self._ready_order.append(index)
             self._prepare(index)
+            if self._sharded is not None:
+                self._sharded.gradient_ready(index)
             bucket = self._locator[index][0]
             self._pending[bucket] -= 1
             if bucket == self._next and self._pending[bucket] == 0:
@@ -269,12 +283,15 @@ class Reducer:
                 # That backward already failed and its error was reported then.
                 with contextlib.suppress(Exception):
                     bucket.reduction.wait()
+        if self._sharded is not None:
+            self._sharded.backward_abandoned()
         self._reset()
 
     def _prepare(self, index: int) -> None:
         """Ready param `index`'s gradient for reduction (zeros stand in for a missing one)."""
         param = self._params[index]
         grad = param.grad
+        self._had_grad[index] = grad is not None
         if grad is not None and grad.is_sparse:
             raise TypeError(
                 f"DistributedDataParallel: parameter '{self._names[index]}' has a sparse gradient, which is "
@@ -307,13 +324,15 @@ class Reducer:
             k, bucket = self._next, self._buckets[self._next]
             if k == last_k and not at_end and self._hook is None:
                 return  # launched by _finish_sync (module docstring, step 3)
+            if self._sharded is not None:  # it took the gradients as they became ready
+                bucket.reduction = self._sharded.reduce_bucket(k, self._scale, async_op=k != last_k)
+                self._next += 1
+                continue
             # The gradients of this backward: the ones to average and write to, whatever happens later.
             grads = [self._gradient(i) for i in bucket.members]
             if self._scale != 1.0:
                 torch._foreach_mul_(grads, self._scale)
-            if self._sharded is not None:
-                bucket.reduction = self._sharded.reduce_bucket(k, grads, async_op=k != last_k)
-            elif self._hook is None:
+            if self._hook is None:
                 # The default: one coalesced all-reduce, in place. Its Work's wait() blocks until done on
                 # the threads backend and orders the caller's stream after it on nccl.
                 bucket.reduction = self._group.all_reduce_coalesced(grads, ReduceOp.AVG, async_op=k != last_k)
@@ -352,13 +371,15 @@ class Reducer:
             )
         for i in missing:
             self._prepare(i)  # the gradient accumulated by earlier no_sync backwards, or zeros
+            if self._sharded is not None:
+                self._sharded.gradient_ready(i)
             self._pending[self._locator[i][0]] -= 1
         self._launch_ready_buckets(at_end=True)
         used = self._globally_used() if self._options.find_unused_parameters else None
         for bucket in self._buckets:
             if bucket.reduction is not None:  # None: reduced synchronously
                 self._wait(bucket.reduction)
-        if used is not None:
+        if used is not None and self._sharded is None:  # (a sharded reduction settles its own)
             self._settle_unused(used)
         if not self._rebuilt:
             self._rebuild()
@@ -368,7 +389,7 @@ class Reducer:
     def _globally_used(self) -> list[bool]:
         """Which parameters have a gradient on at least one rank (the others keep grad None everywhere)."""
         device = self._params[0].device
-        flags = torch.tensor([p.grad is not None for p in self._params], dtype=torch.uint8, device=device)
+        flags = torch.tensor(self._had_grad, dtype=torch.uint8, device=device)
         self._group.all_reduce(flags, ReduceOp.MAX)  # queued behind the bucket all-reduces
         return [bool(f) for f in flags.tolist()]
 

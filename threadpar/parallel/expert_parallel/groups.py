@@ -1,10 +1,7 @@
-"""Expert-parallel groups carved out of the data-parallel group, and the gradient sums they need.
+"""The gradient sums a model with sharded MoE experts needs without DDP.
 
-With dp data-parallel replicas and ep experts groups of size ep (ep divides dp), DP rank i is in EP group
-i // ep (ep consecutive DP ranks, which split the experts) and in expert-data-parallel group i % ep (the
-dp / ep ranks that hold the same experts and whose expert gradients must be summed).
-
-    dp = 4, ep = 2:  EP groups [d0 d1] [d2 d3];  expert-DP groups [d0 d2] [d1 d3]
+The expert groups themselves (EP and expert-DP, from the launch's `ep` or carved out of a DP group) come
+from threadpar.parallel.groups: `expert_groups`, `expert_parallel_groups`.
 """
 
 from __future__ import annotations
@@ -14,27 +11,8 @@ from collections.abc import Iterable
 from torch import nn
 
 from threadpar.comm.group import ProcessGroup
-from threadpar.errors import ConfigError
 from threadpar.parallel.expert_parallel.experts import GroupedExperts
 from threadpar.parallel.groups import allreduce_grads, resolve_group
-
-
-def expert_parallel_groups(
-    ep: int, dp_group: ProcessGroup | str | None = None
-) -> tuple[ProcessGroup, ProcessGroup]:
-    """(EP group, expert-data-parallel group) of this rank, carved out of its DP group. Every rank calls it."""
-    from threadpar.comm.functional import new_group
-
-    dp = resolve_group(dp_group, "DP")
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or dp.size() % ep:
-        raise ConfigError(
-            f"ep={ep!r} must be a positive int that divides the data-parallel size {dp.size()} "
-            f"(the experts are split over ep of the {dp.size()} DP replicas)"
-        )
-    i = dp.rank()
-    start = i // ep * ep
-    expert = new_group(dp.ranks[start : start + ep], sort_ranks=False)
-    return expert, new_group(dp.ranks[i % ep :: ep], sort_ranks=False)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:

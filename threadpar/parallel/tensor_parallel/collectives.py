@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import resolve_group
 

@@ -32,7 +32,6 @@ from threadpar.parallel.tensor_parallel.mappings import (
     scatter_to_tp_region,
 )
 from threadpar.parallel.tensor_parallel.random import INIT, get_rng_tracker
-from threadpar.parallel.tensor_parallel.sequence_parallel import SP_PARAMS_ATTR
 from threadpar.parallel.tensor_parallel.sharding import ShardSpec, TensorParallelModule, padded_size
 
 
@@ -256,7 +255,7 @@ class RowParallelLinear(_ParallelLinear):
         self.sequence_parallel = bool(sequence_parallel)
         self.shard_specs = {"weight": ShardSpec(1, in_features, in_features)}
         if bias and sequence_parallel:
-            setattr(self, SP_PARAMS_ATTR, frozenset({"bias"}))
+            self.sequence_parallel_params = frozenset({"bias"})
         self._create_parameters((out_features, in_features // self.tp_size), out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:

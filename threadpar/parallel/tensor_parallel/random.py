@@ -25,55 +25,14 @@ from torch import nn
 
 from threadpar.errors import ConfigError
 from threadpar.runtime.context import current
-from threadpar.runtime.rng import derive_seed
-from threadpar.topology import Coords
+from threadpar.runtime.rng_tracker import INIT, REPLICATED, TP_REGION, RNGTracker
 
-TP_REGION = "tensor-parallel-region"
-REPLICATED = "replicated"
-INIT = "init"
-_PER_TP_RANK = {TP_REGION}
-
-
-class RNGTracker:
-    """One rank's named generators (created on first use); see the module docstring for the streams."""
-
-    def __init__(self, base_seed: int, coords: Coords, device: torch.device) -> None:
-        self._base_seed = base_seed
-        self._coords = coords
-        self.device = device
-        self._generators: dict[str, torch.Generator] = {}
-
-    def seed(self, name: str) -> int:
-        keys: tuple[str | int, ...] = ("tp-rng", name, self._coords.pp)
-        if name != INIT:  # CP ranks hold replicas of one model (same init) but different tokens (masks)
-            keys += (self._coords.cp,)
-        if name in _PER_TP_RANK:
-            keys += (self._coords.tp,)
-        return derive_seed(self._base_seed, *keys)
-
-    def generator(self, name: str = REPLICATED) -> torch.Generator:
-        gen = self._generators.get(name)
-        if gen is None:
-            gen = self._generators[name] = torch.Generator(device=self.device)
-            gen.manual_seed(self.seed(name))
-        return gen
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The generators' states, for a checkpoint (each rank saves its own)."""
-        return {name: gen.get_state() for name, gen in self._generators.items()}
-
-    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
-        for name, state in states.items():
-            self.generator(name).set_state(state)
+__all__ = ["INIT", "REPLICATED", "TP_REGION", "RNGTracker", "TrackedDropout", "dropout", "get_rng_tracker"]
 
 
 def get_rng_tracker() -> RNGTracker:
-    """This rank's tracker (inside a launched rank thread)."""
-    ctx = current()
-    tracker = ctx.extras.get("tp_rng_tracker")
-    if tracker is None:
-        tracker = ctx.extras["tp_rng_tracker"] = RNGTracker(ctx.world.seed, ctx.coords, ctx.device)
-    return tracker
+    """This rank's tracker (inside a launched rank thread): `RankContext.rng_tracker`."""
+    return current().rng_tracker
 
 
 def dropout(x: torch.Tensor, p: float, generator: torch.Generator, training: bool = True) -> torch.Tensor:

@@ -4,9 +4,11 @@ Under sequence parallelism the activations outside the TP region are split along
 parameter replicated on every TP rank and applied there (LayerNorm weights, the bias RowParallelLinear
 adds after its reduce-scatter, a position embedding added to a sequence shard) gets on each rank only the
 gradient of its own part of the sequence. Summing those partial gradients over the TP group gives the
-dense gradient. Megatron marks such parameters `sequence_parallel=True`; here a module records the names
-of its marked parameters (a module attribute, which survives copy.deepcopy, `to_empty` and `.to`), and
-`allreduce_sequence_parallel_grads` sums their gradients in one collective after backward.
+dense gradient. Megatron marks such parameters `sequence_parallel=True`; here a TP layer declares its own
+(`TensorParallelModule.sequence_parallel_params`: RowParallelLinear's bias under SP), and
+`mark_sequence_parallel` records others (a LayerNorm's) in the rank's table of parameter records
+(threadpar.parallel.records), under the module and name, so `to_empty` keeps them; nothing is set on the
+module. `allreduce_sequence_parallel_grads` sums their gradients in one collective after backward.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from torch import nn
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.groups import allreduce_grads
+from threadpar.parallel.records import SequenceParallelMark, param_table, records_of
 from threadpar.parallel.tensor_parallel.collectives import resolve_tp_group
-
-# On a module: the frozenset of names of its own parameters that are sequence-parallel replicas.
-SP_PARAMS_ATTR = "sequence_parallel_params"
+from threadpar.parallel.tensor_parallel.sharding import TensorParallelModule
 
 
 def mark_sequence_parallel(*modules: nn.Module, names: Iterable[str] | None = None) -> None:
     """Mark parameters of `modules` (all of them and their children's, or only those `names`) as
-    replicated across the TP group and applied to sequence shards, e.g. `mark_sequence_parallel(block.ln_1)`."""
+    replicated across the TP group and applied to sequence shards, e.g. `mark_sequence_parallel(block.ln_1)`.
+    Inside a launch: the marks go to this rank's table of parameter records."""
+    table = param_table()
     for module in modules:
         targets = [(module, list(names))] if names is not None else list(_own_params(module))
         for sub, own in targets:
@@ -35,7 +38,8 @@ def mark_sequence_parallel(*modules: nn.Module, names: Iterable[str] | None = No
                 raise ConfigError(
                     f"{type(sub).__name__} has no parameters named {missing}; name its own parameters"
                 )
-            setattr(sub, SP_PARAMS_ATTR, frozenset(getattr(sub, SP_PARAMS_ATTR, ())) | frozenset(own))
+            for name in own:
+                table.add(sub, name, SequenceParallelMark())
 
 
 def _own_params(module: nn.Module):
@@ -46,14 +50,16 @@ def _own_params(module: nn.Module):
 
 
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The marked parameters of `module` (each once, in module order)."""
+    """The marked parameters of `module` (each once, in module order): those its TP layers declare and
+    those recorded by mark_sequence_parallel."""
+    own = [(sub, name, p) for sub in module.modules() for name, p in sub.named_parameters(recurse=False)]
+    recorded = records_of([p for _, _, p in own])
     seen, params = set(), []
-    for sub in module.modules():
-        for name in sorted(getattr(sub, SP_PARAMS_ATTR, ())):
-            param = getattr(sub, name)
-            if param is not None and id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
+    for (sub, name, param), records in zip(own, recorded):
+        declared = isinstance(sub, TensorParallelModule) and name in sub.sequence_parallel_params
+        if (declared or any(isinstance(r, SequenceParallelMark) for r in records)) and id(param) not in seen:
+            seen.add(id(param))
+            params.append(param)
     return params
 
 

@@ -89,6 +89,9 @@ class TensorParallelModule(nn.Module):
         self.tp_size = self.group.size()
         self.tp_rank = self.group.rank()
         self.shard_specs: dict[str, ShardSpec] = {}
+        # Names of its own parameters that are replicated on the TP ranks but applied to sequence shards
+        # (their gradients are summed over TP: threadpar.parallel.tensor_parallel.sequence_parallel).
+        self.sequence_parallel_params: frozenset[str] = frozenset()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # torch.nn.Module.load_state_dict hands each module its own copy of the dict, to edit like this.

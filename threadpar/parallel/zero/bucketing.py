@@ -1,7 +1,8 @@
 """Which group each parameter is sharded over, and the buckets the distributed optimizer splits.
 
 A parameter is sharded over the group DDP averages its gradient over (DP, DP x CP, or expert-DP for MoE
-experts sharded over an EP group: threadpar.parallel.ddp.owners), or over an explicit `process_group`.
+experts sharded over an EP group: DDP's records, threadpar.parallel.records), or over an explicit
+`process_group`.
 Parameters in one of DDP's buckets keep that bucket (so ZeRO-2 can take its reduction over); the others
 are bucketed here by size, per (group, device, dtype), in reverse order as DDP does.
 """
@@ -15,8 +16,8 @@ import torch
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.ddp.bucketing import MIB, TensorSpec, assign_buckets
-from threadpar.parallel.ddp.owners import owners_of
 from threadpar.parallel.ddp.reducer import Reducer
+from threadpar.parallel.records import ParamRecord, owner_records
 from threadpar.parallel.zero.shard_bucket import ShardBucket
 
 LEFTOVER_BUCKET_BYTES = 25 * MIB  # DDP's default bucket_cap_mb
@@ -27,10 +28,10 @@ def _describe(group: ProcessGroup) -> str:
 
 
 def _owner(
-    param: torch.nn.Parameter, name: str, process_group: ProcessGroup | None
+    owners: list[ParamRecord], name: str, process_group: ProcessGroup | None
 ) -> tuple[ProcessGroup, Reducer | None]:
-    owners = owners_of(param)
-    groups = {tuple(o.group.ranks): o.group for o in owners}
+    groups = {tuple(g.ranks): g for g in (o.group for o in owners) if g is not None}
+    first = next(iter(groups.values()), None)
     if len(groups) > 1:
         listed = " and ".join(_describe(g) for g in groups.values())
         raise ConfigError(
@@ -38,21 +39,21 @@ def _owner(
             "wrap each module in one DistributedDataParallel only"
         )
     if process_group is not None:
-        if owners and tuple(owners[0].group.ranks) != tuple(process_group.ranks):
+        if first is not None and tuple(first.ranks) != tuple(process_group.ranks):
             raise ConfigError(
                 f"ZeroRedundancyOptimizer: parameter {name} has its gradient averaged by DDP over group "
-                f"{_describe(owners[0].group)}, but the optimizer was given process_group "
+                f"{_describe(first)}, but the optimizer was given process_group "
                 f"{_describe(process_group)}: one optimizer would shard over two different DP groups. Pass "
                 "process_group=None (each parameter is sharded over its own DDP group, MoE experts included)"
             )
         return process_group, owners[0].reducer if owners else None
-    if not owners:
+    if first is None:
         raise ConfigError(
             f"ZeroRedundancyOptimizer: parameter {name} belongs to no group the optimizer can shard over: no "
             "DistributedDataParallel wraps it. Wrap its module in DistributedDataParallel (its group is then "
             "used), or pass process_group (e.g. process_group='DP')"
         )
-    return owners[0].group, owners[0].reducer
+    return first, owners[0].reducer
 
 
 def build_shard_buckets(
@@ -63,7 +64,10 @@ def build_shard_buckets(
 ) -> tuple[list[ShardBucket], list[Reducer]]:
     """The buckets over `params` (each parameter in exactly one), and for stage 2 the reducers whose
     reductions the optimizer takes over. Raises ConfigError before anything changes."""
-    owner = {id(p): _owner(p, n, process_group) for p, n in zip(params, names)}
+    owner = {
+        id(p): _owner(records, n, process_group)
+        for p, n, records in zip(params, names, owner_records(params))
+    }
     name_of = {id(p): n for p, n in zip(params, names)}
     mine = set(owner)
     buckets: list[ShardBucket] = []

@@ -10,26 +10,23 @@ scaled in place by the clip coefficient before the step uses them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 
 from threadpar.parallel.clip_grad import grad_placements, scale_grads_by_norm_, total_grad_norm
 
-if TYPE_CHECKING:
-    from threadpar.parallel.zero.optimizer import ZeroRedundancyOptimizer
-
 
 def clip_shard_grad_norm_(
-    optimizer: ZeroRedundancyOptimizer,
+    pieces: Sequence[tuple[torch.nn.Parameter, torch.Tensor]],
     max_norm: float,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """The whole model's gradient norm from this rank's shards (a collective over the launch: every rank
-    calls it); the shards are clipped to max_norm in place (max_norm=inf: only measured)."""
-    pieces = optimizer.shard_gradient_pieces()
+    """The whole model's gradient norm from this rank's shards, given as (parameter, its gradient piece) pairs
+    (ZeroRedundancyOptimizer.shard_gradient_pieces); a collective over the launch: every rank calls it. The
+    pieces are clipped to max_norm in place (max_norm=inf: only measured)."""
     params, grads = [p for p, _ in pieces], [g for _, g in pieces]
     placements = [p.sharded_over_data_parallel() for p in grad_placements(params)] if params else []
     total = total_grad_norm(

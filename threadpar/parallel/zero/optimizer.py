@@ -13,8 +13,11 @@ all-gather per bucket gives every rank the updated parameters.
 
 - stage=1: DDP all-reduces gradients as without ZeRO; the pieces' gradients are views of them.
 - stage=2: DDP's bucket reductions become reduce-scatters into the optimizer's gradient shards (still
-  overlapped with backward), and the full gradients are dropped: after a synchronizing backward
-  `param.grad` is None and only this rank's range of the averaged gradient remains. DDP's buckets are
+  overlapped with backward). Each gradient is copied into its bucket's reduce-scatter input as soon as
+  autograd has it, and its `param.grad` is dropped right then (as DeepSpeed's ZeRO-2 fills its reduction
+  bucket); the input lives until its reduce-scatter is done, and one bucket is reduced while the next fills.
+  After a synchronizing backward `param.grad` is None and only this rank's range of the averaged gradient
+  remains (measured: benchmarks/zero_memory.py). DDP's buckets are
   frozen as they are when the optimizer is built (no rebuild after the first step).
 
 bf16/fp16 parameters get fp32 master weights for the range (optimizer math in fp32; the parameters get the
@@ -32,8 +35,8 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
-from threadpar.comm.work import Work
 from threadpar.errors import ConfigError
 from threadpar.parallel.grad_holder import mark_grad_holder
 from threadpar.parallel.groups import resolve_group
@@ -63,11 +66,33 @@ class _ReducerShards:
         self.shards = shards  # DDP bucket index -> its shard
         where = {id(p): (s, i) for s in shards.values() for i, p in enumerate(s.bucket.params)}
         self.slots = [where[id(p)] for p in params]  # reducer parameter index -> (shard, index in bucket)
+        self.in_flight: Work | None = None  # the last bucket's reduce-scatter, until the next bucket starts
 
-    def reduce_bucket(self, index: int, grads: list[torch.Tensor], async_op: bool) -> Work | None:
-        return self.shards[index].reduce_scatter(grads, async_op)
+    def gradient_ready(self, index: int) -> None:
+        shard, j = self.slots[index]
+        if not shard.staging and self.in_flight is not None:
+            # A bucket's reduce-scatter input is let go of when the collective is done: at most one in flight
+            # (and one filling) bounds backward's gradient memory at two buckets; the wait is short, as
+            # backward computed at least one more gradient since that bucket was launched. On a stream-ordered
+            # group (nccl) wait() would make backward's stream wait for the comm stream: not done there (the
+            # caching allocator frees each input once its comm stream is done with it, record_stream).
+            work, self.in_flight = self.in_flight, None
+            if not shard.bucket.group.stream_ordered:
+                work.wait()
+        shard.stage_grad(j)
+
+    def reduce_bucket(self, index: int, scale: float, async_op: bool) -> Work | None:
+        work = self.shards[index].reduce_scatter(scale, async_op)
+        self.in_flight = work
+        return work
+
+    def backward_abandoned(self) -> None:
+        self.in_flight = None
+        for shard in self.shards.values():
+            shard.drop_staged()
 
     def backward_done(self, used: list[bool] | None) -> None:
+        self.in_flight = None
         per_shard: dict[int, list[bool]] = {}
         for i, (shard, j) in enumerate(self.slots):
             flags = per_shard.setdefault(id(shard), [False] * len(shard.bucket.params))
@@ -228,7 +253,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """threadpar.parallel.clip_grad_norm_ for the gradients this optimizer steps: the whole model's
         gradient norm from every rank's shards, which are clipped in place (max_norm=inf measures only).
         A collective over the launch: every rank calls it, after backward and before step()."""
-        return clip_shard_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+        return clip_shard_grad_norm_(
+            self.shard_gradient_pieces(), max_norm, norm_type, error_if_nonfinite, foreach
+        )
 
     def _reduce_scattered(self, shard: Shard) -> bool:
         return self.stage == 2 and shard.bucket.reducer_bucket is not None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from threadpar.comm.reduce_op import ReduceOp
-from threadpar.comm.work import Work
+from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.comm.common.work import Work
 from threadpar.parallel.zero.shard_bucket import ShardBucket
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -29,6 +29,10 @@ class Shard:
         self.has_grad = [False] * len(bucket.params)
         self.reduced = False
         self._pending: list[torch.Tensor] = []  # reduce-scatter outputs to add to grad_buffer
+        # ZeRO-2, during a synchronizing backward: the bucket's gradients laid out like `flat` ([P * S]), filled
+        # as each becomes ready (its param.grad is dropped then), the reduce-scatter's input.
+        self._staging: torch.Tensor | None = None
+        self._staged = [False] * len(bucket.params)
 
     # gradients ---------------------------------------------------------------------------------------------------
     def _buffer(self) -> torch.Tensor:
@@ -56,14 +60,50 @@ class Shard:
         if copies[0]:
             torch._foreach_copy_(copies[0], copies[1])
 
-    def reduce_scatter(self, grads: list[torch.Tensor], async_op: bool) -> Work | None:
-        """ZeRO-2: average the bucket's gradients over the group, keeping this rank's range only."""
-        flat = self.bucket.flatten_padded(grads)  # [P * S] in the gradients' dtype
+    @property
+    def staging(self) -> bool:
+        """Whether a backward has staged gradients of this bucket that are not reduced yet."""
+        return self._staging is not None
+
+    def stage_grad(self, index: int) -> None:
+        """ZeRO-2: parameter `index` (of the bucket) has its gradient for this backward: copy it into the
+        bucket's reduce-scatter input and drop param.grad, so that a full gradient lives only from its
+        computation until this copy (as DeepSpeed's ZeRO-2 copies into its reduction bucket)."""
+        param = self.bucket.params[index]
+        grad = param.grad
+        if grad is None:
+            return  # unused here: reduce_scatter fills zeros
+        if self._staging is None:
+            self._staging = grad.new_empty(self.bucket.shard_size * self.bucket.group.size())  # [P * S]
+            self._staged = [False] * len(self.bucket.params)
+        start = self.bucket.offsets[index]
+        self._staging[start : start + grad.numel()].copy_(grad.reshape(-1))
+        self._staged[index] = True
+        param.grad = None
+
+    def reduce_scatter(self, scale: float, async_op: bool) -> Work | None:
+        """ZeRO-2: average the staged gradients over the group, keeping this rank's range only. Parameters
+        without a gradient on this rank count as zeros. The full input is let go of here: the collective
+        holds it until it has run (on a GPU, the comm stream: record_stream)."""
+        bucket = self.bucket
+        flat, self._staging = self._staging, None
+        if flat is None:
+            first = bucket.params[0]
+            flat = torch.zeros(
+                bucket.shard_size * bucket.group.size(), dtype=first.dtype, device=first.device
+            )
+        else:
+            for i, (param, start) in enumerate(zip(bucket.params, bucket.offsets)):
+                if not self._staged[i]:
+                    flat[start : start + param.numel()].zero_()
+            flat[bucket.numel :].zero_()  # the padding
+        if scale != 1.0:
+            flat.mul_(scale)
         direct = self.master is None and not self.reduced and flat.dtype == self.values.dtype
-        out = self._buffer() if direct else flat.new_empty(self.bucket.shard_size)
+        out = self._buffer() if direct else flat.new_empty(bucket.shard_size)
         if not direct:
             self._pending.append(out)
-        return self.bucket.group.reduce_scatter_tensor(out, flat, ReduceOp.AVG, async_op=async_op)
+        return bucket.group.reduce_scatter_tensor(out, flat, ReduceOp.AVG, async_op=async_op)
 
     def reduction_done(self, used: list[bool]) -> None:
         """ZeRO-2, after the reduce-scatter finished: accumulate it, forget the full gradients."""
@@ -76,14 +116,18 @@ class Shard:
             self.reduced = True
         self._pending.clear()
         self.reduced = True
-        for i, param in enumerate(self.bucket.params):
+        for i in range(len(self.bucket.params)):
             self.has_grad[i] = self.has_grad[i] or used[i]
-            param.grad = None  # this rank keeps only its range of the reduced gradient
         for piece, tensor in zip(self.bucket.pieces, self.tensors):
             start = piece.shard_offset
             tensor.grad = buffer[start : start + piece.hi - piece.lo] if self.has_grad[piece.index] else None
 
+    def drop_staged(self) -> None:
+        """Forget the gradients staged by a backward that failed before its buckets were reduced."""
+        self._staging = None
+
     def forget_grads(self) -> None:
+        self.drop_staged()
         for tensor in self.tensors:
             tensor.grad = None
         self.has_grad = [False] * len(self.has_grad)

@@ -81,14 +81,6 @@ class ShardBucket:
         start, end = self.rank_range
         return self.flat[start:end]
 
-    def flatten_padded(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """`tensors` (one per parameter, in bucket order) laid out like `flat`: [P * S]."""
-        pad = self.shard_size * self.group.size() - self.numel
-        parts = [t.reshape(-1) for t in tensors]
-        if pad:
-            parts.append(tensors[0].new_zeros(pad))
-        return torch.cat(parts)
-
     def split_full(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A [P * S] tensor laid out like `flat`, cut into views shaped like each parameter."""
         return [

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.reduce_op import ReduceOp
+from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.errors import ConfigError
 from threadpar.parallel.zero.shard import Shard
 
