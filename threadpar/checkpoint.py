@@ -13,7 +13,12 @@ state_dict() is the dense one, so a run saved with ZeRO resumes with or without 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +27,32 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.tensor_parallel import ShardSpec, TensorParallelModule, gather_dense_state_dict
 from threadpar.parallel.zero.state import packed_param_groups
+
+
+def save_atomic(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """`torch.save(obj, path)`, all or nothing: written to a temporary file beside `path`, flushed to disk,
+    then renamed over `path` (os.replace is atomic within a file system). An interruption leaves the
+    previous file at `path` untouched (and no temporary file, unless the process was killed outright)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())  # the data is on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except BaseException:  # also a stop (RankAborted, SystemExit, KeyboardInterrupt) mid-write
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself on disk (a directory may not open on some systems)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    return path
 
 
 def unwrap(module: nn.Module) -> nn.Module:

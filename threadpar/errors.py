@@ -57,3 +57,15 @@ class RemoteRankError(ThreadparError, RuntimeError):
 
     Its message says which rank and process and what it raised; RankFailedError carries its traceback.
     """
+
+
+class Terminated(SystemExit):
+    """The process received SIGTERM while a launch ran: every rank (in every process) was stopped.
+
+    A SystemExit whose code is 128 + the signal's number (143), the shell's convention for a process ended
+    by that signal: uncaught, the process exits with it and without a traceback (the launch printed one
+    line naming the signal). `signal_name` is "SIGTERM"."""
+
+    def __init__(self, signum: int, signal_name: str) -> None:
+        super().__init__(128 + signum)
+        self.signal_name = signal_name

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import torch
 
-from threadpar.checkpoint import load_optimizer_state
+from threadpar.checkpoint import load_optimizer_state, save_atomic
 from threadpar.demo.cli import DemoConfig
 from threadpar.demo.report import format_bytes, write_loss_png, write_metrics, write_timeline_png
 from threadpar.demo.train import AUTOCAST, RunState, make_optimizer
@@ -209,12 +208,7 @@ def save_checkpoint(directory: Path, run: RunState) -> Path:
         "layout": layout_sizes(cfg),
         "losses": run.losses,
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / CHECKPOINT_FILE
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    return path
+    return save_atomic(state, directory / CHECKPOINT_FILE)
 
 
 def load_checkpoint(directory: Path, gpt: GPTConfig) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 from threadpar.comm.functional import get_group, new_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.grad_holder import check_grads_in_params
 from threadpar.runtime.context import get_layout
 from threadpar.topology import DATA_AXES, Axes, Axis, Layout, axes_label, parse_axes
 
@@ -179,6 +180,8 @@ def _axes_with_group(layout: Layout, ranks: list[int], rank: int) -> list[tuple[
 def allreduce_grads(params: Iterable[torch.nn.Parameter], group: ProcessGroup) -> None:
     """Sum the gradients of `params` over `group`: one coalesced all-reduce per dtype, in the same order on
     every member. Parameters without a gradient are skipped (every member must skip the same ones)."""
+    params = list(params)
+    check_grads_in_params(params, "allreduce_grads")
     if group.size() == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -30,6 +30,7 @@ from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.grad_holder import check_grads_in_params
 from threadpar.runtime.context import get_device, in_rank
 
 
@@ -75,6 +76,8 @@ class LossScaler:
     def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """Divide the gradients by the scale; True when any rank of the group saw an inf or nan. A
         collective over the group: every member calls it, also one without gradients."""
+        params = list(params)
+        check_grads_in_params(params, "LossScaler.unscale_and_check")
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else (get_device() if in_rank() else torch.device("cpu"))
         flag = torch.zeros(1, device=device)

@@ -4,7 +4,9 @@ Failure handling: the first rank to raise triggers the launch's stop signal, whi
 rank at once (they raise RankAborted, a consequence that is not reported as a cause). A rank busy in
 Python code that does not reach a wait within a grace period gets RankAborted injected asynchronously.
 `launch` then raises RankFailedError naming the failing rank, with its traceback, chained to its exception.
-Ctrl-C in the calling thread stops every rank the same way and re-raises KeyboardInterrupt.
+Ctrl-C in the calling thread stops every rank the same way and re-raises KeyboardInterrupt; SIGTERM
+stops them the same way and exits with code 143 (threadpar.runtime.signals). Either prints one line naming
+the signal.
 
 Under torchrun (`threads_per_process=T`) each process runs the threads of its own T ranks; a failure in any
 process stops every process (threadpar.runtime.peer_processes), and each raises the same root cause.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import sys
 import threading
 import time
 import traceback
@@ -24,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError
+from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError, Terminated
 from threadpar.runtime.compiling import rank_thread_contexts
 from threadpar.runtime.context import RankContext, leave
 from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.peer_processes import Processes
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
+from threadpar.runtime.signals import Signalled, sigterm_raises
 from threadpar.runtime.torch_world import LaunchTorchWorld
 from threadpar.runtime.world import World
 from threadpar.topology import Layout
@@ -149,12 +153,37 @@ class _Launch:
             self.world.abort.trigger(f"rank {rank} failed with {type(error).__name__}: {error}")
 
     def run(self) -> list[Any]:
+        try:
+            with sigterm_raises():
+                return self._run()
+        except Signalled as signalled:
+            self._say_stopped(signalled.name)
+            raise Terminated(signalled.signum, signalled.name) from None
+        except KeyboardInterrupt:
+            self._say_stopped("SIGINT")
+            raise
+
+    def _say_stopped(self, signal_name: str) -> None:
+        """One line on stderr: this process got a signal and stopped its ranks (and what failed first)."""
+        world, processes = self.world, self.world.processes
+        where = "" if processes is None else f"process {processes.rank} of {processes.count} "
+        ranks = list(world.local_ranks)
+        line = f"threadpar: {where}received {signal_name}; stopped its ranks {ranks[0]}-{ranks[-1]}"
+        root = None if processes is None else processes.failure
+        if root is not None and root.kind != signal_name:
+            line += f" (the run had already failed: {root.describe().splitlines()[0]})"
+        print(line, file=sys.stderr, flush=True)
+
+    def _run(self) -> list[Any]:
         saved_threads = torch.get_num_threads()
         processes = self.world.processes
         try:
             if self.torch_world is not None:
                 self.torch_world.install()
             self._start_and_wait()
+        except (Signalled, KeyboardInterrupt) as signalled:  # a signal while the ranks finish
+            self._stop_everything("SIGINT" if isinstance(signalled, KeyboardInterrupt) else signalled.name)
+            raise
         finally:
             if self.torch_world is not None:
                 self.torch_world.uninstall()
@@ -178,22 +207,20 @@ class _Launch:
         return self.results
 
     def _start_and_wait(self) -> None:
-        try:
-            # Starting is inside the try: a Ctrl-C while the threads start must stop those already running.
-            for t in self.threads:
-                t.start()
-            while not self.all_done.wait(0.05):
-                if self.world.abort.is_set:
-                    self._stop_stragglers()
-                    return
-        except KeyboardInterrupt:
-            if self.world.processes is not None:
-                self.world.processes.lost(
-                    f"process {self.world.process_rank} was interrupted (KeyboardInterrupt)"
-                )
-            self.world.abort.trigger("KeyboardInterrupt in the calling thread")
-            self._stop_stragglers()
-            raise
+        # Starting is inside the caller's try: a signal while the threads start stops those already running.
+        for t in self.threads:
+            t.start()
+        while not self.all_done.wait(0.05):
+            if self.world.abort.is_set:
+                self._stop_stragglers()
+                return
+
+    def _stop_everything(self, signal_name: str) -> None:
+        """This process got a signal: stop every rank here and in the other processes."""
+        if self.world.processes is not None:
+            self.world.processes.signalled(signal_name)
+        self.world.abort.trigger(f"{signal_name} in the calling thread")
+        self._stop_stragglers()
 
     def _stop_stragglers(self) -> None:
         """After a stop: give ranks a moment to exit, inject an abort into those still running Python, and

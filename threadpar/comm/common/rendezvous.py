@@ -12,9 +12,10 @@ instead: it does not wait for the others, and waits on the returned `Arrival` wh
 from __future__ import annotations
 
 import _thread
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -50,7 +51,8 @@ class Slot:
     """The meeting of all members for one collective (one sequence number)."""
 
     __slots__ = (
-        "arrived", "calls", "error", "finished", "payloads", "phase", "reached", "result", "shared", "waiters",
+        "arrived", "busy", "calls", "error", "finished", "payloads", "phase", "reached", "result", "shared",
+        "waiters",
     )  # fmt: skip
 
     def __init__(self, size: int) -> None:
@@ -64,15 +66,28 @@ class Slot:
         self.error: BaseException | str | None = None
         self.finished = False  # the leader did the whole collective; nothing is left for the members
         self.waiters: list[_thread.LockType] = []  # one locked lock per waiting member
+        # Members in a bounded wait on the group's behalf (the cross-process step): the others wait for them.
+        self.busy = [False] * size
 
 
 class Rendezvous:
     """Waiting members block on a lock of their own that the last arrival releases, so a wake-up does not
     contend for a shared lock (Condition.notify_all would make every woken waiter re-acquire one)."""
 
-    def __init__(self, name: str, ranks: Sequence[int], abort: AbortSignal, timeout: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        ranks: Sequence[int],
+        abort: AbortSignal,
+        timeout: float,
+        *,
+        group_ranks: Sequence[int] | None = None,
+    ) -> None:
+        """`ranks`: the members that meet here; `group_ranks`: the whole group's global ranks when some of
+        its members live in other processes (messages name the group by them)."""
         self.name = name
         self.ranks = tuple(ranks)
+        self.group_ranks = self.ranks if group_ranks is None else tuple(group_ranks)
         self.size = len(self.ranks)
         self._abort = abort
         self._timeout = timeout
@@ -132,6 +147,25 @@ class Rendezvous:
         if slot.error is not None:
             self._raise(slot, seq)
 
+    @contextlib.contextmanager
+    def busy(self, slot: Slot, member: int) -> Iterator[None]:
+        """Mark `member` as working for the group (in a wait bounded by its own timeout, which reports
+        what it waited for): members waiting for it at a barrier wait for it rather than time out first
+        and blame it."""
+        with self._lock:
+            slot.busy[member] = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                slot.busy[member] = False
+
+    def arrived(self, seq: int) -> list[int]:
+        """The global ranks of the members that have arrived at collective `seq` (its slot still open)."""
+        with self._lock:
+            slot = self._slots.get(seq)
+            return [] if slot is None else [r for r, c in zip(self.ranks, slot.calls) if c is not None]
+
     # internals --------------------------------------------------------------------------------------------------
     def _deposit(self, member: int, seq: int, call: Call, payload: Any) -> Slot:
         """Put this member's call and payload into the slot of collective `seq` (created by the first)."""
@@ -190,16 +224,21 @@ class Rendezvous:
         # deadline every poll interval (a stop also releases every waiter at once).
         # Once every member has arrived, the last one is running the leader, whose own waits are bounded
         # (e.g. asking other processes, with a message naming them): wait for it rather than time out first.
+        # The same for members that are busy for the group (Rendezvous.busy) and have not arrived yet.
         deadline = time.monotonic() + timeout
         while slot.phase < target:
             self._abort.raise_if_set()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if min(slot.reached) >= target:
+                if self._others_bounded(slot, target):
                     remaining = POLL_INTERVAL_S
                 else:
                     raise CollectiveTimeoutError(self._describe_timeout(slot, member, seq, target, timeout))
             waiter.acquire(True, remaining if remaining < POLL_INTERVAL_S else POLL_INTERVAL_S)
+
+    def _others_bounded(self, slot: Slot, target: int) -> bool:
+        with self._lock:
+            return all(r >= target or b for r, b in zip(slot.reached, slot.busy))
 
     def _wake_all(self) -> None:
         """On a stop: release every waiter (each then sees the stop signal and raises)."""
@@ -214,7 +253,7 @@ class Rendezvous:
         if all(c == first for c in slot.calls):
             return None
         lines = [
-            f"collective mismatch on group '{self.name}' (global ranks {list(self.ranks)}) at its call #{seq}: "
+            f"collective mismatch on group '{self.name}' (global ranks {list(self.group_ranks)}) at its call #{seq}: "
             "members must call the same collectives, with the same dtypes and shapes, in the same order"
         ]
         for m, call in enumerate(slot.calls):
@@ -226,11 +265,13 @@ class Rendezvous:
         if isinstance(slot.error, str):
             raise CollectiveMismatchError(slot.error)
         call = slot.calls[0]
-        # An NCCL failure, a timeout or a stop keeps its kind for every member; anything else is the group's failure.
+        if isinstance(slot.error, CollectiveTimeoutError):  # its message names the call and who is late
+            raise CollectiveTimeoutError(str(slot.error)) from slot.error
+        # An NCCL failure or a stop keeps its kind for every member; anything else is the group's failure.
         kind: type[ThreadparError]
         if isinstance(slot.error, RankAborted):
             kind = RankAborted  # (a subclass may not take a message)
-        elif isinstance(slot.error, (NcclError, CollectiveTimeoutError)):
+        elif isinstance(slot.error, NcclError):
             kind = type(slot.error)
         else:
             kind = ThreadparError
@@ -246,7 +287,7 @@ class Rendezvous:
             f"rank {self.ranks[m]} called {c}" for m, c in enumerate(slot.calls) if c is not None
         )
         return (
-            f"{slot.calls[member]} #{seq} on group '{self.name}' (global ranks {list(self.ranks)}) timed out after "
+            f"{slot.calls[member]} #{seq} on group '{self.name}' (global ranks {list(self.group_ranks)}) timed out after "
             f"{timeout:g} s on rank {self.ranks[member]}: ranks {missing} {stage} (waiting: {present}; {calls}). "
             "A rank that skips a collective, calls them in another order, or is stuck in a long computation "
             "causes this; raise the timeout (the launch's timeout=, or this call's) if the computation is "

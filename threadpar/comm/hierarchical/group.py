@@ -51,6 +51,39 @@ def group_key(ranks: Sequence[int]) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def describe_stuck(
+    description: str,
+    timeout: float,
+    ranks: Sequence[int],
+    procs: Sequence[int],
+    members_by_proc: Sequence[Sequence[int]],
+    arrived: dict[int, list[int] | None],
+) -> str:
+    """The timeout of a cross-process step, naming the ranks that did not arrive: `arrived[process]` is
+    what that process said of its members (None: it did not answer)."""
+    missing, silent, present = [], [], []
+    for process, members in zip(procs, members_by_proc):
+        theirs = [ranks[m] for m in members]
+        answer = arrived.get(process)
+        if answer is None:
+            silent.append(f"process {process} (ranks {theirs}) did not answer")
+            continue
+        present += [r for r in theirs if r in answer]
+        missing += [f"rank {r} (process {process})" for r in theirs if r not in answer]
+    if missing:
+        what = f"{', '.join(missing)} did not arrive"
+    elif silent:
+        what = "every rank that answered arrived"
+    else:
+        what = "every rank arrived, but the exchange between the processes did not complete"
+    return (
+        f"{description} timed out after {timeout:g} s: {'; '.join([what, *silent])} (waiting: ranks "
+        f"{sorted(present)}). A rank that skips a collective, calls them in another order, or is stuck in a "
+        "long computation causes this (a process that is stuck or dead too); raise the launch's timeout= if "
+        "the computation is legitimately slow."
+    )
+
+
 class HierarchicalGroup(HierarchicalByteCollectives):
     stream_ordered = False  # ProcessGroup runs each op on the member's comm worker
     backend_name = "hierarchical"
@@ -83,11 +116,14 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         self.max_local = max(len(ms) for ms in self.members_by_proc)
         self.lanes = min(len(ms) for ms in self.members_by_proc)
         self.key = group_key(self.ranks)
-        self.rendezvous = Rendezvous(name, [self.ranks[m] for m in self.local], abort, timeout)
+        self.rendezvous = Rendezvous(
+            name, [self.ranks[m] for m in self.local], abort, timeout, group_ranks=self.ranks
+        )
         self.mailboxes = Mailboxes(name, self.ranks, abort, timeout)
         self._gloo: dict[str, Any] = {}
         if route_messages:
             processes.router.register(self.key, self.mailboxes, self.ranks)
+        processes.register_group(self.key, self.rendezvous)  # it answers "who arrived?" from elsewhere
 
     # plumbing ---------------------------------------------------------------------------------------------------
     def _pg(self, which: str) -> Any:
@@ -139,15 +175,14 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         description = f"{call} #{seq} on group '{self.name}' (global ranks {list(self.ranks)})"
 
         def wait(work_: Any) -> None:
-            gloo_ops.wait_work(
-                work_,
-                abort=self._abort,
-                timeout=limit,
-                describe=lambda: (
-                    f"{description} timed out after {limit:g} s waiting for the other processes "
-                    f"{list(self.procs)}; a process that skips the collective, or is stuck or dead, causes this"
-                ),
+            gloo_ops.wait_work(work_, abort=self._abort, timeout=limit, describe=stuck)
+
+        def stuck() -> str:  # which ranks, in which processes, have not arrived: asked of every process
+            arrived = self._processes.arrivals(
+                self.key, seq, [p for p in self.procs if p != self.procs[self.me]]
             )
+            arrived[self.procs[self.me]] = self.rendezvous.arrived(seq) or [self.ranks[m] for m in self.local]
+            return describe_stuck(description, limit, self.ranks, self.procs, self.members_by_proc, arrived)
 
         def recorded(fn: Callable[[], None]) -> None:  # the first error goes to every local member
             try:
@@ -166,13 +201,17 @@ class HierarchicalGroup(HierarchicalByteCollectives):
                 if slot.error is None and examine is not None:
                     examine(call_check.payloads(rows))
 
+        # A member in the cross-process step is busy for the group: the others wait for it (its wait is
+        # bounded and names what it waited for) rather than time out first and blame it.
         if checker:
-            recorded(check)
+            with self.rendezvous.busy(slot, li):
+                recorded(check)
         if lanes > 1:
             self.rendezvous.sync(slot, li, seq)  # the lane leaders start once the calls agree
         if slot.error is None and inline is None and lane is not None:
             assert work is not None, "_step: a collective without `inline` runs `work`"
-            recorded(lambda: work(wait, lane))
+            with self.rendezvous.busy(slot, li):
+                recorded(lambda: work(wait, lane))
         if slot.error is not None and not isinstance(slot.error, str):
             # gloo operations of this group may be left pending: never destroy its gloo groups
             self._processes.abandon(list(self._gloo.values()))

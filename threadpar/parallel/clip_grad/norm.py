@@ -24,6 +24,7 @@ from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.clip_grad.placement import grad_placements
+from threadpar.parallel.grad_holder import check_grads_in_params
 from threadpar.parallel.records import GradPlacement
 from threadpar.runtime.context import get_device, in_rank
 
@@ -138,6 +139,7 @@ def clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     _check_max_norm(max_norm)
     check_norm_type(norm_type)
+    check_grads_in_params(params, "threadpar.parallel.clip_grad_norm_")  # ZeRO-2 holds them elsewhere
     with_grad = [p for p in params if p.grad is not None]
     placements = grad_placements(with_grad)
     grads = [p.grad for p in with_grad if p.grad is not None]  # all of them (for the type checker)

@@ -17,6 +17,7 @@ from torch import nn
 
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.grad_holder import check_grads_in_params
 from threadpar.parallel.tensor_parallel.collectives import all_gather_along_dim, resolve_tp_group
 
 
@@ -148,6 +149,7 @@ def gather_dense_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
     for _, sub in _sharded_modules(module):
         for name, spec in sub.shard_specs.items():
             specs[id(getattr(sub, name))] = (spec, sub.group)
+    check_grads_in_params(module.parameters(), "gather_dense_grads")
     grads: dict[str, torch.Tensor | None] = {}
     for name, param in module.named_parameters():
         entry = specs.get(id(param))

@@ -38,6 +38,7 @@ import torch
 from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
+from threadpar.parallel.grad_holder import mark_grad_holder
 from threadpar.parallel.groups import resolve_group
 from threadpar.parallel.zero.bucketing import build_shard_buckets
 from threadpar.parallel.zero.clip import clip_shard_grad_norm_
@@ -52,6 +53,10 @@ from threadpar.parallel.zero.state import (
 )
 
 STATE_FORMAT = "threadpar-zero/1"
+ZERO2_INSTEAD = (
+    "clip with optimizer.clip_grad_norm_(max_norm) (it clips the shards), unscale with "
+    "LossScaler.step(optimizer, optimizer.grad_holders()), and leave the reduction to DistributedDataParallel"
+)
 
 
 class _ReducerShards:
@@ -139,6 +144,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for g in self.param_groups
         ]
         self._shards = [Shard(b, master_weights) for b in buckets]
+        for shard in self._shards:
+            if self._reduce_scattered(shard):  # param.grad stays None: say where the gradient is
+                for param in shard.bucket.params:
+                    mark_grad_holder(param, shard, "ZeroRedundancyOptimizer(stage=2)", ZERO2_INSTEAD)
         self.optim = self._local_optimizer(defaults)
         for reducer in reducers:
             shards = {
