@@ -83,6 +83,8 @@ def test_threads_groups_get_stream_ordering_only_on_cuda_devices():
 class CudaPrimitivesOnly:
     """The CudaApi members of a FakeCuda and nothing else: no NCCL library, lock, pools or error query."""
 
+    autograd_thread = False  # run_fake_gpus's own mode switch (the double's harness, not a CUDA primitive)
+
     def __init__(self, fake: FakeCuda) -> None:
         self._fake = fake
 

@@ -250,3 +250,10 @@ def test_the_backend_outside_a_launch_says_where_it_works():
     with pytest.raises(ConfigError, match=r"serves the rank threads of threadpar\.launch"):
         dist.init_process_group("threadpar", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()
+
+
+def test_process_env_in_a_rank_thread_is_the_process_not_the_rank():
+    """Inside a rank, torch.distributed's world is the launch's ranks; process_env() still says which process
+    this is (process 0 of 1 here), not the thread's rank (it said rank 1 of 2 when it read the thread's world)."""
+    envs = threadpar.launch(lambda: threadpar.process_env(), world_size=2, devices="cpu")
+    assert [(e.rank, e.count) for e in envs] == [(0, 1), (0, 1)]

@@ -56,7 +56,8 @@ CLASSES = [  # (name, threadpar's, torch's): their constructors
 ]
 # Names threadpar exports that torch.distributed also has but which are not the same callable: classes
 # whose constructors differ by design (a threadpar ProcessGroup is one rank's handle, made by new_group).
-NOT_NAMESAKES = {"ProcessGroup", "ReduceOp", "Work", "P2POp"}
+# torch.distributed.device_mesh is a module; threadpar.device_mesh() returns the layout as torch's DeviceMesh.
+NOT_NAMESAKES = {"ProcessGroup", "ReduceOp", "Work", "P2POp", "device_mesh"}
 
 
 def _default(value):

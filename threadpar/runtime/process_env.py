@@ -53,18 +53,32 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _local_place() -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) from torchrun's variables; (0, 1) where they are unset or left over from
+    another launcher."""
+    local_count = _env_int("LOCAL_WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if not 0 <= local_rank < local_count:
+        return 0, 1
+    return local_rank, local_count
+
+
 def process_env() -> ProcessEnv:
-    """This process's place in the job: from an initialised torch.distributed default group, else from
+    """This process's place in the job: inside a rank thread, from its launch; else from an initialised
+    torch.distributed default group, else from
     torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), else process 0 of 1."""
     import torch.distributed as dist
 
+    from threadpar.runtime import context
+
+    if context.in_rank():
+        # A rank thread's torch.distributed world is the launch's ranks (the threadpar c10d backend), not
+        # the processes: this process's place comes from the launch that started the thread.
+        world = context.current().world
+        rank, count = (0, 1) if world.processes is None else (world.processes.rank, world.processes.count)
+        return ProcessEnv(rank, count, *_local_place())
     if dist.is_available() and dist.is_initialized():
-        rank, count = dist.get_rank(), dist.get_world_size()
-        local_count = _env_int("LOCAL_WORLD_SIZE", 1)
-        local_rank = _env_int("LOCAL_RANK", 0)
-        if not 0 <= local_rank < local_count:  # variables left over from another launcher: ignore them
-            local_rank, local_count = 0, 1
-        return ProcessEnv(rank, count, local_rank, local_count)
+        return ProcessEnv(dist.get_rank(), dist.get_world_size(), *_local_place())
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return ProcessEnv()
     count = _env_int("WORLD_SIZE")
