@@ -71,6 +71,8 @@ class NullCuda:
     """A CudaApi and NcclRuntime whose device and library do nothing: what remains is threadpar's own host
     work."""
 
+    autograd_thread = False  # run_fake_gpus's harness switch (tests/fakes): backward on the rank's thread
+
     def __init__(self) -> None:
         self.nccl = NullNccl()
         self.launch_lock = threading.Lock()
