@@ -11,7 +11,17 @@ import pytest
 @pytest.mark.timeout(120)
 def test_nccl_launch_benchmark_prints_its_table():
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.nccl_launch", "--quick", "--ranks", "2", "--no-gloo", "--rounds", "1"],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.nccl_launch",
+            "--quick",
+            "--ranks",
+            "2",
+            "--no-gloo",
+            "--rounds",
+            "1",
+        ],
         capture_output=True,
         text=True,
         timeout=110,
