@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.autograd
 
+from .fake_device_index import bound_to, fake_device_index
+
 _PATCH_LOCK = threading.Lock()
 _active = [0]  # how many device_threads() contexts are open (nested launches share one patch)
 _original: list[Callable[..., Any]] = []
@@ -50,6 +52,7 @@ class _DeviceThread:
     def run(self, fn: Callable[[], Any]) -> Any:
         grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
         dtype = torch.get_autocast_dtype("cpu")
+        gpu = fake_device_index()  # the device thread of the caller's GPU (fake_device_index.py)
         done = threading.Event()
         outcome: list[Any] = [None, None]
 
@@ -59,7 +62,8 @@ class _DeviceThread:
                 torch.set_grad_enabled(grad)
                 torch.set_autocast_enabled("cpu", autocast)
                 torch.set_autocast_dtype("cpu", dtype)
-                outcome[0] = fn()
+                with bound_to(gpu):
+                    outcome[0] = fn()
             except BaseException as error:
                 outcome[1] = error
             finally:

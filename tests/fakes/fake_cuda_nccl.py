@@ -13,6 +13,8 @@ A small simulation rather than a mock:
   (`run_fake_gpu_processes`): their NCCL cliques span them.
 Devices are CPU devices, and every thread has its own default stream: the general case of ranks that
 compute on their own streams (on a real GPU, threads share the device's default stream unless told not to).
+Each rank thread still has a GPU of its own, a fake index (fake_device_index.py) its streams carry: an event
+recorded on one GPU's stream cannot be recorded on another's (FakeEvent.record), as in torch.
 
 Stricter modes (issue 22): `FakeCuda(lazy=True)` runs a collective only when something waits on it and reports
 a buffer changed in between as a race (fake_device_queue.py; conftest's `fake_mode` fixture runs nccl-path
@@ -41,6 +43,7 @@ from threadpar.testing import raise_root_cause
 from threadpar.topology import Layout
 
 from .fake_autograd_thread import device_threads
+from .fake_device_index import fake_device_index
 from .fake_device_queue import TensorRecord, flush
 from .fake_nccl import FakeComm, FakeFabric, FakeNccl
 
@@ -64,8 +67,11 @@ class Node(NamedTuple):
 
 
 class FakeStream:
-    def __init__(self, fake: FakeCuda, name: str, device: torch.device, priority: int = 0) -> None:
+    def __init__(
+        self, fake: FakeCuda, name: str, device: torch.device, priority: int = 0, device_index: int = 0
+    ) -> None:
         self.fake, self.name, self.device, self.priority = fake, name, device, priority
+        self.device_index = device_index  # the fake GPU it belongs to (fake_device_index.py)
         self.ops: list[tuple] = []
         self.pending: dict[int, Any] = {}  # lazy mode: node index -> the collective waiting there to run
         self.flushed = -1  # lazy mode: every node up to this one has run
@@ -78,7 +84,9 @@ class FakeStream:
 
     def wait_event(self, event: FakeEvent) -> None:
         # Waits for the event's most recent record only, as cudaStreamWaitEvent does (CUDA runtime API docs;
-        # torch.cuda.Stream.wait_event -> c10/cuda/CUDAStream.h). Recorded later: not waited for.
+        # torch.cuda.Stream.wait_event -> c10/cuda/CUDAStream.h). Recorded later: not waited for. The stream
+        # may be on another device than the event: c10/cuda/CUDAEvent.h, CUDAEvent::block, checks no device
+        # (cudaStreamWaitEvent across devices is legal, CUDA programming guide, "Stream and Event Behavior").
         self._append("wait", event, event.node)
         if self.fake.lazy and event.node is not None and not self.pending:
             # A stream whose work the double runs at once (a compute stream) must find the awaited work done;
@@ -101,10 +109,24 @@ class FakeEvent:
     def __init__(self, fake: FakeCuda) -> None:
         self.fake = fake
         self.node: Node | None = None  # where it was last recorded (None: never: waiting on it is a no-op)
+        self.device_index: int | None = None  # the fake GPU of its first recording stream (None: not yet)
         self.complete = True
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or self.fake.current_stream(torch.device("cpu"))
+        with self.fake.lock:
+            # An event belongs to one device: c10/cuda/CUDAEvent.h, CUDAEvent::record, creates the CUDA event
+            # lazily on the first recording stream's device and then TORCH_CHECKs that every later recording
+            # stream is on that device (cudaEventRecord fails across devices, CUDA programming guide,
+            # "Stream and Event Behavior"); torch.cuda.Event.record reaches it (torch/cuda/streams.py).
+            if self.device_index is None:
+                self.device_index = stream.device_index
+            elif self.device_index != stream.device_index:
+                raise RuntimeError(
+                    f"Event device {self.device_index} does not match recording stream's device "
+                    f"{stream.device_index} ({stream!r}): an event belongs to the device it was first "
+                    "recorded on (c10/cuda/CUDAEvent.h, CUDAEvent::record); record a new event per device"
+                )
         self.node = stream._append("record", self)
         self.complete = not self.fake.hung
 
@@ -189,8 +211,9 @@ class FakeCuda:
         self.cliques = CliquePool()  # threadpar's own pool: plain Python, nothing to fake
         self.inits = DeviceInits()  # threadpar's own bookkeeping, likewise
         self.streams = CommStreams()  # likewise
-        self._pools: dict[tuple[torch.device, int], list[FakeStream]] = {}
-        self._pool_counters: dict[tuple[torch.device, int], int] = {}
+        # (device, fake GPU index, priority level) -> that pool (fake_device_index.py)
+        self._pools: dict[tuple[torch.device, int, int], list[FakeStream]] = {}
+        self._pool_counters: dict[tuple[torch.device, int, int], int] = {}
         self.calls: list[FakeCall] = []
         self.copies: list[FakeCopy] = []
         self.comm_streams: list[FakeStream] = []
@@ -207,18 +230,20 @@ class FakeCuda:
         """torch.cuda.Stream(device, priority): c10/cuda/CUDAStream.cpp, getStreamFromPool, hands out one of
         kStreamsPerPool = 32 streams per device and priority level, round-robin (get_idx: counter++ % 32), made
         once per device and never destroyed: the 33rd request gets the 1st stream again. Priorities outside
-        the device's range are clamped (torch.cuda.Stream's docs); the double's range is [-1, 0]."""
-        level = min(max(priority, -1), 0)
+        the device's range are clamped (torch.cuda.Stream's docs); the double's range is [-1, 0]. The device
+        is the calling thread's fake GPU (fake_device_index.py): each GPU has pools of its own."""
+        level, gpu = min(max(priority, -1), 0), fake_device_index()
+        key = (device, gpu, level)
         with self.lock:
-            pool = self._pools.get((device, level))
+            pool = self._pools.get(key)
             if pool is None:
                 pool = [
-                    FakeStream(self, f"pool{level}.{i}", device, priority=level)
+                    FakeStream(self, f"pool{level}.{i}@gpu{gpu}", device, level, gpu)
                     for i in range(STREAMS_PER_POOL)
                 ]
-                self._pools[device, level] = pool
-            index = self._pool_counters.get((device, level), 0)
-            self._pool_counters[device, level] = index + 1
+                self._pools[key] = pool
+            index = self._pool_counters.get(key, 0)
+            self._pool_counters[key] = index + 1
             stream = pool[index % STREAMS_PER_POOL]
             self.comm_streams.append(stream)
         return stream
@@ -232,7 +257,7 @@ class FakeCuda:
         current = self._current()
         if device not in current:
             name = f"default[{threading.current_thread().name}]"
-            current[device] = FakeStream(self, name, device)
+            current[device] = FakeStream(self, name, device, device_index=fake_device_index())
         return current[device]
 
     def event(self) -> FakeEvent:
