@@ -49,12 +49,19 @@ class CommWorker:
             if item is None:
                 return
             fn, work = item
+            del item
+            # The op's closure holds its tensors: drop it BEFORE finishing the Work, so that a waiter woken by
+            # the finish never sees this thread still holding a payload (and before blocking for the next op).
             try:
-                work._finish(fn())
+                result = fn()
             except BaseException as error:
+                del fn
                 work._finish(error=error)
-            # The op's closure holds its tensors: drop it before blocking for the next one.
-            del item, fn, work
+            else:
+                del fn
+                work._finish(result)
+                del result
+            del work
 
     def stop(self, timeout: float = 2.0) -> None:
         if self._thread is not None:
