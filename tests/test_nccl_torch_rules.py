@@ -5,6 +5,8 @@ than NCCL rank 0 (torch.cuda.nccl.broadcast drops `root`), the cross-process all
 with roots torch rejects, NCCL's pre-multiplied AVG.
 """
 
+import threading
+
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_processes, run_fake_gpus
@@ -274,6 +276,29 @@ def test_comm_streams_run_out_with_a_clear_error_and_come_back_when_groups_go():
         registry.acquire(fake, cpu)
     registry.release([cpu], [taken[5]])
     assert registry.acquire(fake, cpu) is taken[5]
+
+
+def test_a_group_dropped_while_another_takes_its_streams_does_not_deadlock():
+    """A group hands its streams back from a weakref finalizer, which the garbage collector may run inside
+    any allocation, also one made while CommStreams holds its lock (taking streams allocates): the release
+    must not wait for that lock (it did: the selftest's ZeRO-2 step on the double hung in CI)."""
+    from threadpar.comm.nccl.resources import CommStreams
+
+    fake, registry, cpu = FakeCuda(), CommStreams(), torch.device("cpu")
+    first = registry.acquire(fake, cpu)
+
+    class CollectsWhileAllocating:  # as if the collector ran the first group's finalizer mid-allocation
+        def pool_stream(self, device, priority):
+            registry.release([cpu], [first])
+            return fake.pool_stream(device, priority)
+
+    done = threading.Event()
+    threading.Thread(
+        target=lambda: (registry.acquire(CollectsWhileAllocating(), cpu), done.set()), daemon=True
+    ).start()
+    assert done.wait(30), "releasing a stream while CommStreams held its lock deadlocked"
+    # The released stream came back: 62 more fit beside the second group's (64 per device), one of them it.
+    assert any(stream is first for stream in [registry.acquire(fake, cpu) for _ in range(62)])
 
 
 def test_copies_to_different_destinations_run_concurrently_and_stay_ordered_with_the_callers():

@@ -5,6 +5,7 @@ test double share these classes (cuda_api.py makes the process's instances)."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Iterable
@@ -39,6 +40,11 @@ class CommStreams:
         self._lock = threading.Lock()
         self._held: set[tuple[str, Any]] = set()  # torch.cuda.Stream hashes and compares by the CUDA stream
         self._lanes: dict[tuple[str, int], Any] = {}
+        # Streams handed back by dropped groups, not yet out of _held: release runs in a weakref finalizer,
+        # which the garbage collector may run on any thread at any allocation, also on a thread that holds
+        # _lock inside _take (which allocates): it must not take _lock. SimpleQueue.put is reentrant (made
+        # for finalizers); the next holder of _lock drains it.
+        self._returned: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
 
     def acquire(self, cuda: Any, device: torch.device) -> Any:
         with self._lock:
@@ -55,6 +61,7 @@ class CommStreams:
             return lane
 
     def _take(self, cuda: Any, device: torch.device) -> Any:
+        self._drain_returned()
         for priority in self.PRIORITIES:
             for _ in range(self.STREAMS_PER_POOL):
                 stream = cuda.pool_stream(device, priority)
@@ -69,10 +76,18 @@ class CommStreams:
         )
 
     def release(self, devices: Iterable[torch.device], streams: Iterable[Any]) -> None:
-        with self._lock:
-            for device, stream in zip(devices, streams):
-                if stream is not None:
-                    self._held.discard((str(device), stream))
+        """Hand a dropped group's streams back (from its finalizer: never blocks, see _returned)."""
+        for device, stream in zip(devices, streams):
+            if stream is not None:
+                self._returned.put((str(device), stream))
+
+    def _drain_returned(self) -> None:
+        """Take the handed-back streams out of _held; the caller holds _lock."""
+        while True:
+            try:
+                self._held.discard(self._returned.get_nowait())
+            except queue.Empty:
+                return
 
 
 class CliqueHealth:
