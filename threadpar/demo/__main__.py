@@ -97,6 +97,7 @@ def launch_config(cfg: DemoConfig, backend: str, devices: str | None) -> LaunchC
         seed=cfg.seed,
         print_layout=True,
         threads_per_process=cfg.gpus if cfg.processes > 1 else None,
+        rank_cores=cfg.rank_cores,
     )
 
 

@@ -11,6 +11,7 @@ from threadpar.errors import ConfigError
 from threadpar.models.gpt import MODEL_SIZES
 from threadpar.parallel.context_parallel import padding_multiple
 from threadpar.pipeline.schedule import default_chunks_per_rank
+from threadpar.runtime.rank_cores import ALL, check_rank_cores
 from threadpar.topology import Layout
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zbh1", "zb_interleaved", "zbv")
@@ -58,6 +59,7 @@ class DemoConfig:
     sequence_parallel: bool = False
     zero: int = 0  # distributed optimizer: 0 off, 1 shards optimizer state, 2 also the reduced gradients
     compile: str | None = None  # a torch.compile backend for every transformer block; None: eager
+    rank_cores: int | str | None = None  # LaunchConfig.rank_cores: None (auto), "all" or a number of cores
     log_every: int = 1
     # The library's Layout of the sizes above (dp, tp, pp derived when not given), over all ranks.
     layout: Layout = field(init=False, repr=False)
@@ -78,6 +80,7 @@ class DemoConfig:
             )
         if self.compile is not None:
             self._check_compile_backend()
+        check_rank_cores(self.rank_cores)
         if self.model not in MODEL_SIZES:
             raise ConfigError(f"--model {self.model!r}: choose one of {', '.join(MODEL_SIZES)}")
         if self.microbatches is None:
@@ -251,7 +254,23 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
         metavar="BACKEND",
         help="torch.compile every transformer block (default backend inductor; aot_eager compiles fastest)",
     )
+    p.add_argument(
+        "--rank-cores",
+        type=_rank_cores,
+        metavar="N|all",
+        help="CPU cores each process's rank threads share (default: one on CPU, unpinned on GPUs; 'all' "
+        "for heavy CPU math); LaunchConfig.rank_cores",
+    )
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     args = p.parse_args(argv)
     names = {f.name for f in fields(DemoConfig)}
     return DemoConfig(processes=processes, **{k: v for k, v in vars(args).items() if k in names})
+
+
+def _rank_cores(text: str) -> int | str:
+    if text == ALL:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of cores or 'all'") from None

@@ -109,7 +109,8 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
     if run.skipped_steps:
         lines.append(f"fp16: {run.skipped_steps} step(s) skipped on overflow (agreed across all ranks)")
     per_rank = ", ".join(f"r{r} {format_bytes(p['saved_activations_bytes'])}" for r, p in peaks.items())
-    lines.append(f"peak saved activations per rank: {per_rank}")
+    when = "" if cfg.moe_experts else " (first step; every step is alike)"
+    lines.append(f"peak saved activations per rank{when}: {per_rank}")
     state = run.optimizer_state_bytes
     sharded = f"ZeRO-{cfg.zero}, sharded over DP" if cfg.zero else "AdamW, not sharded"
     lines.append(

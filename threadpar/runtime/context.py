@@ -16,6 +16,7 @@ from threadpar.comm import rank_groups
 from threadpar.comm.common.worker import CommWorker
 from threadpar.errors import NotInRankError
 from threadpar.runtime.param_table import ParamTable
+from threadpar.runtime.rank_cores import pin_calling_thread
 from threadpar.runtime.rng import derive_seed, make_generator
 from threadpar.runtime.rng_tracker import RNGTracker
 from threadpar.runtime.world import World
@@ -42,9 +43,10 @@ class RankContext:
         self.params: ParamTable[Any] = ParamTable()
 
     def enter(self) -> None:
-        """Make this the calling thread's context (rank thread or its comm worker); set its thread count."""
+        """Make this the calling thread's context (rank thread or its comm worker); set its cores and thread count."""
         _local.ctx = self
         rank_groups.bind(self.groups)
+        pin_calling_thread(self.world.rank_cpus)
         torch.set_num_threads(self.world.intraop_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

@@ -34,6 +34,7 @@ from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.peer_processes import Processes
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
+from threadpar.runtime.rank_cores import allowed_cpus, choose_rank_cpus, current_cpu
 from threadpar.runtime.signals import Signalled, sigterm_raises
 from threadpar.runtime.torch_world import LaunchTorchWorld
 from threadpar.runtime.world import World
@@ -296,10 +297,24 @@ def _threads_per_process(config: LaunchConfig, env: ProcessEnv) -> int | None:
     return threads
 
 
-def _intraop(config: LaunchConfig, ranks_on_node: int, on_cpu: bool) -> int:
-    if config.intraop_threads is None:
-        return default_intraop_threads(ranks_on_node, on_cpu)
-    return config.intraop_threads
+def _rank_cores(
+    config: LaunchConfig, on_cpu: bool, threads: int, local_index: int = 0, local_count: int = 1
+) -> tuple[frozenset[int] | None, int]:
+    """(the cores this process's rank threads run on, None: unpinned; the torch threads per rank)."""
+    cpus = choose_rank_cpus(
+        config.rank_cores,
+        on_cpu=on_cpu,
+        threads=threads,
+        local_index=local_index,
+        local_count=local_count,
+        allowed=allowed_cpus(),
+        current=current_cpu(),
+    )
+    if config.intraop_threads is not None:
+        return cpus, config.intraop_threads
+    if cpus is not None:  # the ranks share these cores: divide them, as the node's cores below
+        return cpus, max(1, len(cpus) // threads)
+    return cpus, default_intraop_threads(threads * local_count, on_cpu)
 
 
 def launch_in_process(
@@ -327,14 +342,16 @@ def _one_process_world(config: LaunchConfig, threads: int | None) -> World:
     on_cpu = placement.devices[0].type == "cpu"
     if placement.note:
         say_once(placement.note)
+    rank_cpus, intraop_threads = _rank_cores(config, on_cpu, placement.world_size)
     return World(
         layout=layout,
         backend=placement.backend,
         devices=placement.devices,
         timeout=config.timeout,
         seed=config.seed,
-        intraop_threads=_intraop(config, placement.world_size, on_cpu),
+        intraop_threads=intraop_threads,
         torch_distributed=config.torch_distributed,
+        rank_cpus=rank_cpus,
     )
 
 
@@ -351,13 +368,9 @@ def _multi_process_world(env: ProcessEnv, config: LaunchConfig, threads: int) ->
         say_once(f"{env.count} processes x {threads} rank threads on CPU = {layout.world_size} ranks")
     if check_collectives_requested():
         config = dataclasses.replace(config, check_collectives=True)
+    rank_cpus, intraop_threads = _rank_cores(config, on_cpu, threads, env.local_rank, env.local_count)
     return process_world(
-        env,
-        config,
-        layout,
-        placement.backend,
-        placement.devices,
-        _intraop(config, threads * env.local_count, on_cpu),
+        env, config, layout, placement.backend, placement.devices, intraop_threads, rank_cpus=rank_cpus
     )
 
 
@@ -379,6 +392,7 @@ def process_world(
     intraop_threads: int,
     *,
     cuda: Any = None,
+    rank_cpus: frozenset[int] | None = None,
 ) -> World:
     """Meet the other processes and build this process's World of `config.threads_per_process` rank
     threads; `backend` and `devices` (this process's, one per thread) are where `config` placed them.
@@ -408,6 +422,7 @@ def process_world(
         processes=processes,
         check_collectives=config.check_collectives,
         torch_distributed=config.torch_distributed,
+        rank_cpus=rank_cpus,
     )
     processes.attach(world.abort, lambda rank: world.devices[rank])
     return world

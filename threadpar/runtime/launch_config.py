@@ -12,6 +12,7 @@ import torch
 
 from threadpar.errors import ConfigError
 from threadpar.runtime.devices import BACKENDS
+from threadpar.runtime.rank_cores import RankCores, check_rank_cores
 from threadpar.topology import Axis, Layout, parse_order
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -64,7 +65,11 @@ class LaunchConfig:
     timeout: seconds any collective or receive may wait before it fails, naming who did not arrive.
     seed: base seed of the per-rank generators (threadpar.get_generator()).
     order: axis order, outermost first (default "PP-DP-CP-TP": TP ranks adjacent).
-    intraop_threads: torch threads per rank (default: the cores divided among the ranks on CPU).
+    intraop_threads: torch threads per rank (default: the rank threads' cores divided among them on CPU).
+    rank_cores: the CPU cores this process's rank threads share (threadpar.runtime.rank_cores): None (the
+        default) packs CPU ranks onto one core when a process runs two or more (they share one GIL;
+        spread over cores, each GIL hand-off becomes a cross-core wake-up) and leaves GPU ranks unpinned;
+        "all" leaves them unpinned (CPU ranks doing heavy math); an int k gives them k cores.
     print_layout: print every rank's coordinates and groups before starting.
     threads_per_process: rank threads in each process of a job started by torchrun (or any launcher
         that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); world size = processes x this, and this
@@ -90,6 +95,7 @@ class LaunchConfig:
     seed: int = 0
     order: str | Iterable[Axis | str] | None = None
     intraop_threads: int | None = None
+    rank_cores: RankCores = None
     print_layout: bool = False
     threads_per_process: int | None = None
     check_collectives: bool = False
@@ -117,6 +123,7 @@ class LaunchConfig:
         if self.order is not None:
             parse_order(self.order)  # raises ConfigError naming the unknown or repeated axis
         _positive("intraop_threads", self.intraop_threads, "the cores divided among the ranks", True)
+        check_rank_cores(self.rank_cores)
         if not isinstance(self.print_layout, bool):
             raise ConfigError(f"print_layout must be True or False, got {self.print_layout!r}")
         _positive("threads_per_process", self.threads_per_process, "one process", True)

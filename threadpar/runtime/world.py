@@ -35,6 +35,7 @@ class World:
         processes: Any = None,
         check_collectives: bool = False,
         torch_distributed: bool = True,
+        rank_cpus: frozenset[int] | None = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -47,6 +48,9 @@ class World:
         self.timeout = float(timeout)
         self.seed = seed
         self.intraop_threads = intraop_threads
+        # The cores this process's rank threads (and their comm workers) run on; None: not pinned
+        # (threadpar.runtime.rank_cores, LaunchConfig.rank_cores).
+        self.rank_cpus = rank_cpus
         # The CUDA primitives the backends call (threadpar.comm.nccl.cuda_api); None: torch.cuda. Tests pass a
         # double that is also the NCCL runtime, whose devices then stand in for GPUs.
         self.cuda = cuda
