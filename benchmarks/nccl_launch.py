@@ -14,6 +14,9 @@ Side by side in one run, on 4-byte all-reduces: n plain Python threads meeting a
 0.8x of it), the nccl path (each rank waits for each collective, and
 10 asynchronous ones issued and then waited), the threads backend (its whole cost on CPU), and
 torch.distributed over gloo with one process per rank (the anchor of benchmarks/collectives.py).
+The Barrier and threadpar's paths run twice: unpinned, and with all their threads on one core
+(`LaunchConfig.rank_cores=1`, the default for CPU ranks); the ratios compare the nccl path with the
+unpinned Barrier (the issue's anchor) and with a Barrier whose threads share the same one core.
 Wall times on a shared machine are noisy, so the CPU time per collective is reported too: the process's
 CPU time for threadpar (all rank threads), and n times one rank's process for gloo.
 """
@@ -32,6 +35,7 @@ import threadpar
 from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
 from tests.fakes.fake_cuda_nccl import run_fake_gpus
 from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceInits
+from threadpar.runtime.rank_cores import allowed_cpus, choose_rank_cpus, pin_calling_thread
 
 ASYNC_BATCH = 10
 
@@ -134,13 +138,15 @@ def measure(api, iters: int, repeats: int, barrier) -> list[float]:
     return [waited, batched / ASYNC_BATCH, cpu]
 
 
-def barrier_meeting(n: int, iters: int, repeats: int) -> float:
+def barrier_meeting(n: int, iters: int, repeats: int, cpus: frozenset[int] | None = None) -> float:
     """Seconds per meeting of n plain Python threads at a threading.Barrier: the floor of any design in
-    which every member of a collective waits for the others on the host (the issue's anchor)."""
+    which every member of a collective waits for the others on the host (the issue's anchor). `cpus`: the
+    cores the threads run on (None: where the OS puts them)."""
     barrier = threading.Barrier(n)
     times: list[float] = []
 
     def member(i: int) -> None:
+        pin_calling_thread(cpus)
         for _ in range(3):
             barrier.wait()
         t = median_time(barrier.wait, iters=iters, repeats=repeats, sync=barrier.wait)
@@ -177,39 +183,58 @@ def main() -> None:
         f"# host time per 4-byte all-reduce ({machine_line()}); median of {repeats} repeats of {iters}; "
         f"Barrier and nccl path: median of {args.rounds} alternating rounds (ratio: the rounds' median)\n"
     )
+    one_core = choose_rank_cpus(
+        1, on_cpu=True, threads=2, local_index=0, local_count=1, allowed=allowed_cpus()
+    )
+    placements = {"unpinned": (None, "all"), "one core": (one_core, 1)}
     rows = []
     for n in args.ranks:
         work = lambda: measure(threadpar, iters, repeats, threadpar.barrier)  # noqa: E731
-        # The Barrier and the nccl path alternate, round after round: the ratio is the median of the rounds'.
-        meetings, paths = [], []
+        # The Barrier and the nccl path alternate, round after round, in both placements: each ratio is
+        # the median of the rounds' ratios. The issue's anchor is the unpinned Barrier.
+        meetings: dict[str, list[float]] = {p: [] for p in placements}
+        paths: dict[str, list[list[float]]] = {p: [] for p in placements}
         for _ in range(args.rounds):
-            meetings.append(barrier_meeting(n, iters, repeats))
-            paths.append(run_fake_gpus(work, n, NullCuda(), timeout=60.0)[0])
-        meeting = statistics.median(meetings)
-        nccl_path = [statistics.median(p[i] for p in paths) for i in range(3)]
-        waited_ratio = statistics.median(p[0] / m for p, m in zip(paths, meetings))
-        async_ratio = statistics.median(p[1] / m for p, m in zip(paths, meetings))
-        threads = threadpar.launch(work, world_size=n, devices="cpu", backend="threads")[0]
+            for name, (cpus, _) in placements.items():
+                meetings[name].append(barrier_meeting(n, iters, repeats, cpus))
+                paths[name].append(run_fake_gpus(work, n, NullCuda(), timeout=60.0, rank_cpus=cpus)[0])
         gloo = [float("nan")] * 3 if args.no_gloo else run_gloo(gloo_worker, n, iters, repeats)
         gloo_cpu = gloo[2] * n  # one process per rank
-        rows.append(
-            [
-                n,
-                fmt_time(meeting),
-                *(fmt_time(t) for t in (nccl_path[0], nccl_path[1])),
-                f"{waited_ratio:.2f}x / {async_ratio:.2f}x",
-                *(fmt_time(t) for t in (threads[0], threads[1], gloo[0])),
-                f"{gloo[0] / nccl_path[0]:.1f}x",
-                *(fmt_time(t) for t in (nccl_path[2], threads[2], gloo_cpu)),
-                f"{gloo_cpu / nccl_path[2]:.1f}x",
-            ]
-        )
+        for name, (_, rank_cores) in placements.items():
+            nccl_path = [statistics.median(p[i] for p in paths[name]) for i in range(3)]
+
+            def ratios(anchor: list[float], runs: list[list[float]] = paths[name]) -> str:
+                waited = statistics.median(p[0] / m for p, m in zip(runs, anchor))
+                issued = statistics.median(p[1] / m for p, m in zip(runs, anchor))
+                return f"{waited:.2f}x / {issued:.2f}x"
+
+            threads = threadpar.launch(
+                work, world_size=n, devices="cpu", backend="threads", rank_cores=rank_cores
+            )[0]
+            rows.append(
+                [
+                    n,
+                    name,
+                    fmt_time(statistics.median(meetings["unpinned"])),
+                    fmt_time(statistics.median(meetings[name])),
+                    *(fmt_time(t) for t in (nccl_path[0], nccl_path[1])),
+                    ratios(meetings["unpinned"]),
+                    ratios(meetings[name]),
+                    *(fmt_time(t) for t in (threads[0], threads[1], gloo[0])),
+                    f"{gloo[0] / nccl_path[0]:.1f}x",
+                    *(fmt_time(t) for t in (nccl_path[2], threads[2], gloo_cpu)),
+                    f"{gloo_cpu / nccl_path[2]:.1f}x",
+                ]
+            )
     headers = [
         "ranks",
-        "threading.Barrier",
+        "rank threads on",
+        "Barrier, unpinned",
+        "Barrier, same cores",
         "nccl path, waited",
         f"nccl path, async x{ASYNC_BATCH}",
-        "nccl path / Barrier (waited / async)",
+        "nccl path / unpinned Barrier (waited / async)",
+        "nccl path / Barrier on the same cores",
         "threads, waited",
         f"threads, async x{ASYNC_BATCH}",
         "gloo, waited",

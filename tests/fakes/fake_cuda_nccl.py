@@ -404,9 +404,17 @@ class FakeCuda:
 
 
 def run_fake_gpus(
-    fn, world_size: int, fake: FakeCuda, *, backend: str = "nccl", timeout: float = 5.0, **layout
+    fn,
+    world_size: int,
+    fake: FakeCuda,
+    *,
+    backend: str = "nccl",
+    timeout: float = 5.0,
+    rank_cpus: frozenset[int] | None = None,
+    **layout,
 ):
-    """Run `fn` on `world_size` rank threads whose GPUs are `fake` (CPU tensors); re-raise a rank's own error."""
+    """Run `fn` on `world_size` rank threads whose GPUs are `fake` (CPU tensors); re-raise a rank's own error.
+    `rank_cpus`: the cores the rank threads run on (World.rank_cpus; None: unpinned, as GPU ranks are)."""
     world = World(
         layout=Layout.build(world_size, **layout),
         backend=backend,
@@ -415,6 +423,7 @@ def run_fake_gpus(
         seed=0,
         intraop_threads=1,
         cuda=fake,
+        rank_cpus=rank_cpus,
     )
     try:
         with device_threads() if fake.autograd_thread else contextlib.nullcontext():
