@@ -6,10 +6,10 @@ waiting for the GIL on another core wakes up at each release, takes the GIL, and
 finished must sleep until it comes back: a futex wake and a context switch per op (a "convoy", the
 multi-core GIL effect David Beazley measured in 2010). Packed onto one core, the waiters cannot run
 while the holder's op runs, so the holder takes the GIL back at once and hand-offs happen only at the
-interpreter's switch interval. Measured on this project's 2-core machine (`python -m benchmarks.rank_cores`):
-8 rank threads doing 64-element ops ran 3x faster on one core than on two, the demo's tiny GPT 1.6-1.8x,
-a collective's host cost halved; but a model whose ops are long (GPT 'medium' on CPU) ran 0.65x, since
-its math, which runs without the GIL, then has one core instead of two.
+interpreter's switch interval. Measured on this project's 2-core machine: 8 threads doing 64-element ops
+ran 2.9x faster on one core than on two, the demo's tiny GPT 1.17x (`python -m benchmarks.rank_cores`), a
+collective's host cost about halved (`benchmarks.nccl_launch`); but a model whose ops are long (GPT
+'medium' on CPU) ran 0.64x, since its math, which runs without the GIL, then has one core instead of two.
 
 The setting:
 - None ("auto", the default): on CPU, a process that runs two or more rank threads packs them onto one
