@@ -61,6 +61,7 @@ from threadpar.errors import (
     ThreadparError,
 )
 from threadpar.runtime import (
+    GcSchedule,
     LaunchConfig,
     device_mesh,
     get_coords,
@@ -87,6 +88,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "Coords",
+    "GcSchedule",
     "LaunchConfig",
     "Layout",
     "P2POp",
