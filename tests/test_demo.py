@@ -1,6 +1,5 @@
 """`python -m threadpar.demo`: flags, outputs, the --check comparison, fp16 loss scaling, the default run."""
 
-import gc
 import json
 import resource
 import subprocess
@@ -50,7 +49,6 @@ def test_default_layout_uses_all_three_axes_when_it_can():
         (dict(gpus=8, dp=1, tp=8, moe_experts=4, ep=2), "--ep 2 must divide dp=1"),
         (dict(gpus=8, moe_experts=3, ep=2), "--moe-experts 3 does not split over --ep 2"),
         (dict(gpus=8, moe_experts=2, moe_top_k=3), "--moe-top-k 3"),
-        (dict(gpus=2, gc_every=-1), "--gc-every -1: steps between collections, or 0"),
     ],
 )
 def test_bad_flags_are_explained(kwargs, message):
@@ -188,16 +186,6 @@ def test_demo_with_context_parallelism_and_moe_over_ep_matches_the_single_thread
     assert metrics["layout"] == {"dp": 2, "cp": 2, "tp": 1, "pp": 1, "ep": 2}
     assert metrics["moe"] == {"experts": 4, "top_k": 2, "ep": 2}
     assert all(0 < aux < 0.1 for aux in metrics["aux_losses"])  # the aux loss is part of the loss
-
-
-def test_scheduled_garbage_collection_runs_between_steps_and_changes_no_number():
-    common = dict(gpus=4, steps=4, model="tiny", out=None)
-    scheduled = run_demo(DemoConfig(gc_every=2, **common))
-    automatic = run_demo(DemoConfig(gc_every=0, **common))
-    assert scheduled.gc_schedule is not None and scheduled.gc_schedule.collections == 2  # after steps 1 and 3
-    assert automatic.gc_schedule is None
-    assert gc.isenabled()
-    torch.testing.assert_close(torch.tensor(scheduled.losses), torch.tensor(automatic.losses), rtol=0, atol=0)
 
 
 def test_bad_flags_exit_with_a_message(capsys):

@@ -61,7 +61,6 @@ from threadpar.errors import (
     ThreadparError,
 )
 from threadpar.runtime import (
-    GcSchedule,
     LaunchConfig,
     device_mesh,
     get_coords,
@@ -88,7 +87,6 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "Coords",
-    "GcSchedule",
     "LaunchConfig",
     "Layout",
     "P2POp",

@@ -10,7 +10,6 @@ threads, the layout spans all processes, and process 0 alone prints and writes (
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -33,7 +32,6 @@ from threadpar.demo.train import RunState, train_rank
 from threadpar.errors import ConfigError
 from threadpar.models.gpt import GPT, model_config
 from threadpar.runtime.devices import cuda_device_count, resolve_placement
-from threadpar.runtime.gc_schedule import GcSchedule
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv, default_local_devices
 
@@ -177,10 +175,9 @@ def _train_and_report(
         # Loaded before the launch, so that it raises dynamo's recompile limits for the rank threads, which
         # compile the blocks (threadpar.runtime.compiling).
         import torch._dynamo  # noqa: F401
-    with GcSchedule(cfg.gc_every) if cfg.gc_every else contextlib.nullcontext() as run.gc_schedule:
-        start = time.perf_counter()
-        threadpar.launch(train_rank, run, config=launch_config(cfg, backend, devices))
-        wall = time.perf_counter() - start
+    start = time.perf_counter()
+    threadpar.launch(train_rank, run, config=launch_config(cfg, backend, devices))
+    wall = time.perf_counter() - start
     if cfg.processes > 1:
         process_exchange.gather_to_process_zero(run)
         if not main_process:

@@ -60,7 +60,6 @@ class DemoConfig:
     zero: int = 0  # distributed optimizer: 0 off, 1 shards optimizer state, 2 also the reduced gradients
     compile: str | None = None  # a torch.compile backend for every transformer block; None: eager
     rank_cores: int | str | None = None  # LaunchConfig.rank_cores: None (auto), "all" or a number of cores
-    gc_every: int = 50  # Python's cyclic GC every N steps (threadpar.GcSchedule); 0: its automatic collector
     log_every: int = 1
     # The library's Layout of the sizes above (dp, tp, pp derived when not given), over all ranks.
     layout: Layout = field(init=False, repr=False)
@@ -82,8 +81,6 @@ class DemoConfig:
         if self.compile is not None:
             self._check_compile_backend()
         check_rank_cores(self.rank_cores)
-        if self.gc_every < 0:
-            raise ConfigError(f"--gc-every {self.gc_every}: steps between collections, or 0 for Python's own")
         if self.model not in MODEL_SIZES:
             raise ConfigError(f"--model {self.model!r}: choose one of {', '.join(MODEL_SIZES)}")
         if self.microbatches is None:
@@ -263,14 +260,6 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
         metavar="N|all",
         help="CPU cores each process's rank threads share (default: one on CPU, unpinned on GPUs; 'all' "
         "for heavy CPU math); LaunchConfig.rank_cores",
-    )
-    p.add_argument(
-        "--gc-every",
-        type=int,
-        default=defaults.gc_every,
-        metavar="N",
-        help="run Python's garbage collector every N steps, not whenever allocations trigger it (an automatic "
-        "collection stops every rank thread mid-step); 0: Python's automatic collector. threadpar.GcSchedule",
     )
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     args = p.parse_args(argv)

@@ -29,7 +29,6 @@ from threadpar.parallel import LossScaler, clip_grad_norm_, grad_placements, tot
 from threadpar.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from threadpar.pipeline import Timeline
 from threadpar.runtime.context import get_coords, get_device, get_layout
-from threadpar.runtime.gc_schedule import GcSchedule
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,7 +90,6 @@ class RunState:
     model_parts: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     optimizer_parts: dict[int, dict[str, dict]] = field(default_factory=dict)
     final_scaler_state: dict | None = None
-    gc_schedule: GcSchedule | None = None  # set around the launch when --gc-every > 0
     skipped_steps: int = 0
 
     @property
@@ -149,8 +147,6 @@ def train_rank(run: RunState) -> None:
             run.step_seconds.append(seconds)
             if bar is not None and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
                 bar.update(step + 1, run.losses[-1], run.tokens_per_step / seconds)
-        if run.gc_schedule is not None:
-            run.gc_schedule.step(step)  # outside the timed step, as torchtitan's gc_freq
     if bar is not None:
         bar.close()
 

@@ -13,7 +13,6 @@ from threadpar.runtime.context import (
     in_rank,
     is_main_rank,
 )
-from threadpar.runtime.gc_schedule import GcSchedule
 from threadpar.runtime.launch import launch
 from threadpar.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from threadpar.runtime.printing import print0, rank_print
@@ -22,7 +21,6 @@ from threadpar.runtime.torch_world import device_mesh
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "GcSchedule",
     "LaunchConfig",
     "ProcessEnv",
     "RankContext",
