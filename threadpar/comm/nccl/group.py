@@ -36,6 +36,7 @@ from threadpar.comm.common.mailbox import Mailboxes
 from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view
+from threadpar.comm.common.work import LazyText
 from threadpar.comm.nccl.copies import NcclCopyCollectives
 from threadpar.comm.nccl.reduction import (
     NCCL_OPS,
@@ -47,7 +48,7 @@ from threadpar.comm.nccl.reduction import (
     wire,
 )
 from threadpar.comm.nccl.resources import CliqueHealth
-from threadpar.comm.nccl.work import Described, NcclWork
+from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import ConfigError, NcclError
 
 # The NCCL rank torch.cuda.nccl.broadcast broadcasts from, whatever `root` it is given: torch 2.13's
@@ -216,7 +217,7 @@ class NcclGroup(NcclCopyCollectives):
     def _work(self, member: int, seq: int, call: Call, **state: Any) -> NcclWork:
         """The Work of `member`'s call; `state`: what it waits for (arrival, done event, communicator)."""
         return NcclWork(
-            Described(call, seq, self.name, self.ranks[member]),
+            LazyText("{} #{} on group '{}' (rank {})", call, seq, self.name, self.ranks[member]),
             runtime=self._runtime,
             device=self.devices[member],
             abort=self._abort,

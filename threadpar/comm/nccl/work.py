@@ -21,7 +21,7 @@ import torch
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.cuda_seam import NcclRuntime
 from threadpar.comm.common.rendezvous import Arrival
-from threadpar.comm.common.work import Work
+from threadpar.comm.common.work import LazyText, Work
 from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.errors import CollectiveTimeoutError, NcclError
 
@@ -46,24 +46,12 @@ class _Flag:
         self._value = True
 
 
-class Described:
-    """A Work's description, formatted only if it is shown (an error, a repr): not on the hot path."""
-
-    __slots__ = ("_call", "_group", "_rank", "_seq")
-
-    def __init__(self, call: Any, seq: int, group: str, rank: int) -> None:
-        self._call, self._seq, self._group, self._rank = call, seq, group, rank
-
-    def __str__(self) -> str:
-        return f"{self._call} #{self._seq} on group '{self._group}' (rank {self._rank})"
-
-
 class NcclWork(Work):
     __slots__ = ("_arrival", "_comm", "_device", "_done_event", "_health", "_runtime", "_timeout")
 
     def __init__(
         self,
-        description: str | Described,
+        description: str | LazyText,
         *,
         runtime: NcclRuntime,
         device: torch.device,
