@@ -101,3 +101,45 @@ def test_recv_errors_are_clear():
                 threadpar.get_group().recv(torch.empty(1), src=0, tag=1, timeout=0.2)
 
     run_ranks(body, 2)
+
+
+def test_receives_match_messages_in_posting_order_as_in_torch():
+    """torch.distributed (c10d, NCCL) gives a peer's messages to receives in the order they were posted,
+    whichever is waited on first; so does threadpar (waited in reverse, probed, mixed with a blocking recv)."""
+
+    def body():
+        rank = threadpar.get_rank()
+        if rank == 1:
+            for value in range(1, 7):
+                threadpar.send(torch.tensor([float(value)]), dst=0)
+            threadpar.barrier()  # every message is in rank 0's mailbox before it looks
+            return None
+        threadpar.barrier()
+        a, b, c, d, e, f = (torch.zeros(1) for _ in range(6))
+        first, second = threadpar.irecv(a, src=1), threadpar.irecv(b, src=1)
+        second.wait()  # waited first, posted second: the second message
+        first.wait()
+        third, fourth = threadpar.irecv(c, src=1), threadpar.irecv(d, src=None)  # any source comes after
+        probed = fourth.is_completed()  # the message is there: completes the earlier receive first
+        fifth = threadpar.irecv(e, src=1)
+        threadpar.recv(f, src=1)  # blocking, posted last: the sixth
+        fifth.wait()
+        return probed, third.is_completed(), [t.item() for t in (a, b, c, d, e, f)]
+
+    assert run_ranks(body, 2)[0] == (True, True, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+
+
+def test_a_failed_earlier_receive_keeps_its_error_and_the_later_one_gets_its_message():
+    def body():
+        if threadpar.get_rank() == 1:
+            threadpar.send(torch.zeros(3), dst=0)
+            threadpar.send(torch.ones(2), dst=0)
+            return None
+        wrong, right = torch.empty(5), torch.empty(2)
+        earlier, later = threadpar.irecv(wrong, src=1), threadpar.irecv(right, src=1)
+        later.wait()  # completes `earlier` first: its shape mismatch stays with it
+        with pytest.raises(threadpar.ConfigError, match=r"message from rank 1 is float32\[3\]"):
+            earlier.wait()
+        return right
+
+    torch.testing.assert_close(run_ranks(body, 2)[0], torch.ones(2))

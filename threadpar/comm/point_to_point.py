@@ -1,15 +1,40 @@
-"""Point-to-point messages on a group: buffered sends, receives into a tensor or as a new tensor."""
+"""Point-to-point messages on a group: buffered sends, receives into a tensor or as a new tensor.
+
+Receives match a peer's messages in the order they were *posted*, as in torch.distributed (c10d and NCCL):
+two irecvs from one peer with one tag get its first and second message, whichever is waited on first. A
+receive takes its message from the mailbox when it completes, so before it does, the receives posted
+earlier that could take the same message (same tag; the same source, or either from any source) complete.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from threadpar.comm.common.work import CompletedWork, LazyText, LazyWork, Work
-from threadpar.comm.handle import GroupHandle, spec
+from threadpar.comm.common.worker import CommWorker
+from threadpar.comm.handle import GroupHandle, GroupState, spec
 from threadpar.errors import ConfigError
 
 
 class PointToPoint(GroupHandle):
+    def __init__(self, state: GroupState, global_rank: int, worker: CommWorker | None, abort=None) -> None:
+        super().__init__(state, global_rank, worker, abort)
+        # irecvs posted and maybe not complete, in posting order: (source member or None: any, tag, Work).
+        # Posted on the rank thread, completed by whichever thread waits (a backward's engine thread too).
+        self._receives: list[tuple[int | None, int, LazyWork]] = []
+        self._receives_lock = threading.Lock()
+
+    def _posted_before(self, src_m: int | None, tag: int) -> list[LazyWork]:
+        """The pending receives, in posting order, that could take the message a receive from `src_m`
+        with `tag` matches (forgetting the completed ones)."""
+        with self._receives_lock:
+            self._receives = [r for r in self._receives if not r[2]._done.is_set()]
+            return [
+                w for s, t, w in self._receives if t == tag and (s is None or src_m is None or s == src_m)
+            ]
+
     def _p2p_check(self, op: str, tensor: torch.Tensor, peer: int, what: str, tag: int) -> int:
         self._check_member(op)
         self._check_tensor(op, "tensor", tensor)
@@ -42,6 +67,8 @@ class PointToPoint(GroupHandle):
         src_m = None if src is None else self._p2p_check("recv", tensor, src, "src", tag)
         if src is None:
             self._check_member("recv")
+        for earlier in self._posted_before(src_m, tag):
+            earlier.wait_done(timeout)
         got, message = self._backend.recv_message(self._member, src_m, tag, timeout)
         self._fill(tensor, message, got)
         return self.ranks[got]
@@ -49,22 +76,35 @@ class PointToPoint(GroupHandle):
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         """Returns a Work; `tensor` holds the message once `wait()` returns (or `is_completed()` says True)."""
         src_m = None if src is None else self._p2p_check("irecv", tensor, src, "src", tag)
+        if src is None:
+            self._check_member("irecv")
+        before = self._posted_before(src_m, tag)
 
         def complete(timeout: float | None) -> int:
+            for earlier in before:
+                earlier.wait_done(timeout)
             got, message = self._backend.recv_message(self._member, src_m, tag, timeout)
             self._fill(tensor, message, got)
             return self.ranks[got]
 
-        return LazyWork(
-            LazyText("irecv from rank {} (tag {}, group '{}')", src, tag, self.name),
-            complete,
-            lambda: self._backend.has_message(self._member, src_m, tag),
+        def arrived() -> bool:
+            return all(w.is_completed() for w in before) and self._backend.has_message(
+                self._member, src_m, tag
+            )
+
+        work = LazyWork(
+            LazyText("irecv from rank {} (tag {}, group '{}')", src, tag, self.name), complete, arrived
         )
+        with self._receives_lock:
+            self._receives.append((src_m, tag, work))
+        return work
 
     def recv_tensor(self, src: int, tag: int = 0, timeout: float | None = None) -> torch.Tensor:
         """Receive a message as a new tensor: its shape and dtype travel with it (no preallocation)."""
         self._check_member("recv_tensor")
         src_m = self._to_member(src, "src")
+        for earlier in self._posted_before(src_m, tag):
+            earlier.wait_done(timeout)
         return self._backend.recv_message(self._member, src_m, tag, timeout)[1]
 
     def _fill(self, tensor: torch.Tensor, message: torch.Tensor, src_m: int) -> None:

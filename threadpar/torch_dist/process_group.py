@@ -68,11 +68,6 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         self._stream_ordered = handle.stream_ordered
         self._group_name = ""
         self._group_desc = ""
-        # Receives posted and not yet known complete, in posting order, with their (source, tag). c10d, as
-        # NCCL, matches a peer's messages to receives in the order they were posted; threadpar's receive
-        # takes its message when it is waited on, so a receive first completes the earlier ones that could
-        # take the same message (only this rank's thread posts and waits on them).
-        self._receives: list[tuple[int | None, int, Work]] = []
 
     # identity ---------------------------------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -313,23 +308,15 @@ class ThreadparProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> C10dWork:
         (tensor,) = tensors
-        after = self._posted_before(src, tag)
+        # threadpar's irecv matches messages in posting order, as c10d does.
         work = self._handle.irecv(tensor, self._global(src), tag)
-        self._receives.append((src, tag, work))
-        return self._work([work], tensors, source=lambda: src, after=after)
+        return self._work([work], tensors, source=lambda: src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> C10dWork:
         (tensor,) = tensors
-        after = self._posted_before(None, tag)
         work = self._handle.irecv(tensor, None, tag)
-        self._receives.append((None, tag, work))
         group = self._handle
-        return self._work([work], tensors, source=lambda: group.group_rank(work.result()), after=after)
-
-    def _posted_before(self, src: int | None, tag: int) -> list[Work]:
-        """The pending receives that could take the message a new receive from `src` with `tag` matches."""
-        self._receives = [r for r in self._receives if not r[2]._done.is_set()]
-        return [w for s, t, w in self._receives if t == tag and (s is None or src is None or s == src)]
+        return self._work([work], tensors, source=lambda: group.group_rank(work.result()))
 
     # what threadpar does not do ---------------------------------------------------------------------------------
     def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:

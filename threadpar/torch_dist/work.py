@@ -29,11 +29,9 @@ class C10dWork(dist.Work):
         stream_ordered: bool,
         then: Callable[[], None] | None = None,
         source: Callable[[], int] | None = None,
-        after: Sequence[Work] = (),
         same_future: bool = False,
     ) -> None:
         super().__init__()
-        self._after = list(after)  # ops that must complete first (the receives posted before this one)
         self._works = list(works)  # every threadpar op this c10d op issued (several for a coalesced one)
         self._outputs = outputs  # c10d's result (get_future().value()); also keeps the tensors alive
         self._stream_ordered = stream_ordered
@@ -42,7 +40,7 @@ class C10dWork(dist.Work):
         self._waited = False
         # The one threadpar Work's own future already has c10d's value (an all-reduce's tensors): hand it
         # out as it is, without a Python callback on completion (DDP asks for one per bucket).
-        self._same_future = same_future and len(self._works) == 1 and not self._after
+        self._same_future = same_future and len(self._works) == 1
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """A timeout (c10d passes timedelta(0) for none) makes the host wait at most that long for the op
@@ -50,8 +48,6 @@ class C10dWork(dist.Work):
         seconds = timeout.total_seconds() if timeout else 0.0
         limit = seconds if seconds > 0 else None
         if not self._waited:
-            for work in self._after:
-                work.wait(limit)
             for work in self._works:
                 work.wait(limit)
             if self._then is not None:
@@ -60,10 +56,7 @@ class C10dWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        # In order: an earlier receive takes its message before this one may look at the mailbox.
-        return self._waited or (
-            all(w.is_completed() for w in self._after) and all(w.is_completed() for w in self._works)
-        )
+        return self._waited or all(w.is_completed() for w in self._works)
 
     def is_success(self) -> bool:
         return self.is_completed() and self.exception() is None

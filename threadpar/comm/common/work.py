@@ -138,10 +138,11 @@ class LazyWork(Work):
 
     def is_completed(self) -> bool:
         if not self._done.is_set() and self._probe():
-            self.wait()  # the message is there: complete now so the tensor is valid once this says True
+            self.wait_done()  # the message is there: complete now so the tensor is valid once this says True
         return self._done.is_set()
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait_done(self, timeout: float | None = None) -> None:
+        """Perform the completion (once; the op's error is kept for `wait()`, a timeout is raised)."""
         with self._lock:
             if not self._done.is_set():
                 try:
@@ -150,4 +151,3 @@ class LazyWork(Work):
                     raise  # not done yet: a later wait() may still succeed
                 except BaseException as error:
                     self._finish(error=error)
-        return super().wait()
