@@ -4,7 +4,7 @@ gradient sits in the whole model's gradient, and the bucket that reduces it.
 DistributedDataParallel records every parameter it wraps (`DistributedDataParallel.param_records`, and the
 rank's table: `RankContext.params`); `mark_grad_placements` records placements for a model no DDP wraps.
 ZeRO reads the owner records (which group to shard a parameter over, which reducer's buckets to take
-over), clipping the placements; both look them up through the rank's context, never through an attribute
+over) and, at stage 2, records itself as the holder of the gradients it keeps; clipping reads the placements; both look them up through the rank's context, never through an attribute
 of the Parameter or a module global (DESIGN.md rule 1). As Megatron hands DDP's buffers to its
 distributed optimizer, the records are explicit objects a caller may also pass around.
 """
@@ -106,12 +106,25 @@ class SequenceParallelMark:
     over TP (threadpar.parallel.tensor_parallel.sequence_parallel)."""
 
 
-def param_table() -> ParamTable[ParamRecord | SequenceParallelMark]:
+@dataclass(frozen=True)
+class GradHolder:
+    """The parameter's gradient is kept by `holder` (a ZeRO-2 shard), not in `param.grad`
+    (threadpar.parallel.grad_holder says why that matters)."""
+
+    holder: weakref.ReferenceType  # weak: once the holder is gone the parameter is an ordinary one again
+    description: str  # e.g. "ZeroRedundancyOptimizer(stage=2)"
+    instead: str  # what to call instead, for each function that reads param.grad (a sentence)
+
+
+Record = ParamRecord | SequenceParallelMark | GradHolder
+
+
+def param_table() -> ParamTable[Record]:
     """This rank's table of parameter records (its RankContext's)."""
     return current().params
 
 
-def records_of(params: Sequence[torch.Tensor]) -> list[tuple[ParamRecord | SequenceParallelMark, ...]]:
+def records_of(params: Sequence[torch.Tensor]) -> list[tuple[Record, ...]]:
     """Each parameter's records in this rank's table, oldest first; none outside a launch."""
     if not in_rank():
         return [() for _ in params]
