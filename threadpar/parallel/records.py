@@ -4,8 +4,9 @@ gradient sits in the whole model's gradient, and the bucket that reduces it.
 DistributedDataParallel records every parameter it wraps (`DistributedDataParallel.param_records`, and the
 rank's table: `RankContext.params`); `mark_grad_placements` records placements for a model no DDP wraps.
 ZeRO reads the owner records (which group to shard a parameter over, which reducer's buckets to take
-over) and, at stage 2, records itself as the holder of the gradients it keeps; clipping reads the placements; both look them up through the rank's context, never through an attribute
-of the Parameter or a module global (DESIGN.md rule 1). As Megatron hands DDP's buffers to its
+over) and at stage 2 records itself as the holder of the gradients it keeps (GradHolder); clipping reads
+the placements. All look them up through the rank's context, never through an attribute of the Parameter
+or a module global (DESIGN.md rule 1). As Megatron hands DDP's buffers to its
 distributed optimizer, the records are explicit objects a caller may also pass around.
 """
 
