@@ -221,7 +221,7 @@ def _stuck_named(rank: int, process: int) -> Callable[[str], bool]:
     return accept
 
 
-FAULTS = ("raise", "kill", "sigterm", "sigint", "stuck0", "stuck3", "save-kill")
+FAULTS = ("raise", "kill", "sigterm", "sigint", "stuck0", "stuck3", "late23", "save-kill")
 
 
 def run_fault(fault: str, launcher: str, bound: float = 60.0, directory: Path | None = None) -> Outcome:
@@ -241,6 +241,7 @@ def _run_fault(fault: str, launcher: str, bound: float, directory: Path | None) 
         "raise": "raise",
         "stuck0": "stuck0",
         "stuck3": "stuck3",
+        "late23": "late23",
         "save-kill": "save",
         "resume": "resume",
     }
@@ -252,9 +253,9 @@ def _run_fault(fault: str, launcher: str, bound: float, directory: Path | None) 
         why = ""
         if fault == "resume":  # no fault: a run that resumes from a checkpoint and finishes
             when = time.monotonic()
-        elif fault in ("raise", "stuck0", "stuck3"):
+        elif fault in ("raise", "stuck0", "stuck3", "late23"):
             job.wait_line(r"^process \d: FAULT", START_S)
-            when = time.monotonic() + (STUCK_TIMEOUT_S if fault.startswith("stuck") else 0.0)
+            when = time.monotonic() + (0.0 if fault == "raise" else STUCK_TIMEOUT_S)
         elif fault == "save-kill":
             job.wait_line(r"^process 0: saving step 3", START_S)
             when = job.signal_process(0, signal.SIGKILL)
@@ -275,6 +276,10 @@ def _run_fault(fault: str, launcher: str, bound: float, directory: Path | None) 
         elif fault.startswith("stuck"):
             rank = int(fault[-1])
             why = _named_everywhere(job, (0, 1), _stuck_named(rank, rank // 2))
+        elif fault == "late23":  # the whole of process 1 never reaches the group's first collective
+            why = _named_everywhere(
+                job, (0, 1), lambda t: "rank 2 (process 1), rank 3 (process 1) did not arrive" in t
+            )
         elif fault in ("kill", "save-kill"):
             victim = 1 if fault == "kill" else 0
             survivor = 1 - victim

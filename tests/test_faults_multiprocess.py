@@ -37,7 +37,7 @@ def outcomes():
             resumed = run_fault("resume", "env", BOUND_S, directory)
             return killed, resumed, {"files": files, "checkpoint": checkpoint}
 
-        faults = ("raise", "kill", "sigterm", "sigint", "stuck0", "stuck3")
+        faults = ("raise", "kill", "sigterm", "sigint", "stuck0", "stuck3", "late23")
         with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
             saving = pool.submit(save_then_resume)
             runs = {f: pool.submit(run_fault, f, "env", BOUND_S) for f in faults}
@@ -84,6 +84,12 @@ def test_sigint_to_one_process_stops_both_and_each_names_the_signal(outcomes):
 @pytest.mark.parametrize("fault", ["stuck0", "stuck3"])
 def test_a_rank_that_stops_calling_collectives_is_named_by_every_process(outcomes, fault):
     _check(outcomes[fault], [1, 1])
+
+
+def test_a_process_whose_ranks_never_reach_the_first_collective_is_named_at_the_timeout(outcomes):
+    """The first collective across processes also connects the group's gloo groups: the waiting process
+    names ranks 2 and 3 at threadpar's timeout, not gloo's store timeout later without a name."""
+    _check(outcomes["late23"], [1, 1])
 
 
 def test_a_kill_during_a_checkpoint_save_leaves_the_previous_checkpoint_and_the_run_resumes(outcomes):

@@ -11,6 +11,8 @@ fault itself prints "process P: FAULT ..." just before. Scenarios:
 - stuck0, stuck3: rank 0 (process 0) or rank 3 (process 1) stops calling collectives at step 3 (a Python
   loop of sleeps, as a rank stuck in a long computation), under launch(timeout=$FAULTS_STUCK_TIMEOUT)
   (the driver sets it);
+- late23: ranks 2 and 3 (all of process 1) never reach their first collective (DDP's first broadcast,
+  which also connects the group's gloo groups), under the same timeout;
 - train: trains until a signal or a kill comes from outside (kill -9, SIGTERM, SIGINT);
 - save: as train, and rank 0 also writes a checkpoint (threadpar.checkpoint.save_atomic, ~16 MB so a
   write takes a while) after every step, printing "process 0: saving step S" before each;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,8 +41,15 @@ PADDING = 4 << 20  # float32 entries of ballast in a checkpoint (16 MB)
 PROCESS = threadpar.process_env().rank  # here, not in a rank thread: there torch.distributed is the ranks'
 
 
+_say_lock = threading.Lock()
+
+
 def say(text: str) -> None:
-    print(f"process {PROCESS}: {text}", flush=True)
+    # One write per line, under a lock: print() from two rank threads at once can interleave its text and
+    # its newline ("process 1: step 3process 1: FAULT ..."), and the driver then misses the FAULT line.
+    with _say_lock:
+        sys.stdout.write(f"process {PROCESS}: {text}\n")
+        sys.stdout.flush()
 
 
 def train(scenario: str, directory: Path | None, start: dict | None) -> int:
@@ -49,6 +59,10 @@ def train(scenario: str, directory: Path | None, start: dict | None) -> int:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     if start is not None:
         model.load_state_dict(start["model"])
+    if scenario == "late23" and rank in (2, 3):
+        say(f"FAULT rank {rank} never reaches its first collective")
+        while True:
+            time.sleep(0.05)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     first = 0 if start is None else start["step"]
@@ -92,7 +106,8 @@ def main() -> None:
         start = torch.load(directory / "checkpoint.pt", weights_only=True)  # raises if half-written
         assert bool((start["padding"] == float(start["step"])).all()), "a checkpoint mixes two steps"
         say(f"resumed from step {start['step']}")
-    timeout = float(os.environ["FAULTS_STUCK_TIMEOUT"]) if scenario.startswith("stuck") else 120.0
+    stuck = scenario.startswith(("stuck", "late"))
+    timeout = float(os.environ["FAULTS_STUCK_TIMEOUT"]) if stuck else 120.0
     threadpar.launch(train, scenario, directory, start, threads_per_process=2, devices="cpu", timeout=timeout)
     say("finished")
 

@@ -47,7 +47,7 @@ class HierarchicalByteCollectives:
     local_index: dict[int, int]
     _arrive: Callable[[int, int, Call, Any], tuple[int, Slot]]
     _step: Callable[..., None]
-    _pg: Callable[[str], Any]
+    _pg: Callable[[str, gloo_ops.Wait], Any]
     _lanes_for: Callable[[int], int]
 
     def _by_member(self, rows: torch.Tensor, like: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
@@ -71,7 +71,7 @@ class HierarchicalByteCollectives:
             mine = torch.zeros(width, dtype=torch.uint8)
             data = packed()
             mine[: data.numel()] = data
-            slot.result = gloo_ops.all_gather(self._pg("lane0"), mine, wait)
+            slot.result = gloo_ops.all_gather(self._pg("lane0", wait), mine, wait)
 
         if width <= INLINE_BYTES:
             self._step(slot, li, seq, call, 1, payload=packed, inline=inline)
@@ -102,7 +102,7 @@ class HierarchicalByteCollectives:
 
         def work(wait: gloo_ops.Wait, lane: int) -> None:
             a, b = split_range(tensor.numel(), lanes)[lane]
-            gloo_ops.broadcast(self._pg(f"lane{lane}"), flats[holder][a:b], self.proc_index[src], wait)
+            gloo_ops.broadcast(self._pg(f"lane{lane}", wait), flats[holder][a:b], self.proc_index[src], wait)
             share(a, b, flats[holder][a:b], holder)
 
         self._step(slot, li, seq, call, lanes, work)
@@ -149,7 +149,7 @@ class HierarchicalByteCollectives:
             packed = torch.empty(self.size * n, dtype=torch.uint8)
             if src_li is not None:
                 packed.copy_(concat_bytes(slot.payloads[src_li][1]))
-            gloo_ops.broadcast(self._pg("lane0"), packed, self.proc_index[src], wait)
+            gloo_ops.broadcast(self._pg("lane0", wait), packed, self.proc_index[src], wait)
             slot.result = packed
 
         self._step(slot, li, seq, call, 1, work)
@@ -187,7 +187,7 @@ class HierarchicalByteCollectives:
         def work(wait: gloo_ops.Wait, lane: int) -> None:
             out = torch.empty(sum(out_splits), dtype=torch.uint8)
             data = concat_bytes([t for ts in sends for t in ts])
-            gloo_ops.all_to_all(self._pg("lane0"), out, data, out_splits, in_splits, wait)
+            gloo_ops.all_to_all(self._pg("lane0", wait), out, data, out_splits, in_splits, wait)
             slot.result = out
 
         splits = lambda: byte_view(torch.tensor(in_splits + out_splits, dtype=torch.int64))  # noqa: E731

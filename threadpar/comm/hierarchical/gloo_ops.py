@@ -23,6 +23,7 @@ from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.fastcopy import copy_into
 from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.common.tensor_bytes import byte_view
+from threadpar.comm.hierarchical.connect import GLOO_TIMED_OUT
 from threadpar.errors import CollectiveTimeoutError
 
 # How often a waiter looks at the stop signal (completion wakes it at once).
@@ -48,7 +49,8 @@ Wait = Callable[[Any], None]  # waits for one gloo Work
 
 
 def wait_work(work: Any, *, abort: AbortSignal, timeout: float, describe: Callable[[], str]) -> None:
-    """Wait for a gloo Work; raise RankAborted on a stop, or a timeout naming the call.
+    """Wait for a gloo Work (or a gloo group's `Connecting`); raise RankAborted on a stop, or a timeout
+    naming the call.
 
     Work.wait with a timeout leaves the operation running when it expires (unlike gloo's own timeout,
     which closes the connections), and nothing is left registered on the Work: an operation that a stop
@@ -59,7 +61,7 @@ def wait_work(work: Any, *, abort: AbortSignal, timeout: float, describe: Callab
             work.wait(POLL)
             return
         except RuntimeError as error:
-            if "Operation timed out!" not in str(error):
+            if GLOO_TIMED_OUT not in str(error):
                 raise  # gloo's own error
         abort.raise_if_set()
         if time.monotonic() > deadline:

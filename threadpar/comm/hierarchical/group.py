@@ -35,6 +35,7 @@ from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view, pieces, split_range
 from threadpar.comm.hierarchical import gloo_ops
+from threadpar.comm.hierarchical.connect import Connecting
 from threadpar.comm.hierarchical.copies import HierarchicalByteCollectives, concat_bytes
 from threadpar.errors import RankAborted
 
@@ -126,12 +127,16 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         processes.register_group(self.key, self.rendezvous)  # it answers "who arrived?" from elsewhere
 
     # plumbing ---------------------------------------------------------------------------------------------------
-    def _pg(self, which: str) -> Any:
-        """This group's gloo group `which`, created on first use (meeting its peers in the other processes).
+    def _pg(self, which: str, wait: gloo_ops.Wait) -> Any:
+        """This group's gloo group `which`, created on first use: the other processes are met under the
+        collective's `wait` (a stop interrupts it, its timeout names the missing ranks: connect.py).
         A collective's steps never overlap, so at most one thread at a time uses (or creates) it."""
         pg = self._gloo.get(which)
         if pg is None:
-            pg = self._gloo[which] = self._processes.gloo_group(f"{self.key:x}/{which}", self.procs)
+            name = f"{self.key:x}/{which}"
+            connecting = Connecting(name, lambda: self._processes.gloo_group(name, self.procs))
+            wait(connecting)
+            pg = self._gloo[which] = connecting.result()
         return pg
 
     def _lanes_for(self, nbytes: int) -> int:
@@ -195,7 +200,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
 
         def check() -> None:
             mine = call_check.control_message(seq, call, payload() if payload is not None else None)
-            rows = gloo_ops.all_gather(self._pg("control"), mine, wait)
+            rows = gloo_ops.all_gather(self._pg("control", wait), mine, wait)
             slot.error = call_check.mismatch(self.name, self.ranks, self.procs, self.me, seq, rows)
             for examine in (inline, agree):
                 if slot.error is None and examine is not None:
@@ -258,7 +263,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         def work(wait: gloo_ops.Wait, lane: int) -> None:
             parts = pieces(numels, *split_range(sum(numels), lanes)[lane])
             mine = [local_sum(i, a, b) for i, a, b in parts]  # this lane's slice of the local sum
-            gloo_ops.all_reduce(self._pg(f"lane{lane}"), mine, inner, wait)
+            gloo_ops.all_reduce(self._pg(f"lane{lane}", wait), mine, inner, wait)
             for (i, a, b), result in zip(parts, mine):
                 share(i, a, b, result)
 
@@ -292,7 +297,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         def work(wait: gloo_ops.Wait, lane: int) -> None:
             a, b = split_range(n, lanes)[lane]
             acc = local_sum(a, b)
-            gloo_ops.all_reduce(self._pg(f"lane{lane}"), [acc], inner, wait)
+            gloo_ops.all_reduce(self._pg(f"lane{lane}", wait), [acc], inner, wait)
             deliver(a, b, acc)
 
         self._step(slot, li, seq, call, lanes, work)
@@ -316,7 +321,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
             for s in range(self.size):
                 others = [slot.payloads[o][1][s].reshape(-1) for o in range(1, len(slot.payloads))]
                 accumulate_(acc[s * n : (s + 1) * n], others, inner, self.size)
-            gloo_ops.all_reduce(self._pg("lane0"), [acc], inner, wait)
+            gloo_ops.all_reduce(self._pg("lane0", wait), [acc], inner, wait)
             if op is ReduceOp.AVG:
                 accumulate_(acc, [], op, self.size)
             slot.result = acc
