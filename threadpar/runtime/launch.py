@@ -96,7 +96,8 @@ class _Launch:
         self.contexts = [RankContext(world, r) for r in ranks]
         self.torch_world = LaunchTorchWorld(world) if world.torch_distributed else None
         self.running = [False] * n  # inside the user's function: only then may an abort be injected
-        # Guards running, failures and finished (DESIGN.md rule 10); results[i] is written by rank i alone.
+        self.left = [False] * n  # past its last step: only the thread's own teardown is left
+        # Guards running, left, failures and finished (DESIGN.md rule 10); results[i] is written by rank i alone.
         self.lock = threading.Lock()
         self.finished = 0
         self.all_done = threading.Event()
@@ -139,6 +140,7 @@ class _Launch:
                 session.end_quietly()  # after a failure: never masks the error being reported
             leave()
             with self.lock:
+                self.left[i] = True
                 self.finished += 1
                 if self.finished == len(self.threads):
                     self.all_done.set()
@@ -186,6 +188,7 @@ class _Launch:
             self._stop_everything("SIGINT" if isinstance(signalled, KeyboardInterrupt) else signalled.name)
             raise
         finally:
+            self._join_left()
             if self.torch_world is not None:
                 self.torch_world.uninstall()
             for ctx in self.contexts:
@@ -215,6 +218,17 @@ class _Launch:
             if self.world.abort.is_set:
                 self._stop_stragglers()
                 return
+
+    def _join_left(self) -> None:
+        """Wait for the teardown of every rank thread that left its function (not for one stuck in native
+        code after a stop). A thread's teardown drops what it held (its function and arguments, its
+        locals); left running, it may do so during interpreter exit, where a torch object whose destructor
+        releases the GIL (a gloo group, a store) aborts the process ("terminate called without an active
+        exception": pytorch/pytorch#38228, CPython gh-87135)."""
+        with self.lock:
+            left = [t for t, done in zip(self.threads, self.left) if done]
+        for thread in left:
+            thread.join()
 
     def _stop_everything(self, signal_name: str) -> None:
         """This process got a signal: stop every rank here and in the other processes."""

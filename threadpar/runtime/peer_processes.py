@@ -160,6 +160,7 @@ class Processes:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._watch_store: Any = None  # the watcher's store client (attach)
         self._abort: AbortSignal | None = None
         self._shared: Any = None  # a _SharedClient from the handshake on
         self.peers: list[tuple[str, int]] = []  # (host, pid) of each process, from the handshake
@@ -215,6 +216,7 @@ class Processes:
         self._groups.append(pg)
         self.router = MessageRouter(pg, self.rank, self.count, device_of, self.lost)
         self.router.start()
+        self._watch_store = self.store_client()  # an attribute: never destroyed on the watcher
         self._watcher = threading.Thread(
             target=self._watch, name=f"threadpar-watch-p{self.rank}", daemon=True
         )
@@ -355,7 +357,7 @@ class Processes:
     def _watch(self) -> None:
         """Answer questions, and stop the local ranks on a failure elsewhere; questions are answered until
         the end of the launch (a process that stopped may still be asked who arrived)."""
-        store, errors, asked, stopped = self.store_client(), 0, 1, False
+        store, errors, asked, stopped = self._watch_store, 0, 1, False
         while not self._stop.wait(WATCH_INTERVAL_S):
             try:
                 asked = self._answer(store, asked)
@@ -399,8 +401,7 @@ class Processes:
                     self.failure = Failure(self.rank, -1, type(error).__name__, str(error))
         finally:
             self._stop.set()
-            if self._watcher is not None:
-                self._watcher.join(1.0)
+            self._join_watcher()
             with self._lock:
                 groups, self._groups = self._groups, []
                 abandoned, self._abandoned = self._abandoned, []
@@ -415,6 +416,18 @@ class Processes:
                         _shutdown(pg)
             self.router = None
         return failed
+
+    def _join_watcher(self) -> None:
+        """Wait for the watcher to end (it is at most in one short store call, or in a call to a store
+        whose host froze: that one ends at the store's timeout). Its end drops its store client and its
+        hold on this object, which must not happen during interpreter exit (runtime/launch.py:
+        _join_left), so a watcher still running at threadpar's timeout keeps them alive for good."""
+        if self._watcher is None:
+            return
+        self._watcher.join(self.timeout)
+        if self._watcher.is_alive():
+            _leak(self)
+        self._watcher = None
 
     def _wait_finished(self, store: Any, timeout: float, quiet: bool = False) -> None:
         deadline = time.monotonic() + timeout

@@ -7,6 +7,8 @@ blocked in that constructor, to fail later with gloo's store error, naming no ra
 runs on a helper thread (it releases the GIL while it waits), and the checker waits for it as for any gloo
 operation (`gloo_ops.wait_work`): a stop interrupts the wait, and at threadpar's deadline the timeout
 names the ranks that did not arrive. A helper given up on stays blocked until gloo's timeout, then ends.
+Once connected, the helper is joined before the group is used: its teardown drops its hold on the gloo
+group, which must not be destroyed on it later, perhaps during interpreter exit (runtime/launch.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class Connecting:
         self._done = threading.Event()  # set after _group or _error is written
         self._group: Any = None
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, name=f"threadpar-gloo-connect-{name}", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=f"threadpar-gloo-connect-{name}", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -42,6 +45,7 @@ class Connecting:
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if not self._done.wait(None if timeout is None else timeout.total_seconds()):
             raise RuntimeError(GLOO_TIMED_OUT)
+        self._thread.join()  # only its teardown is left
         if self._error is not None:
             raise self._error
         return True

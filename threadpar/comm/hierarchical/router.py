@@ -147,6 +147,9 @@ class MessageRouter:
                 raise CollectiveTimeoutError(
                     f"process {self.rank} finished, but not every other process did within {timeout:g} s"
                 )
+        # Its teardown is all that is left; it drops the pump's hold on this router and its gloo group,
+        # whose destructor must not run on it during interpreter exit (launch.py: _join_left).
+        self._pump.join()
 
     # receiving --------------------------------------------------------------------------------------------------
     def _receive_all(self) -> None:
