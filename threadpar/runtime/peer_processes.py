@@ -48,6 +48,9 @@ REPORT_GRACE_S = 3.0
 P2P_TIMEOUT = datetime.timedelta(days=3650)
 # How long a timed-out collective waits for the other processes to say which of their ranks arrived.
 ASK_TIMEOUT_S = 2.0
+# How long the end of a launch waits for the failure watcher's last store call (a loaded machine can take
+# seconds); one still blocked after it is in a call to a frozen store host.
+WATCHER_END_S = 10.0
 # After a broken connection, how long to look for the peer process that is gone (its exit takes a moment
 # after its sockets close).
 VANISH_WAIT_S = 0.5
@@ -418,13 +421,13 @@ class Processes:
         return failed
 
     def _join_watcher(self) -> None:
-        """Wait for the watcher to end (it is at most in one short store call, or in a call to a store
-        whose host froze: that one ends at the store's timeout). Its end drops its store client and its
-        hold on this object, which must not happen during interpreter exit (runtime/launch.py:
-        _join_left), so a watcher still running at threadpar's timeout keeps them alive for good."""
+        """Wait for the watcher to end: it is at most in one store call, short unless the store's host
+        froze (then it ends at the store's timeout, minutes). Its end drops its store client and its hold
+        on this object, which must not happen during interpreter exit (runtime/launch.py: _join_left), so
+        a watcher still running after WATCHER_END_S keeps them alive for good."""
         if self._watcher is None:
             return
-        self._watcher.join(self.timeout)
+        self._watcher.join(WATCHER_END_S)
         if self._watcher.is_alive():
             _leak(self)
         self._watcher = None
