@@ -94,7 +94,9 @@ def main() -> None:
     dense = dense_clip(repeats)
     rows = [["dense model, one thread (torch)", 1, fmt_time(dense), "", ""]]
     for tp in args.tp:
-        ours = threadpar.launch(threads_worker, repeats, world_size=tp, tp=tp, devices="cpu")[0]
+        ours = threadpar.launch(
+            threads_worker, repeats, world_size=tp, tp=tp, devices="cpu", rank_cores="all"
+        )[0]  # every core, as gloo's processes (the default packs: DESIGN rule 9)
         gloo = run_gloo(gloo_worker, tp, repeats)
         rows.append(
             [f"tp={tp}: gloo by hand vs threadpar", tp, fmt_time(gloo), fmt_time(ours), f"{gloo / ours:.2f}x"]

@@ -84,7 +84,9 @@ def main() -> None:
     print(f"# median of {repeats} repeats per cell\n")
     rows = []
     for n in args.ranks:
-        ours = threadpar.launch(threads_worker, n, repeats, world_size=n, devices="cpu")[0]
+        ours = threadpar.launch(threads_worker, n, repeats, world_size=n, devices="cpu", rank_cores="all")[
+            0
+        ]  # every core, as gloo's processes (the default packs: DESIGN rule 9)
         gloo = run_gloo(gloo_worker, n, repeats)
         for op, nbytes in CASES:
             key = f"{op}:{nbytes}"

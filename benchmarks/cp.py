@@ -125,7 +125,18 @@ def main() -> None:
         f"# median of {repeats} rounds of {iters} step(s); each round times full attention (rank 0) then ring\n"
     )
     per_rank = threadpar.launch(
-        rank_main, q, k, v, grad_out, iters, repeats, world_size=cp, cp=cp, devices="cpu", intraop_threads=1
+        rank_main,
+        q,
+        k,
+        v,
+        grad_out,
+        iters,
+        repeats,
+        world_size=cp,
+        cp=cp,
+        devices="cpu",
+        intraop_threads=1,
+        rank_cores="all",  # every core, as the dense anchor's threads (the default packs: DESIGN rule 9)
     )
     wide = threadpar.launch(
         full_wide, q, k, v, grad_out, iters, repeats, world_size=1, devices="cpu", intraop_threads=cp

@@ -158,7 +158,9 @@ def timeline_rank(template: nn.Module, ddp_kwargs: dict, steps: int) -> list[lis
 
 
 def print_timeline(template: nn.Module, ddp_kwargs: dict, steps: int) -> None:
-    rows = threadpar.launch(timeline_rank, template, ddp_kwargs, steps, world_size=RANKS, devices="cpu")[0]
+    rows = threadpar.launch(
+        timeline_rank, template, ddp_kwargs, steps, world_size=RANKS, devices="cpu", rank_cores="all"
+    )[0]
     median = [statistics.median(col) for col in zip(*rows)]
     end, buckets = median[0], median[1:]
     print(f"\n## When the bucket all-reduces ran ({HEADLINE}; rank 0, median of {steps} steps)\n")
@@ -179,7 +181,15 @@ def measure_round(template: nn.Module, iters: int, repeats: int) -> dict[str, tu
     times["gloo"] = tuple(run_gloo(gloo_rank, RANKS, iters, repeats))
     for name, (mode, kwargs) in THREADPAR_CONFIGS.items():
         times[name] = threadpar.launch(
-            threadpar_rank, template, mode, kwargs, iters, repeats, world_size=RANKS, devices="cpu"
+            threadpar_rank,
+            template,
+            mode,
+            kwargs,
+            iters,
+            repeats,
+            world_size=RANKS,
+            devices="cpu",
+            rank_cores="all",  # every core, as gloo's processes (the default packs: DESIGN rule 9)
         )[0]
     return times
 

@@ -63,7 +63,11 @@ def threadpar_ranks(repeats: int) -> dict[str, list[float]]:
 def hierarchical_worker(rank: int, world_size: int, repeats: int, intraop: int) -> dict[str, list[float]]:
     # run_gloo initialised torch.distributed's default group: launch finds it and spans both processes.
     results = threadpar.launch(
-        threadpar_ranks, repeats, threads_per_process=RANKS // world_size, intraop_threads=intraop
+        threadpar_ranks,
+        repeats,
+        threads_per_process=RANKS // world_size,
+        intraop_threads=intraop,
+        rank_cores="all",  # every core, as gloo's processes (the default packs: DESIGN rule 9)
     )
     return results[0]
 
@@ -89,7 +93,12 @@ def main() -> None:
             "gloo": run_gloo(gloo_worker, RANKS, repeats),
             "hier": run_gloo(hierarchical_worker, 2, repeats, intraop),
             "threads": threadpar.launch(
-                threadpar_ranks, repeats, world_size=RANKS, devices="cpu", intraop_threads=intraop
+                threadpar_ranks,
+                repeats,
+                world_size=RANKS,
+                devices="cpu",
+                intraop_threads=intraop,
+                rank_cores="all",
             )[0],
         }
         for name, result in runs.items():

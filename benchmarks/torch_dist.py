@@ -4,15 +4,18 @@
     python -m benchmarks.torch_dist --quick    # 1 round x 3 repeats
 
 The same function (torch.distributed API only: DistributedDataParallel, fully_shard) runs on 2 ranks as
-- threadpar: 2 rank threads of one process, torch.distributed on the `threadpar` c10d backend;
+- threadpar: 2 rank threads of one process, torch.distributed on the `threadpar` c10d backend, twice: with
+  the rank threads packed on one core (the default for CPU ranks: DESIGN.md rule 9) and with
+  `rank_cores="all"` (every core, as the other two run);
 - threaded: torch's own threaded process group (torch.testing._internal.distributed.multi_threaded_pg),
   2 threads of one process, as torch's tests run it;
 - gloo: one process per rank over gloo (the usual way on CPU).
 Model: an MLP of 4 Linear(512, 512) layers (4 MiB of float32 parameters), batch 32 per rank, MSE loss,
 SGD. A step is forward, backward (gradient averaging: DDP's all-reduces, or FSDP2's all-gathers and
 reduce-scatters) and optimizer.step(). Every rank gets 1 intra-op thread per core / 2 (gloo processes 1).
-The three run in alternation, round after round, so a change in the machine's load hits all of them; each
-cell is the median of every repeat of every round. speed-up = other backend's step time / threadpar's.
+The four run in alternation, round after round, so a change in the machine's load hits all of them; each
+cell is the median of every repeat of every round. speed-up = other backend's step time / threadpar's
+(packed, then all cores).
 Two clocks: wall-clock step time, and CPU time per step of all ranks together (process CPU time; both
 processes summed for gloo), which moves far less than wall-clock time with the load of a shared machine.
 """
@@ -82,11 +85,19 @@ def summed_cpu(result: dict[str, list[float]]) -> dict[str, list[float]]:
     return {"wall": result["wall"], "cpu": [sum(column) for column in zip(*everyone, strict=True)]}
 
 
-def on_threadpar(repeats: int) -> dict[str, dict[str, list[float]]]:
+def on_threadpar(repeats: int, rank_cores: str | None = None) -> dict[str, dict[str, list[float]]]:
     results = threadpar.launch(
-        lambda: {k: steps(k, repeats) for k in KINDS}, world_size=RANKS, devices="cpu", timeout=600
+        lambda: {k: steps(k, repeats) for k in KINDS},
+        world_size=RANKS,
+        devices="cpu",
+        timeout=600,
+        rank_cores=rank_cores,
     )
     return results[0]
+
+
+def on_threadpar_all_cores(repeats: int) -> dict[str, dict[str, list[float]]]:
+    return on_threadpar(repeats, rank_cores="all")
 
 
 def on_threaded_pg(repeats: int) -> dict[str, dict[str, list[float]]]:
@@ -143,7 +154,12 @@ def main() -> None:
     args = parser.parse_args()
     rounds, repeats = (1, 3) if args.quick else (args.rounds, args.repeats)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    runners = {"threadpar": on_threadpar, "threaded": on_threaded_pg, "gloo": on_gloo}
+    runners = {
+        "packed": on_threadpar,
+        "all cores": on_threadpar_all_cores,
+        "threaded": on_threaded_pg,
+        "gloo": on_gloo,
+    }
     samples = {b: {k: {"wall": [], "cpu": []} for k in KINDS} for b in runners}
     for _ in range(rounds):
         for backend, run in runners.items():
@@ -162,24 +178,24 @@ def main() -> None:
     rows = []
     for clock in ("wall", "cpu"):
         for kind in KINDS:
-            ours, threaded, gloo = (median[b][kind][clock] for b in ("threadpar", "threaded", "gloo"))
+            packed, spread, threaded, gloo = (median[b][kind][clock] for b in runners)
             rows.append(
                 [
                     f"{kind} ({'wall-clock' if clock == 'wall' else 'CPU, all ranks'})",
-                    fmt_time(ours),
-                    fmt_time(threaded),
-                    fmt_time(gloo),
-                    f"{threaded / ours:.2f}x",
-                    f"{gloo / ours:.2f}x",
+                    *(fmt_time(t) for t in (packed, spread, threaded, gloo)),
+                    *(f"{other / ours:.2f}x" for other in (threaded, gloo) for ours in (packed, spread)),
                 ]
             )
     headers = [
         "step time",
-        "threadpar",
+        "threadpar, packed",
+        "threadpar, all cores",
         "torch threaded PG",
         "gloo, process per rank",
-        "vs threaded",
-        "vs gloo",
+        "vs threaded: packed",
+        "all cores",
+        "vs gloo: packed",
+        "all cores",
     ]
     print(table(headers, rows))
 

@@ -294,6 +294,7 @@ def main() -> None:
         tp=tp,
         devices="cpu",
         intraop_threads=threads,
+        rank_cores="all",  # every core, as the dense anchor's threads (the default packs: DESIGN rule 9)
     )
     wide = threadpar.launch(
         dense_main,

@@ -130,7 +130,15 @@ def measure_round(model: str, template: nn.Module, ranks: int, iters: int, repea
         out[name] = tuple(run_gloo(gloo_rank, ranks, model, zero, iters, repeats))
     for name, stage in THREADPAR.items():
         out[name] = threadpar.launch(
-            threadpar_rank, template, model, stage, iters, repeats, world_size=ranks, devices="cpu"
+            threadpar_rank,
+            template,
+            model,
+            stage,
+            iters,
+            repeats,
+            world_size=ranks,
+            devices="cpu",
+            rank_cores="all",  # every core, as gloo's processes (the default packs: DESIGN rule 9)
         )[0]
     return out
 
