@@ -11,27 +11,50 @@ from threadpar.parallel.ddp.comm_hooks import then
 from threadpar.testing import run_ranks
 
 
-def test_future_of_an_async_all_reduce_holds_its_tensor_and_callbacks_run_on_the_comm_worker():
+def test_future_of_an_async_all_reduce_holds_its_tensor_and_done_callbacks_run_on_the_comm_worker():
     chained_while_pending = threading.Event()  # rank 1 joins the all-reduce only after rank 0 chained on it
 
     def body():
         rank = threadpar.get_rank()
         t = torch.full((1000,), float(rank + 1))
-        rank_thread = threading.current_thread().name
         ran_on = []
         if rank == 1:
             assert chained_while_pending.wait(timeout=30)
         future = threadpar.all_reduce(t, async_op=True).get_future()
-        chained = future.then(lambda f: ran_on.append(threading.current_thread().name) or f.value()[0] * 2)
+        doubled = then(future, lambda value: ran_on.append(threading.current_thread().name) or value[0] * 2)
         if rank == 0:
             assert not future.done()  # cannot be: rank 1 has not called all_reduce yet
             chained_while_pending.set()
-        assert chained.wait()[0].item() == 6.0
+        assert doubled.wait()[0].item() == 6.0
         assert future.value()[0] is t
-        return rank_thread, ran_on
+        return ran_on
 
-    rank_thread, ran_on = run_ranks(body, 2)[0]
-    assert ran_on == ["threadpar-comm-0"] and rank_thread == "threadpar-rank-0"
+    assert run_ranks(body, 2)[0] == ["threadpar-comm-0"]
+
+
+def test_then_waits_for_the_op_and_runs_its_callback_on_the_rank_thread_in_program_order():
+    """So a callback may issue collectives (PowerSGD's hook): they come in the rank's program order."""
+    issued = threading.Event()  # rank 1 joins the all-reduce only once rank 0 has issued it
+
+    def body():
+        rank = threadpar.get_rank()
+        if rank == 1:
+            assert issued.wait(timeout=30)
+        t = torch.full((4,), float(rank + 1))
+        future = threadpar.all_reduce(t, async_op=True).get_future()
+        if rank == 0:
+            issued.set()
+
+        def second(done: torch.futures.Future) -> tuple[str, float]:
+            again = threadpar.all_reduce(done.value()[0].clone(), async_op=True)
+            assert again is not None
+            return threading.current_thread().name, again.get_future().wait()[0][0].item()
+
+        chained = future.then(second)
+        assert chained.done()  # then() ran the callback before returning
+        return chained.value()
+
+    assert run_ranks(body, 2) == [("threadpar-rank-0", 6.0), ("threadpar-rank-1", 6.0)]
 
 
 def test_get_future_after_completion_and_twice():

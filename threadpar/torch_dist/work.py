@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from threadpar.comm.common.work import Work
+from threadpar.comm.common.work import OrderedFuture, Work
 
 
 class C10dWork(dist.Work):
@@ -79,8 +78,9 @@ class C10dWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         """A Future whose value is the op's output tensors. On the threads backend it completes when the op
-        does (callbacks run on the rank's comm worker); on nccl it is completed after `wait()` has ordered
-        the caller's stream, as c10d's CUDA futures are usable on the current stream."""
+        does (`then` waits for it and runs its callback on the calling thread: OrderedFuture); on nccl it
+        is completed after `wait()` has ordered the caller's stream, as c10d's CUDA futures are usable on
+        the current stream."""
         if self._stream_ordered or not self._works or self._then is not None:
             future: torch.futures.Future = torch.futures.Future()
             try:
@@ -92,15 +92,21 @@ class C10dWork(dist.Work):
             return future
         if self._same_future:
             return self._works[0].get_future()
-        futures = [w.get_future() for w in self._works]
-        outputs = self._outputs
+        works, outputs = self._works, self._outputs
+        futures = [w.get_future() for w in works]
+        future = OrderedFuture(lambda: _wait_all_done(works))
 
-        def value(_: Any) -> list[torch.Tensor]:
-            for f in futures:
-                f.wait()  # re-raises the op's error into the returned future
-            return outputs
+        def complete(_: torch.futures.Future) -> None:
+            try:
+                for f in futures:
+                    f.wait()  # re-raises an op's error into the returned future
+            except BaseException as error:
+                future.set_exception(error)
+            else:
+                future.set_result(outputs)
 
-        return torch.futures.collect_all(futures).then(value)
+        torch.futures.collect_all(futures).add_done_callback(complete)
+        return future
 
     def _source_rank(self) -> int:
         """For a receive from any source: the sender's rank in the group (c10d's Work::sourceRank)."""
@@ -110,6 +116,11 @@ class C10dWork(dist.Work):
         return self._source()
 
     source_rank = _source_rank
+
+
+def _wait_all_done(works: Sequence[Work]) -> None:
+    for work in works:
+        work.wait_done()
 
 
 def completed(outputs: list[torch.Tensor]) -> C10dWork:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,34 @@ from threadpar.errors import CollectiveTimeoutError
 
 # Guards the hand-over between `get_future()` and `_finish()`, which may run on different threads.
 _FUTURE_LOCK = threading.Lock()
+
+# Set on a rank's communication worker (worker.py): there, waiting for a pending op would wait on itself.
+ON_COMM_WORKER = threading.local()
+
+
+class OrderedFuture(torch.futures.Future):
+    """The future of an asynchronous op: `then(callback)` waits for the op, then runs the callback at once
+    on the calling thread, so the collectives a callback issues (PowerSGD's hook: an all-reduce, then in its
+    callbacks two more) come in the rank's program order, the same on every rank. Run on completion by the
+    communication worker, they came after whichever ops the rank had issued meanwhile (backward goes on),
+    an order that differs between ranks, and a callback waiting for its own collective waited on the very
+    worker that runs it. Waiting first is what torch's threaded process group does (its ops complete at
+    issue) and what a CUDA future does (complete once the stream is ordered). `add_done_callback` still
+    runs its callback on the worker when the op completes, overlapping the rank's work (threadpar's own
+    DDP hooks): such a callback must not issue collectives (worker.py refuses them)."""
+
+    def __init__(self, wait_done: Callable[[], None]) -> None:
+        super().__init__()
+        self._wait_done = wait_done  # returns once the op is done (wakes on the launch's stop)
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+        if not getattr(ON_COMM_WORKER, "active", False):
+            self._wait_done()
+            # The op is done; its worker completes this future right after (Work._finish): wait for that
+            # too, or the callback would still run on the worker. The op's error stays in the future.
+            with contextlib.suppress(Exception):
+                super().wait()
+        return super().then(callback)
 
 
 class LazyText:
@@ -58,13 +87,14 @@ class Work:
 
     def get_future(self) -> torch.futures.Future:
         """A torch.futures.Future that completes with the operation (as torch's Work.get_future()): its
-        value is the result (for an all-reduce, the list of its tensors), or it holds the error. Callbacks
-        added with `then`/`add_done_callback` run on the thread that completes the operation (the rank's
-        communication worker for async ops), so they overlap the rank's computation."""
+        value is the result (for an all-reduce, the list of its tensors), or it holds the error. `then`
+        waits for the operation and runs its callback on the calling thread (OrderedFuture);
+        `add_done_callback` runs on the thread that completes the operation (the rank's communication
+        worker for async ops), overlapping the rank's computation."""
         with _FUTURE_LOCK:
             if self._future is not None:
                 return self._future
-            future = self._future = torch.futures.Future()
+            future = self._future = OrderedFuture(self.wait_done)
             done = self._done.is_set()
         if done:
             self._complete(future)

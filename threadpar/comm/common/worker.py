@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from threadpar.comm.common.work import Work
+from threadpar.comm.common.work import ON_COMM_WORKER, Work
+from threadpar.errors import ThreadparError
 
 
 class CommWorker:
@@ -30,6 +31,15 @@ class CommWorker:
             self._last.wait_done()
 
     def submit(self, fn: Callable[[], Any], work: Work) -> Work:
+        if self._thread is not None and threading.current_thread() is self._thread:
+            # A callback run on completion (add_done_callback) issued an async op: it would queue behind
+            # the op whose completion runs it, and its wait would never end.
+            raise ThreadparError(
+                f"{work!r} was issued from a callback that {self._name} runs as an earlier op completes "
+                "(Future.add_done_callback); such a callback must not issue asynchronous operations. Use "
+                "Future.then, which threadpar runs on the rank's own thread after waiting for the op, or "
+                "wait() the op and issue the next one from the rank's code"
+            )
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
             self._thread.start()
@@ -42,6 +52,7 @@ class CommWorker:
         # not differentiable). Grad mode is per thread: with it on here, writing an input that requires grad
         # into views the rank made under no_grad (in backward) would raise.
         torch.set_grad_enabled(False)
+        ON_COMM_WORKER.active = True
         if self._on_start is not None:
             self._on_start()
         while True:
