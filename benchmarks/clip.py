@@ -17,6 +17,7 @@ import torch
 
 import threadpar
 from benchmarks.harness import (
+    EVERY_CORE,
     fmt_time,
     machine_line,
     median_time,
@@ -95,8 +96,8 @@ def main() -> None:
     rows = [["dense model, one thread (torch)", 1, fmt_time(dense), "", ""]]
     for tp in args.tp:
         ours = threadpar.launch(
-            threads_worker, repeats, world_size=tp, tp=tp, devices="cpu", rank_cores="all"
-        )[0]  # every core, as gloo's processes (the default packs: DESIGN rule 9)
+            threads_worker, repeats, world_size=tp, tp=tp, devices="cpu", rank_cores=EVERY_CORE
+        )[0]
         gloo = run_gloo(gloo_worker, tp, repeats)
         rows.append(
             [f"tp={tp}: gloo by hand vs threadpar", tp, fmt_time(gloo), fmt_time(ours), f"{gloo / ours:.2f}x"]

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import threadpar
-from benchmarks.harness import fmt_bytes, fmt_time, machine_line, median_time, run_gloo, table
+from benchmarks.harness import EVERY_CORE, fmt_bytes, fmt_time, machine_line, median_time, run_gloo, table
 
 KIB, MIB = 1 << 10, 1 << 20
 CASES = [("all_reduce", n) for n in (4, KIB, MIB, 16 * MIB, 64 * MIB)] + [
@@ -84,9 +84,9 @@ def main() -> None:
     print(f"# median of {repeats} repeats per cell\n")
     rows = []
     for n in args.ranks:
-        ours = threadpar.launch(threads_worker, n, repeats, world_size=n, devices="cpu", rank_cores="all")[
-            0
-        ]  # every core, as gloo's processes (the default packs: DESIGN rule 9)
+        ours = threadpar.launch(
+            threads_worker, n, repeats, world_size=n, devices="cpu", rank_cores=EVERY_CORE
+        )[0]
         gloo = run_gloo(gloo_worker, n, repeats)
         for op, nbytes in CASES:
             key = f"{op}:{nbytes}"

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import threadpar
-from benchmarks.harness import fmt_bytes, fmt_time, machine_line, median_time, table
+from benchmarks.harness import EVERY_CORE, fmt_bytes, fmt_time, machine_line, median_time, table
 from threadpar.parallel import restore_sequence_order, ring_attention, split_sequence
 
 
@@ -136,7 +136,7 @@ def main() -> None:
         cp=cp,
         devices="cpu",
         intraop_threads=1,
-        rank_cores="all",  # every core, as the dense anchor's threads (the default packs: DESIGN rule 9)
+        rank_cores=EVERY_CORE,
     )
     wide = threadpar.launch(
         full_wide, q, k, v, grad_out, iters, repeats, world_size=1, devices="cpu", intraop_threads=cp

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import threadpar
-from benchmarks.harness import fmt_time, machine_line, run_gloo, table
+from benchmarks.harness import EVERY_CORE, fmt_time, machine_line, run_gloo, table
 from threadpar.parallel import DistributedDataParallel
 from threadpar.parallel.ddp import comm_hooks
 
@@ -159,7 +159,7 @@ def timeline_rank(template: nn.Module, ddp_kwargs: dict, steps: int) -> list[lis
 
 def print_timeline(template: nn.Module, ddp_kwargs: dict, steps: int) -> None:
     rows = threadpar.launch(
-        timeline_rank, template, ddp_kwargs, steps, world_size=RANKS, devices="cpu", rank_cores="all"
+        timeline_rank, template, ddp_kwargs, steps, world_size=RANKS, devices="cpu", rank_cores=EVERY_CORE
     )[0]
     median = [statistics.median(col) for col in zip(*rows)]
     end, buckets = median[0], median[1:]
@@ -189,7 +189,7 @@ def measure_round(template: nn.Module, iters: int, repeats: int) -> dict[str, tu
             repeats,
             world_size=RANKS,
             devices="cpu",
-            rank_cores="all",  # every core, as gloo's processes (the default packs: DESIGN rule 9)
+            rank_cores=EVERY_CORE,
         )[0]
     return times
 

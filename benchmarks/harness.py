@@ -19,6 +19,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+# `rank_cores` for the benchmarks of parallel math: every core, as their anchors have (gloo's processes, a
+# dense model on as many threads); by default a process's CPU rank threads share one (DESIGN.md rule 9).
+EVERY_CORE = "all"
+
 
 def median_time(
     fn: Callable[[], None],

@@ -26,7 +26,7 @@ import time
 import torch
 
 import threadpar
-from benchmarks.harness import fmt_bytes, fmt_time, machine_line, median_time, table
+from benchmarks.harness import EVERY_CORE, fmt_bytes, fmt_time, machine_line, median_time, table
 from threadpar.parallel import MoE, MoEConfig
 from threadpar.parallel.expert_parallel.routing import expert_capacity
 
@@ -128,7 +128,7 @@ def main() -> None:
         per_rank = threadpar.launch(
             rank_main, cfg, state, batches, grads, args.iters, repeats,
             world_size=ep, devices="cpu", intraop_threads=1,
-            rank_cores="all",  # every core, as the dense anchor's threads (the default packs: DESIGN rule 9)
+            rank_cores=EVERY_CORE,
         )  # fmt: skip
         label = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor}"
         # a padded dispatcher's buffers hold `capacity` rows per expert; dropless, the largest count anywhere

@@ -23,7 +23,7 @@ import statistics
 import torch
 
 import threadpar
-from benchmarks.harness import fmt_bytes, fmt_time, machine_line, median_time, run_gloo, table
+from benchmarks.harness import EVERY_CORE, fmt_bytes, fmt_time, machine_line, median_time, run_gloo, table
 from threadpar.runtime.launch import available_cores
 
 MIB = 1 << 20
@@ -67,7 +67,7 @@ def hierarchical_worker(rank: int, world_size: int, repeats: int, intraop: int) 
         repeats,
         threads_per_process=RANKS // world_size,
         intraop_threads=intraop,
-        rank_cores="all",  # every core, as gloo's processes (the default packs: DESIGN rule 9)
+        rank_cores=EVERY_CORE,
     )
     return results[0]
 
@@ -98,7 +98,7 @@ def main() -> None:
                 world_size=RANKS,
                 devices="cpu",
                 intraop_threads=intraop,
-                rank_cores="all",
+                rank_cores=EVERY_CORE,
             )[0],
         }
         for name, result in runs.items():

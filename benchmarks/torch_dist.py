@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import threadpar
-from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
+from benchmarks.harness import EVERY_CORE, fmt_time, machine_line, median_time, run_gloo, table
 from threadpar.runtime.launch import available_cores
 
 WIDTH, LAYERS, BATCH, RANKS, STEPS = 512, 4, 32, 2, 5
@@ -97,7 +97,7 @@ def on_threadpar(repeats: int, rank_cores: str | None = None) -> dict[str, dict[
 
 
 def on_threadpar_all_cores(repeats: int) -> dict[str, dict[str, list[float]]]:
-    return on_threadpar(repeats, rank_cores="all")
+    return on_threadpar(repeats, rank_cores=EVERY_CORE)
 
 
 def on_threaded_pg(repeats: int) -> dict[str, dict[str, list[float]]]:

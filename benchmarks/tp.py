@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import threadpar
-from benchmarks.harness import fmt_bytes, fmt_time, machine_line, median_time, table
+from benchmarks.harness import EVERY_CORE, fmt_bytes, fmt_time, machine_line, median_time, table
 from threadpar.parallel import ColumnParallelLinear, RowParallelLinear
 
 # ProcessGroup method -> the collective it is (all_reduce itself goes through all_reduce_coalesced)
@@ -294,7 +294,7 @@ def main() -> None:
         tp=tp,
         devices="cpu",
         intraop_threads=threads,
-        rank_cores="all",  # every core, as the dense anchor's threads (the default packs: DESIGN rule 9)
+        rank_cores=EVERY_CORE,
     )
     wide = threadpar.launch(
         dense_main,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import threadpar
-from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
+from benchmarks.harness import EVERY_CORE, fmt_time, machine_line, median_time, run_gloo, table
 from threadpar.models.gpt import GPT, model_config
 from threadpar.parallel import DistributedDataParallel, ZeroRedundancyOptimizer, optimizer_state_bytes
 
@@ -138,7 +138,7 @@ def measure_round(model: str, template: nn.Module, ranks: int, iters: int, repea
             repeats,
             world_size=ranks,
             devices="cpu",
-            rank_cores="all",  # every core, as gloo's processes (the default packs: DESIGN rule 9)
+            rank_cores=EVERY_CORE,
         )[0]
     return out
 
