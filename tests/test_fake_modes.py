@@ -8,7 +8,9 @@ import threading
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
-from test_nccl_fake import clique
+from test_nccl_double import clique
+
+from threadpar.comm.nccl.library import SUM, nccl_group
 
 import threadpar
 from threadpar import ReduceOp
@@ -64,10 +66,12 @@ def test_nccls_in_place_offset_rule(op, offset):
     with fake.launch_lock:
 
         def call():
-            if op == "all_gather":
-                fake.nccl.all_gather(pieces, bufs, streams=streams, comms=comms)
-            else:
-                fake.nccl.reduce_scatter(bufs, pieces, streams=streams, comms=comms)
+            with nccl_group(fake.nccl):
+                for piece, buf, comm, s in zip(pieces, bufs, comms, streams):
+                    if op == "all_gather":
+                        fake.nccl.all_gather(piece, buf, comm, s)
+                    else:
+                        fake.nccl.reduce_scatter(buf, piece, SUM, comm, s)
 
         if offset == 0:
             call()

@@ -14,7 +14,7 @@ from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, Co
 
 def test_an_nccl_call_that_fails_raises_ncclerror_on_every_member():
     fake = FakeCuda()
-    fake.nccl.fail_next["all_reduce"] = "unhandled cuda error"
+    fake.nccl.fail_next["ncclAllReduce"] = "unhandled cuda error"
 
     def body():
         with pytest.raises(NcclError) as info:
@@ -24,7 +24,7 @@ def test_an_nccl_call_that_fails_raises_ncclerror_on_every_member():
     for message in run_fake_gpus(body, 3, fake):
         assert "all_reduce(float32[2], op=SUM) #1 on group 'WORLD' failed" in message
         assert (
-            "torch.cuda.nccl.all_reduce on group 'WORLD' failed: NCCL Error 3: unhandled cuda error"
+            "NCCL all_reduce on group 'WORLD' failed: ncclAllReduce failed: ncclInternalError (unhandled cuda error)"
             in message
         )
 
@@ -135,7 +135,7 @@ def test_nccl_on_a_torch_without_nccl_says_so():
     )
     if world.nccl_runtime().nccl_available():
         pytest.skip("this torch has NCCL")
-    with pytest.raises(ConfigError, match=r"this torch build has no NCCL support.*backend='threads'"):
+    with pytest.raises(ConfigError, match=r"NCCL cannot run here.*THREADPAR_NCCL_LIBRARY.*backend='threads'"):
         world.world_group()
 
 
@@ -179,7 +179,7 @@ def test_communicators_of_a_group_in_trouble_are_never_given_to_a_later_launch(t
                 work.wait(timeout=0.05)
         elif trouble == "nccl_error":
             if threadpar.get_rank() == 0:
-                fake.nccl.fail_next["all_reduce"] = "unhandled cuda error"
+                fake.nccl.fail_next["ncclAllReduce"] = "unhandled cuda error"
             threadpar.barrier()
             with pytest.raises(NcclError):
                 threadpar.all_reduce(torch.ones(2))

@@ -90,10 +90,9 @@ def test_one_grouped_call_per_process_with_only_its_members_in_group_order():
         assert torch.equal(b, torch.full((5,), 3.0))
     for fake, here in zip(fakes, ([0, 1], [3])):
         calls = [c for c in fake.calls if c.comms[0].size == 3]
-        # all_reduce; reduce, reduce_scatter and all_gather as all-reduces; broadcast from member 0 is NCCL's
-        # own, with the root torch accepts (a valid local index; torch broadcasts from NCCL rank 0 anyway)
-        assert [c.name for c in calls] == ["all_reduce"] * 4 + ["broadcast"]
-        assert calls[4].extra["root"] == 0
+        # every collective NCCL's own across processes, at its own bytes; roots are NCCL ranks (group indices)
+        assert [c.name for c in calls] == ["all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast"]
+        assert calls[1].extra["root"] == 1 and calls[4].extra["root"] == 0
         for call in calls:
             assert [c.rank for c in call.comms] == [members[r] for r in here]  # group order, local only
             assert [c.thread for c in call.comms] == [f"threadpar-rank-{r}" for r in here]

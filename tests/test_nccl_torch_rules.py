@@ -49,8 +49,8 @@ def test_broadcast_from_every_member_of_the_world_and_of_sub_groups():
     fake = FakeCuda()
     results = run_fake_gpus(lambda: _broadcast_from_everyone([None, "TP", "DP"]), 4, fake, tp=2)
     _assert_broadcasts(results, {"None", "TP", "DP"})
-    # torch.cuda.nccl.broadcast is only asked for what it does: broadcast from NCCL rank 0
-    assert all(c.extra["root"] == 0 for c in fake.calls_named("broadcast"))
+    # NCCL's own broadcast from every root: its NCCL rank is the source's index in the group
+    assert {c.extra["root"] for c in fake.calls_named("broadcast")} == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("processes,threads", [(2, 1), (2, 2), (3, 1)])

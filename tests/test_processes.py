@@ -237,17 +237,17 @@ def test_message_headers_round_trip():
 
 
 class FakeNccl:
-    """Stands in for torch.cuda.nccl: records the calls that join a communicator."""
+    """Stands in for NCCL's C API (threadpar's NcclApi): records the calls that join a communicator."""
 
     def __init__(self):
         self.ids, self.joins, self.lock = 0, [], threading.Lock()
 
-    def unique_id(self):
+    def get_unique_id(self):
         with self.lock:
             self.ids += 1
         return b"\x01uid\x00" * 16
 
-    def init_rank(self, size, uid, rank):
+    def comm_init_rank(self, size, uid, rank, device):
         with self.lock:
             self.joins.append((size, uid, rank))
         return f"comm{rank}"
@@ -257,7 +257,7 @@ def test_nccl_members_join_with_the_unique_id_from_the_store():
     store, nccl, comms = dist.HashStore(), FakeNccl(), {}
 
     def member(m):
-        comms[m] = join_nccl_group(dist.PrefixStore("launch1", store), "ab12", m, 3, 5.0, nccl=nccl)
+        comms[m] = join_nccl_group(dist.PrefixStore("launch1", store), "ab12", m, 3, 5.0, nccl, 0)
 
     threads = [threading.Thread(target=member, args=(m,)) for m in (2, 1, 0)]
     for t in threads:
@@ -269,4 +269,4 @@ def test_nccl_members_join_with_the_unique_id_from_the_store():
     assert comms == {0: "comm0", 1: "comm1", 2: "comm2"}
     assert dist.PrefixStore("launch1", store).check([unique_id_key("ab12")])
     with pytest.raises(CollectiveTimeoutError, match="member 0 to publish"):
-        join_nccl_group(store, "other", 1, 2, 0.2, nccl=nccl)
+        join_nccl_group(store, "other", 1, 2, 0.2, nccl, 0)

@@ -36,24 +36,27 @@ def test_the_nccl_backend_agrees_with_the_threads_backend_and_a_wrong_result_fai
     assert all(r[3] > 0 and r[5] > 0 for r in rows)  # timed, with a bus bandwidth
 
     broken = FakeCuda()
-    all_reduce = broken.nccl.all_reduce
+    all_reduce, group_end = broken.nccl.all_reduce, broken.nccl.group_end
+    issued: list[torch.Tensor] = []
 
-    def off_by_one(inputs, outputs=None, **kwargs):
-        all_reduce(inputs, outputs, **kwargs)
-        (outputs or inputs)[1].add_(1)  # rank 1's result is wrong
+    def off_by_one(send, recv, op, comm, stream):
+        all_reduce(send, recv, op, comm, stream)
+        if comm.rank == 1:
+            issued.append(recv)
 
-    broken.nccl.all_reduce = off_by_one
+    def corrupting_group_end():
+        group_end()  # (the outermost end launches: the double computes the results here)
+        while issued:
+            issued.pop().add_(1)  # rank 1's result is wrong
+
+    broken.nccl.all_reduce, broken.nccl.group_end = off_by_one, corrupting_group_end
     rows = selftest.check(fake_gpus(3, broken), threads(3), 3, [4096], 0)
     verdicts = {r[0]: r[2] for r in rows}
     assert verdicts["all_reduce"] == "rank 1: FAIL (max |diff| 1.0)"
-    # Broadcasts are all-reduces of a buffer zeroed off the source (issue 14, defect 1), so they fail too; the
-    # copies and the other NCCL calls do not, and only rank 1 (whose result was corrupted) is named.
-    assert {name for name, v in verdicts.items() if v != "pass"} <= {
-        "all_reduce", "avg_3_ranks", "broadcast", "subgroup_bcast"
-    }  # fmt: skip
-    assert all(
-        v.startswith("rank 1: ") for name, v in verdicts.items() if v != "pass" and "bcast" not in name
-    )
+    # Only the all-reduces fail (broadcast is NCCL's own now), and only rank 1 (whose result was corrupted)
+    # is named.
+    assert {name for name, v in verdicts.items() if v != "pass"} <= {"all_reduce", "avg_3_ranks"}
+    assert all(v.startswith("rank 1: ") for v in verdicts.values() if v != "pass")
     assert verdicts["send_recv_ends"] == verdicts["scatter"] == verdicts["reduce_scatter"] == "pass"
 
 

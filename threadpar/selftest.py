@@ -30,14 +30,14 @@ from typing import Any
 import torch
 
 import threadpar
-from threadpar.comm.nccl.cuda_api import torch_nccl
+from threadpar.comm.nccl.cuda_api import nccl_runtime
 from threadpar.runtime.devices import cuda_device_count
 from threadpar.runtime.launch import available_cores
 from threadpar.selftest_models import LABELS as MODEL_LABELS
 from threadpar.selftest_models import check_models
 
 # Roots are the LAST rank and the point-to-point pair is last <-> first: member 0 is the case a wrong root
-# (torch.cuda.nccl.broadcast always sends from NCCL rank 0) or a wrong index gets right by accident.
+# (a broadcast that always sent from NCCL rank 0, as torch.cuda.nccl's does) or a wrong index gets right by accident.
 COLLECTIVES = (
     "all_reduce", "avg_3_ranks", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",
     "gather", "send_recv", "send_recv_ends", "subgroup_bcast",
@@ -263,12 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, help="timed runs per collective and size")
     args = parser.parse_args(argv)
     n_gpus = cuda_device_count()
-    nccl = n_gpus > 0 and torch_nccl().nccl_available()
+    nccl = n_gpus > 0 and nccl_runtime().nccl_available()
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else GPU_SIZES if nccl else CPU_SIZES
     iters = args.iters or (20 if nccl else 5)
     if nccl:
         n = n_gpus
-        print(f"threadpar selftest: {n} GPU(s), NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+        print(f"threadpar selftest: {n} GPU(s), NCCL {'.'.join(map(str, nccl_runtime().nccl.version()))}, "
               f"torch {torch.__version__}; nccl backend vs threads backend (CPU) on the same inputs")  # fmt: skip
         subject: Runner = functools.partial(threadpar.launch, world_size=n, backend="nccl")
         reference: Runner | None = functools.partial(

@@ -1,22 +1,33 @@
-"""Test double for torch.cuda.nccl: `FakeNccl` (one per simulated process) over a shared `FakeFabric`.
+"""Test double of NCCL's C API (nccl.h): `FakeNccl` (one per simulated process) over a shared `FakeFabric`.
 
-What it checks, in two layers, so that no code path passes against the double while failing on real torch:
-- torch.cuda.nccl's own argument checks (torch/csrc/cuda/nccl.cpp), which use the LOCAL list length:
-  `reduce` needs 0 <= root < len(inputs) and gives the output to local index `root` only, while NCCL takes
-  `root` as the rank that receives; `all_gather` needs output numel == len(inputs) x input numel;
-  `reduce_scatter` computes count = input numel / len(inputs) and needs output numel == count. These raise
-  RuntimeError at the call, as torch's TORCH_CHECKs do.
-- NCCL's: one communicator per input, all of one clique, in increasing rank order (threadpar passes
-  members in group order), and every communicator of the clique this process holds in the call (NCCL
-  hangs otherwise); NCCL's dtypes; and, once every rank of the clique has issued its part, that the
-  buffers are big enough for the CLIQUE's size (torch sized them for the local list: a cross-process
-  all_gather or reduce_scatter through them would overrun) and that a reduce's root rank has an output.
+It stands where threadpar.comm.nccl.library.NcclLibrary stands (the NcclApi seam: one method per C function,
+tensors for buffers), so every line of the backend above the binding runs against it. What it enforces, each
+rule with the NCCL source or document it mirrors:
+- Communicators: ncclCommInitRank blocks until every rank of the unique id has joined (nccl.h); one rank per
+  device in a communicator ("Duplicate GPU detected", ncclInvalidUsage: src/init.cc); a freed or aborted
+  communicator is refused (src/misc/argcheck.cc, CommCheck: ncclInvalidArgument).
+- Groups: ncclGroupStart/End nest per thread (src/group.cc: ncclGroupDepth is thread-local), an end without a
+  start is ncclInvalidUsage (group.cc, ncclGroupEndInternal), and the operations of a group are launched at
+  its outermost end, not before (usage/groups.html); an operation outside a group is a group of its own.
+- Threads: operations on one device's communicators must not be issued from two threads at the same time,
+  creating a communicator included (usage/threadsafety.html; usage/communicators.html, "Using multiple NCCL
+  communicators concurrently").
+- Collectives: every rank of a communicator issues the same collective with the same count, type, op and
+  root, in the same order (else NCCL hangs or corrupts: the double says so); the buffers are large enough
+  for the communicator's size (ncclAllGather's recvbuff holds nranks x sendcount, ncclReduceScatter's
+  sendbuff nranks x recvcount: nccl.h); the root of ncclReduce has a recvbuff; in-place only as
+  usage/inplace.html defines it; ncclRedOp_t without bitwise ops; ncclAvg computed as NCCL computes it.
+- Point to point: ncclSend/ncclRecv match per (communicator, peer) in issue order, with the same count and
+  type (usage/p2p.html); a rank may send to itself inside a group.
+- Failures: ncclCommAbort ends the communicator's pending operations with an error (nccl.h); an
+  asynchronous error is what ncclCommGetAsyncError reports (`async_error_code`).
+It also models the one torch.cuda.nccl fact threadpar must never meet again: `init_rank` raises SystemError
+on CPython 3.10-3.12 (pytorch#38019; tests/conftest.py installs `broken_torch_init_rank`).
 
-Cliques span simulated processes (threadpar.testing runs several in one interpreter): `init_rank` blocks
-until the whole clique has joined, like ncclCommInitRank, and a collective is computed once every rank of
-the clique has issued it. The thread that issues a part blocks until then (a real launch returns at once
-and the device waits); it lets go of its process's launch lock while it waits, so that other groups'
-launches in that process go on, as they would on a GPU.
+Cliques span simulated processes (threadpar.testing runs several in one interpreter): a collective is
+computed once every rank of the clique has issued it. The thread that issues a part waits until then (a real
+launch returns at once and the device waits); it lets go of its process's launch lock while it waits, so
+that other groups' launches in that process go on, as they would on a GPU.
 """
 
 from __future__ import annotations
@@ -26,17 +37,19 @@ import itertools
 import os
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
+from threadpar.errors import NcclError
+
 from .fake_device_queue import PendingOp, attach
 
-# torch/csrc/cuda/nccl.cpp, to_nccl_data_type: the dtypes torch maps to an ncclDataType_t (bfloat16 only when
-# built with NCCL >= 2.10). torch also maps bool and the float8 types to ncclUint8; the double accepts bool
-# only for data movement (threadpar never reduces bool through NCCL: nccl/reduction.py gathers it), stricter than
-# torch, which would let NCCL add the bytes.
+# The dtypes that have an ncclDataType_t (nccl.h); bool travels as uint8 (library.data_type), for data
+# movement only (threadpar never reduces bool through NCCL: nccl/reduction.py gathers it).
 NCCL_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
 }  # fmt: skip
@@ -44,8 +57,14 @@ INIT_TIMEOUT_S = 5.0
 # How long an issued part waits for the rest of its clique (a real device would wait for ever).
 OP_TIMEOUT_S = 10.0
 SUM = 0
-# The root torch.cuda.nccl.broadcast passes to ncclBcast, whatever root its caller gave (see broadcast).
-NCCL_BCAST_ROOT = 0
+# ncclResult_t (nccl.h)
+INVALID_ARGUMENT, INVALID_USAGE, REMOTE_ERROR = 4, 5, 6
+
+
+def nccl_error(function: str, code: int, message: str) -> NcclError:
+    """The error the binding raises for a failed call (threadpar.comm.nccl.library.NcclLibrary._error)."""
+    names = {4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 3: "ncclInternalError"}
+    return NcclError(f"{function} failed: {names.get(code, code)} ({message})")
 
 
 class FakeComm(NamedTuple):
@@ -55,6 +74,7 @@ class FakeComm(NamedTuple):
     thread: str
     process: int  # which FakeNccl (simulated process) created it
     lazy: bool = False  # NCCL >= 2.22 with NCCL_RUNTIME_CONNECT=1: connects peers on first use (see FakeNccl)
+    device: int = 0  # the (fake) CUDA device it is bound to
 
 
 class Part(NamedTuple):
@@ -77,6 +97,22 @@ class CliqueOp:
     parts: dict[int, Part] = field(default_factory=dict)
     done: bool = False
     error: str | None = None
+    index: int = 0
+    uid: bytes = b""
+
+
+@dataclass
+class P2pOp:
+    """One ncclSend matched (or waiting to be matched) with one ncclRecv of the same peer pair."""
+
+    src: int
+    dst: int
+    send: torch.Tensor | None = None
+    recv: torch.Tensor | None = None
+    done: bool = False
+    error: str | None = None
+    uid: bytes = b""
+    name: str = "send/recv"
 
 
 class FakeFabric:
@@ -88,9 +124,15 @@ class FakeFabric:
         self._ids = itertools.count()
         self._processes = itertools.count()
         self._joining: dict[bytes, set[int]] = {}
+        self._failed: set[bytes] = set()  # cliques whose init failed
+        self._devices: dict[tuple[bytes, int], int] = {}  # (clique, device) -> the rank bound to it (one process)
         self.owner: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> process holding that communicator
         self._issued: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> collectives issued so far
         self._ops: dict[tuple[bytes, int], CliqueOp] = {}
+        # (clique, src, dst) -> sends and receives not yet matched, in issue order
+        self._sends: dict[tuple[bytes, int, int], deque[P2pOp]] = {}
+        self._recvs: dict[tuple[bytes, int, int], deque[P2pOp]] = {}
+        self.freed: set[tuple[bytes, int]] = set()  # (clique, rank) destroyed or aborted
         self.id_makers: dict[bytes, str] = {}  # unique id -> the thread that made it
 
     def new_process(self) -> int:
@@ -102,34 +144,41 @@ class FakeFabric:
             self.id_makers[uid] = threading.current_thread().name
         return uid
 
-    def join(self, num_ranks: int, uid: bytes, rank: int, process: int) -> None:
+    def join(self, num_ranks: int, uid: bytes, rank: int, process: int, device: int) -> None:
         with self.cond:
+            other = self._devices.get((uid, process * 1_000_003 + device))
+            if other is not None:
+                self._failed.add(uid)  # (every rank's init fails: NCCL checks in the collective bootstrap)
+                self.cond.notify_all()
+                # src/init.cc (initTransportsRank): two ranks of one communicator with the same host hash and
+                # bus id: WARN "Duplicate GPU detected : rank %d and rank %d both on CUDA device %lx",
+                # ncclInvalidUsage. (Processes of the double are distinct hosts: the key holds the process.)
+                raise nccl_error(
+                    "ncclCommInitRank", INVALID_USAGE,
+                    f"Duplicate GPU detected: rank {other} and rank {rank} both on CUDA device {device}",
+                )  # fmt: skip
+            self._devices[uid, process * 1_000_003 + device] = rank
             joined = self._joining.setdefault(uid, set())
             joined.add(rank)
             self.owner[uid, rank] = process
             self.cond.notify_all()
-            if not self.cond.wait_for(lambda: len(joined) == num_ranks, INIT_TIMEOUT_S):
-                raise RuntimeError(
-                    f"NCCL Error 6: init of rank {rank}: ranks {sorted(joined)} of {num_ranks} joined"
-                )
+            if not self.cond.wait_for(lambda: len(joined) == num_ranks or uid in self._failed, INIT_TIMEOUT_S):
+                raise nccl_error(
+                    "ncclCommInitRank", REMOTE_ERROR,
+                    f"init of rank {rank}: ranks {sorted(joined)} of {num_ranks} joined within {INIT_TIMEOUT_S:g} s "
+                    "(the double's bound; NCCL waits for ever)",
+                )  # fmt: skip
+            if uid in self._failed:
+                raise nccl_error("ncclCommInitRank", INVALID_USAGE, "Duplicate GPU detected (another rank's init)")
 
     def ranks_held_by(self, uid: bytes, process: int) -> list[int]:
         with self.cond:
             return sorted(r for (u, r), p in self.owner.items() if u == uid and p == process)
 
-    def issue(
-        self,
-        name: str,
-        args: tuple,
-        comms: list[FakeComm],
-        parts: list[Part],
-        release: Any,
-        lazy: bool = False,
-    ) -> None:
-        """Add this process's parts of a collective; compute it once every rank has; wait until then.
-        `release` is a context manager that lets go of the caller's launch lock while it waits (None: the
-        caller keeps it: the real call blocks, connecting to its peers). `lazy`: once every rank has issued
-        it, the collective waits on its comm streams until something waits on it (fake_device_queue.py)."""
+    # collectives: post every part of a group, then wait for all ---------------------------------------------
+    def post(self, name: str, args: tuple, comms: list[FakeComm], parts: list[Part], lazy: bool = False) -> CliqueOp:
+        """Add these parts (this process's, of one collective of one clique); compute it once every rank
+        has. `lazy`: once complete, the collective waits on its comm streams until something waits on it."""
         uid, size = comms[0].uid, comms[0].size
         with self.cond:
             indices = {self._issued.get((uid, c.rank), 0) for c in comms}
@@ -137,7 +186,7 @@ class FakeFabric:
             index = indices.pop()
             for c in comms:
                 self._issued[uid, c.rank] = index + 1
-            op = self._ops.setdefault((uid, index), CliqueOp(name, args, size))
+            op = self._ops.setdefault((uid, index), CliqueOp(name, args, size, index=index, uid=uid))
             if (op.name, op.args) != (name, args):
                 op.error = (
                     f"NCCL collectives differ on clique {uid[:8]!r} at its collective #{index}: "
@@ -150,31 +199,107 @@ class FakeFabric:
                 if op.error is None and lazy:
                     _defer(op)
             if len(op.parts) == size or op.error is not None:
-                op.done = True
-                del self._ops[uid, index]
-                self.cond.notify_all()
-        if not op.done:
-            # (the launch lock is let go of outside the fabric's lock: launches take them in the other order)
-            with release() if release is not None else contextlib.nullcontext(), self.cond:
-                finished = self.cond.wait_for(lambda: op.done, self.op_timeout)
-            if not finished:
-                missing = sorted(set(range(size)) - set(op.parts))
-                raise RuntimeError(
-                    f"fake NCCL: {name} #{index} on clique {uid[:8]!r}: ranks {missing} never issued it "
-                    f"within {self.op_timeout:g} s (on a GPU the kernel would hang)"
-                )
-        if op.error is not None:
-            raise RuntimeError(op.error)
+                self._finish(op)
+        return op
+
+    def _finish(self, op: CliqueOp | P2pOp) -> None:
+        op.done = True
+        if isinstance(op, CliqueOp):
+            self._ops.pop((op.uid, op.index), None)
+        self.cond.notify_all()
+
+    # point to point ---------------------------------------------------------------------------------------------
+    def post_send(self, comm: FakeComm, peer: int, tensor: torch.Tensor) -> P2pOp:
+        return self._post_p2p(comm.uid, comm.rank, peer, send=tensor)
+
+    def post_recv(self, comm: FakeComm, peer: int, tensor: torch.Tensor) -> P2pOp:
+        return self._post_p2p(comm.uid, peer, comm.rank, recv=tensor)
+
+    def _post_p2p(self, uid: bytes, src: int, dst: int, send=None, recv=None) -> P2pOp:
+        """usage/p2p.html: each ncclRecv from `src` matches the oldest unmatched ncclSend of `src` to this
+        rank on this communicator, and the two must agree on count and type."""
+        key = (uid, src, dst)
+        with self.cond:
+            mine, theirs = (self._sends, self._recvs) if send is not None else (self._recvs, self._sends)
+            waiting = theirs.get(key)
+            if waiting:
+                op = waiting.popleft()
+                if send is not None:
+                    op.send = send
+                else:
+                    op.recv = recv
+                assert op.send is not None and op.recv is not None
+                if (op.send.numel(), op.send.dtype) != (op.recv.numel(), op.recv.dtype):
+                    op.error = (
+                        f"NCCL send/recv {src} -> {dst}: the send has {op.send.numel()} x {op.send.dtype}, the "
+                        f"receive {op.recv.numel()} x {op.recv.dtype} (usage/p2p.html: they must match)"
+                    )
+                else:
+                    op.recv.copy_(op.send)
+                self._finish(op)
+                return op
+            op = P2pOp(src, dst, send, recv, uid=uid)
+            mine.setdefault(key, deque()).append(op)
+            return op
+
+    # waiting, aborting ------------------------------------------------------------------------------------------
+    def wait(self, ops: Sequence[CliqueOp | P2pOp], release: Any) -> None:
+        """Until every op is done (`release`: lets go of the caller's launch lock meanwhile, or None)."""
+        if all(op.done for op in ops):
+            self._raise_errors(ops)
+            return
+        # (the launch lock is let go of outside the fabric's lock: launches take them in the other order)
+        with release() if release is not None else contextlib.nullcontext(), self.cond:
+            finished = self.cond.wait_for(lambda: all(op.done for op in ops), self.op_timeout)
+        if not finished:
+            late = next(op for op in ops if not op.done)
+            if isinstance(late, CliqueOp):
+                missing = sorted(set(range(late.size)) - set(late.parts))
+                what = f"{late.name} #{late.index}: ranks {missing} never issued it"
+            else:
+                what = f"send/recv {late.src} -> {late.dst}: the {'recv' if late.recv is None else 'send'} never came"
+            raise RuntimeError(
+                f"fake NCCL: {what} within {self.op_timeout:g} s (on a GPU the kernel would hang)"
+            )
+        self._raise_errors(ops)
+
+    @staticmethod
+    def _raise_errors(ops: Sequence[CliqueOp | P2pOp]) -> None:
+        for op in ops:
+            if op.error is not None:
+                raise RuntimeError(op.error)
+
+    def abort(self, comm: FakeComm) -> None:
+        """ncclCommAbort: the communicator's pending operations end with an error (nccl.h), it is freed."""
+        with self.cond:
+            self.freed.add((comm.uid, comm.rank))
+            message = f"NCCL communicator of rank {comm.rank} was aborted (ncclCommAbort) with this operation pending"
+            for op in list(self._ops.values()):
+                if op.uid == comm.uid and not op.done:
+                    op.error = op.error or message
+                    self._finish(op)
+            for queues in (self._sends, self._recvs):
+                for (uid, src, dst), waiting in queues.items():
+                    if uid == comm.uid and comm.rank in (src, dst):
+                        for op in waiting:
+                            op.error = message
+                            self._finish(op)
+                        waiting.clear()
+
+    def check_usable(self, comm: FakeComm, function: str) -> None:
+        with self.cond:
+            freed = (comm.uid, comm.rank) in self.freed
+        if freed:
+            # src/misc/argcheck.cc, CommCheck: a freed communicator's magic no longer matches
+            raise nccl_error(function, INVALID_ARGUMENT, "the communicator was destroyed or aborted")
 
 
 def _check_op(name: str, op: int) -> None:
     """NCCL's built-in reductions are ncclRedOp_t's ncclSum=0, ncclProd=1, ncclMax=2, ncclMin=3, ncclAvg=4
     (nccl.h); there is no bitwise op. Any other value (short of a ncclRedOpCreatePreMulSum handle, which
-    torch.cuda.nccl never makes) fails with ncclInvalidArgument; torch.cuda.nccl passes `op` through unchanged."""
+    threadpar never makes) fails with ncclInvalidArgument (src/enqueue.cc, hostToDevRedOp / ArgsCheck)."""
     if op not in range(5):
-        raise RuntimeError(
-            f"NCCL Error 4: invalid argument ({name}: ncclRedOp_t {op} is not a reduction NCCL has)"
-        )
+        raise nccl_error(name, INVALID_ARGUMENT, f"ncclRedOp_t {op} is not a reduction NCCL has")
 
 
 def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
@@ -271,22 +396,22 @@ def _compute(op: CliqueOp, run: bool = True) -> str | None:
 def _sizes(op: CliqueOp, parts: list[Part], count: int, root: Any) -> str | None:
     if op.name == "reduce" and parts[root].output is None:
         return (
-            f"NCCL reduce: rank {root} is the root, but torch.cuda.nccl gave it no output buffer (it "
-            "passes the output only at local index root): NCCL would write through a null pointer"
+            f"NCCL reduce: rank {root} is the root, but passed no recvbuff: NCCL would write through a null "
+            "pointer (nccl.h: the root's recvbuff receives the result)"
         )
     if op.name == "all_gather":
         short = [r for r, p in enumerate(parts) if p.output.numel() < op.size * count]
         if short:
             return (
                 f"NCCL all_gather over {op.size} ranks writes {op.size * count} elements, but ranks {short} "
-                "passed smaller outputs (torch.cuda.nccl sizes them by the local inputs): buffer overrun"
+                "passed smaller outputs (nccl.h: recvbuff holds nranks x sendcount): buffer overrun"
             )
     if op.name == "reduce_scatter":
         short = [r for r, p in enumerate(parts) if p.input.numel() < op.size * count]
         if short:
             return (
                 f"NCCL reduce_scatter over {op.size} ranks reads {op.size * count} elements, but ranks {short} "
-                "passed smaller inputs (torch.cuda.nccl counts by the local inputs): buffer overrun"
+                "passed smaller inputs (nccl.h: sendbuff holds nranks x recvcount): buffer overrun"
             )
     return None
 
@@ -301,8 +426,8 @@ def _execute(op: CliqueOp, parts: list[Part], count: int, reduce_op: Any, root: 
         parts[root].output.copy_(_reduce(inputs, reduce_op))
     elif op.name == "broadcast":
         source = inputs[root].clone()
-        for t in inputs:
-            t.copy_(source)
+        for p in parts:
+            p.output.copy_(source)
     elif op.name == "all_gather":
         gathered = torch.cat([t.view(-1) for t in inputs])
         for p in parts:
@@ -314,148 +439,219 @@ def _execute(op: CliqueOp, parts: list[Part], count: int, reduce_op: Any, root: 
     return None
 
 
+
+
+class _Queued(NamedTuple):
+    """An operation issued inside a group, launched at the group's end."""
+
+    name: str
+    args: tuple  # for collectives: (count, dtype, op, root); for p2p: (peer,)
+    comm: FakeComm
+    stream: Any
+    part: Part
+    extra: dict
+
+
 class FakeNccl:
-    """torch.cuda.nccl's functions, with its argument conventions and checks (for one simulated process)."""
+    """NCCL's C API (the NcclApi seam) for one simulated process, with NCCL's rules (module docstring)."""
 
     SUM = SUM
 
     def __init__(self, fake: Any, version: tuple[int, ...], fabric: FakeFabric | None = None) -> None:
         self.fake = fake
-        self._version = version
+        self._version = tuple(version) + (0,) * (3 - len(version))
         self.fabric = FakeFabric() if fabric is None else fabric
         self.process = self.fabric.new_process()
-        self.fail_next: dict[str, str] = {}  # function name -> message of the error its next call raises
+        self.fail_next: dict[str, str] = {}  # C function name -> message of the error its next call raises
+        self.async_error_code = 0  # what ncclCommGetAsyncError reports (0: ncclSuccess)
         self.init_calls: list[FakeComm] = []
+        self.destroyed: list[FakeComm] = []
+        self.aborted: list[FakeComm] = []
         # How long ncclCommInitRank works after the clique has joined (a real one takes 0.1-1 s: topology,
         # buffers, connections); tests raise it to widen the window in which the init rule can be broken.
         self.init_seconds = 0.0
-        self._initialising: dict[bytes, int] = {}  # clique -> threads of this process inside init_rank
+        self._initialising: dict[int, set[bytes]] = {}  # device -> cliques being created on it, this process
+        self._driving: dict[int, int] = {}  # device -> the thread whose open group holds operations on it
         self._runtime_connect: bool | None = None  # NCCL_RUNTIME_CONNECT as NCCL read it (once per process)
         self._connected: set[tuple[bytes, str]] = set()  # (clique, collective) this process has connected
+        self._local = threading.local()  # this thread's group: depth and queued operations
         self.violations: list[str] = []  # NCCL thread-safety rules broken (also raised to the caller)
 
-    def version(self) -> tuple[int, ...]:
-        return self._version
+    # version, errors, communicators -----------------------------------------------------------------------------
+    def version(self) -> tuple[int, int, int]:
+        return self._version  # type: ignore[return-value]
 
-    def unique_id(self) -> bytes:
+    def error_string(self, code: int) -> str:
+        return {0: "no error", 4: "invalid argument", 5: "invalid usage", 6: "remote process exited or there "
+                "was a network error"}.get(code, "unhandled error")  # fmt: skip
+
+    def get_unique_id(self) -> bytes:
+        self._fail_if_told("ncclGetUniqueId")
         return self.fabric.unique_id()
 
-    def init_rank(self, num_ranks: int, uid: bytes, rank: int) -> FakeComm:
-        # torch.cuda.nccl.init_rank is ncclCommInitRank (torch/csrc/cuda/python_nccl.cpp), which binds the new
-        # communicator to the calling thread's CURRENT device (NCCL docs, usage/communicators.html: each
-        # communicator is associated to a fixed rank and CUDA device): without a device guard every rank
-        # thread would create its communicator on device 0.
-        assert self.fake.guarded_device() is not None, "init_rank called without a device guard (device 0)"
+    def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int, device: int) -> FakeComm:
+        self._fail_if_told("ncclCommInitRank")
+        if not 0 <= rank < nranks:  # src/init.cc, ncclCommInitRankDev: "rank %d nranks %d" -> ncclInvalidArgument
+            raise nccl_error("ncclCommInitRank", INVALID_ARGUMENT, f"rank {rank} is not in [0, {nranks})")
         with self.fake.lock:
-            self._initialising[uid] = self._initialising.get(uid, 0) + 1
+            self._initialising.setdefault(device, set()).add(unique_id)
         try:
-            self.fabric.join(num_ranks, uid, rank, self.process)
+            self.fabric.join(nranks, unique_id, rank, self.process, device)
             if self.init_seconds:
                 time.sleep(self.init_seconds)
         finally:
             with self.fake.lock:
-                self._initialising[uid] -= 1
-        comm = FakeComm(uid, rank, num_ranks, threading.current_thread().name, self.process, self._lazy())
+                self._initialising[device].discard(unique_id)
+        comm = FakeComm(
+            unique_id, rank, nranks, threading.current_thread().name, self.process, self._lazy(), device
+        )
         with self.fake.lock:
             self.init_calls.append(comm)
         return comm
 
-    # collectives (torch.cuda.nccl's signatures) -----------------------------------------------------------------
-    def all_reduce(self, inputs, outputs=None, op=SUM, streams=None, comms=None) -> None:
-        outputs = inputs if outputs is None else outputs
-        _check_op("all_reduce", op)
-        self._check("all_reduce", inputs, outputs, streams, comms, reduces=True)
-        parts = [Part(i, o) for i, o in zip(inputs, outputs)]
-        self._issue(
-            "all_reduce", (inputs[0].numel(), inputs[0].dtype, op, None), parts, streams, comms, op=op
-        )
+    def comm_init_all(self, devices: Sequence[int]) -> list[FakeComm]:
+        """ncclCommInitAll (src/init.cc): a unique id of its own, then every rank joined from this one thread
+        (NCCL runs the inits inside a group); duplicate devices fail as in comm_init_rank."""
+        self._fail_if_told("ncclCommInitAll")
+        uid, n = self.fabric.unique_id(), len(devices)
+        comms: list[Any] = [None] * n
+        errors: list[BaseException] = []
 
-    def reduce(self, inputs, output=None, root=0, op=SUM, streams=None, comms=None) -> None:
-        if not 0 <= root < len(inputs):  # torch/csrc/cuda/nccl.cpp, reduce: TORCH_CHECK(..., "invalid root")
-            raise RuntimeError(
-                f"invalid root (torch.cuda.nccl.reduce: root {root} is not an index into {len(inputs)} inputs)"
-            )
-        output = inputs[root] if output is None else output
-        _check_op("reduce", op)
-        self._check("reduce", inputs, None, streams, comms, reduces=True)
-        if output.numel() != inputs[0].numel() or not output.is_contiguous():
-            raise RuntimeError("torch.cuda.nccl.reduce: output must be contiguous, with the inputs' size")
-        # torch passes the output only at local index `root`, and `root` to NCCL as the receiving rank.
-        parts = [Part(t, output if i == root else None) for i, t in enumerate(inputs)]
-        self._issue(
-            "reduce", (inputs[0].numel(), inputs[0].dtype, op, root), parts, streams, comms, op=op, root=root
-        )
+        def join(i: int) -> None:
+            try:
+                comms[i] = self.comm_init_rank(n, uid, i, devices[i])
+            except BaseException as error:
+                errors.append(error)
 
-    def broadcast(self, inputs, root=0, streams=None, comms=None) -> None:
-        # torch 2.13 checks `root` against the LOCAL list and then drops it: THCPModule_nccl_broadcast
-        # (torch/csrc/cuda/python_nccl.cpp) asserts 0 <= root < len(inputs) ("invalid root") and calls
-        # torch::cuda::nccl::broadcast(tensors, streams, comms), which has no root parameter
-        # (torch/csrc/cuda/nccl.h) and passes root 0 to ncclBcast (torch/csrc/cuda/nccl.cpp, broadcast).
-        # So every broadcast through torch.cuda.nccl comes from NCCL rank 0, whatever `root` says.
-        if not 0 <= root < len(inputs):
-            raise RuntimeError("invalid root")
-        self._check("broadcast", inputs, None, streams, comms)
-        parts = [Part(t, t) for t in inputs]
-        self._issue(
-            "broadcast", (inputs[0].numel(), inputs[0].dtype, None, NCCL_BCAST_ROOT), parts, streams, comms,
-            root=root,
-        )  # fmt: skip
+        joiners = [threading.Thread(target=join, args=(i,)) for i in range(n)]
+        for t in joiners:
+            t.start()
+        for t in joiners:
+            t.join()
+        if errors:
+            raise errors[0]
+        return comms
 
-    def all_gather(self, inputs, outputs, streams=None, comms=None) -> None:
-        self._check("all_gather", inputs, outputs, streams, comms, out_factor=len(inputs))
-        parts = [Part(i, o) for i, o in zip(inputs, outputs)]
-        self._issue("all_gather", (inputs[0].numel(), inputs[0].dtype, None, None), parts, streams, comms)
+    def comm_destroy(self, comm: FakeComm) -> None:
+        self.fabric.check_usable(comm, "ncclCommDestroy")
+        self.fabric.abort(comm)  # (nothing may be pending on a communicator that is destroyed: freed alike)
+        with self.fake.lock:
+            self.destroyed.append(comm)
 
-    def reduce_scatter(self, inputs, outputs, op=SUM, streams=None, comms=None) -> None:
-        n = len(inputs)
-        _check_op("reduce_scatter", op)
-        self._check("reduce_scatter", inputs, outputs, streams, comms, reduces=True, out_factor=1 / n)
-        count = inputs[0].numel() // n  # torch: the count per rank comes from the LOCAL list length
-        parts = [Part(i, o) for i, o in zip(inputs, outputs)]
-        self._issue("reduce_scatter", (count, inputs[0].dtype, op, None), parts, streams, comms, op=op)
+    def comm_abort(self, comm: FakeComm) -> None:
+        self.fabric.check_usable(comm, "ncclCommAbort")
+        self.fabric.abort(comm)
+        with self.fake.lock:
+            self.aborted.append(comm)
 
-    # what torch and NCCL check ----------------------------------------------------------------------------------
-    def _check(self, name, inputs, outputs, streams, comms, *, reduces=False, out_factor=1.0) -> None:
-        message = self.fail_next.pop(name, None)
+    def comm_get_async_error(self, comm: FakeComm) -> int:
+        self.fabric.check_usable(comm, "ncclCommGetAsyncError")
+        return self.async_error_code
+
+    # groups -----------------------------------------------------------------------------------------------------
+    def _group(self) -> tuple[int, list[_Queued]]:
+        local = self._local
+        if not hasattr(local, "depth"):
+            local.depth, local.queued = 0, []
+        return local.depth, local.queued
+
+    def group_start(self) -> None:
+        self._enter_group()
+
+    def group_end(self) -> None:
+        self._leave_group()
+
+    def _enter_group(self) -> None:
+        depth, _ = self._group()
+        self._local.depth = depth + 1
+
+    def _leave_group(self) -> None:
+        depth, queued = self._group()
+        if depth == 0:  # src/group.cc, ncclGroupEndInternal: "ncclGroupEnd: not in a group call."
+            raise nccl_error("ncclGroupEnd", INVALID_USAGE, "not in a group call (no ncclGroupStart)")
+        self._local.depth = depth - 1
+        if depth > 1:
+            return
+        self._local.queued = []
+        try:
+            posted, connecting = self._post(queued)
+        finally:
+            self._stop_driving(queued)  # (the host's part is done: a real group end returns here)
+        # Unless connecting, the launch returns at once (the device waits), so the double's wait for the
+        # other processes lets go of the launch lock, as a real launch would not be holding it.
+        self.fabric.wait(posted, None if connecting else self.fake.released_launch_lock)
+
+    # collectives and point to point (the C functions' arguments, tensors for buffers) ---------------------------
+    def all_reduce(self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any) -> None:
+        _check_op("ncclAllReduce", op)
+        self._queue("all_reduce", (send.numel(), send.dtype, op, None), comm, stream, Part(send, recv), recv=recv,
+                    reduces=True, op=op)  # fmt: skip
+
+    def broadcast(self, send: torch.Tensor, recv: torch.Tensor, root: int, comm: FakeComm, stream: Any) -> None:
+        self._check_root("ncclBroadcast", root, comm)
+        self._queue("broadcast", (recv.numel(), recv.dtype, None, root), comm, stream, Part(send, recv), recv=recv,
+                    root=root)  # fmt: skip
+
+    def reduce(
+        self, send: torch.Tensor, recv: torch.Tensor | None, root: int, op: int, comm: FakeComm, stream: Any
+    ) -> None:
+        _check_op("ncclReduce", op)
+        self._check_root("ncclReduce", root, comm)
+        self._queue("reduce", (send.numel(), send.dtype, op, root), comm, stream, Part(send, recv), recv=recv,
+                    reduces=True, op=op, root=root)  # fmt: skip
+
+    def all_gather(self, send: torch.Tensor, recv: torch.Tensor, comm: FakeComm, stream: Any) -> None:
+        self._queue("all_gather", (send.numel(), send.dtype, None, None), comm, stream, Part(send, recv), recv=recv)
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any) -> None:
+        _check_op("ncclReduceScatter", op)
+        self._queue("reduce_scatter", (recv.numel(), recv.dtype, op, None), comm, stream, Part(send, recv),
+                    recv=recv, reduces=True, op=op)  # fmt: skip
+
+    def send(self, tensor: torch.Tensor, peer: int, comm: FakeComm, stream: Any) -> None:
+        self._check_root("ncclSend", peer, comm)
+        self._queue("send", (peer,), comm, stream, Part(tensor, None), peer=peer)
+
+    def recv(self, tensor: torch.Tensor, peer: int, comm: FakeComm, stream: Any) -> None:
+        self._check_root("ncclRecv", peer, comm)
+        self._queue("recv", (peer,), comm, stream, Part(tensor, tensor), recv=tensor, peer=peer)
+
+    # what NCCL checks -------------------------------------------------------------------------------------------
+    def _fail_if_told(self, function: str) -> None:
+        message = self.fail_next.pop(function, None)
         if message is not None:
-            raise RuntimeError(f"NCCL Error 3: {message}")
-        # Sources: torch/csrc/cuda/python_nccl.cpp (unpack_streams, unpack_comms: one stream and one
-        # communicator per input), torch/csrc/cuda/nccl.cpp (check_inputs / check_tensor: one dtype, contiguous,
-        # equal sizes, output size = input x multiplier; to_nccl_data_type: the dtypes below), NCCL's docs
-        # (usage/groups.html: a grouped call must include every communicator this thread drives for the
-        # collective, else ncclGroupEnd waits for the missing ones). torch raises RuntimeError; the double
-        # raises AssertionError for what threadpar can never pass (a bug in threadpar, not bad user input).
-        n = len(inputs)
-        assert n > 0 and comms is not None and len(comms) == n, f"{name}: one communicator per input"
-        assert all(isinstance(c, FakeComm) for c in comms), f"{name}: not communicators: {comms}"
-        assert len({c.uid for c in comms}) == 1, f"{name}: communicators of different cliques"
-        ranks = [c.rank for c in comms]
-        assert ranks == sorted(set(ranks)), f"{name}: communicators not in increasing rank order: {ranks}"
-        held = self.fabric.ranks_held_by(comms[0].uid, self.process)
-        assert ranks == held, f"{name}: this process holds ranks {held} of the clique but passed {ranks}"
-        assert streams is not None and len(streams) == n, f"{name}: one stream per input"
-        assert len({id(s) for s in streams}) == n, f"{name}: two ranks on one stream"
-        dtype = inputs[0].dtype
+            raise nccl_error(function, 3, message)
+
+    @staticmethod
+    def _check_root(function: str, root: int, comm: FakeComm) -> None:
+        if not 0 <= root < comm.size:  # src/enqueue.cc, ArgsCheck: "invalid root %d (root should be in the
+            # 0..%d range)" -> ncclInvalidArgument (peers of send/recv alike: "invalid peer")
+            raise nccl_error(function, INVALID_ARGUMENT, f"root/peer {root} is not in [0, {comm.size})")
+
+    def _queue(self, name, args, comm, stream, part, *, recv=None, reduces=False, **extra) -> None:
+        function = _C_NAMES[name]
+        self._fail_if_told(function)
+        self.fabric.check_usable(comm, function)
+        assert isinstance(comm, FakeComm), f"{function}: not a communicator: {comm!r}"
+        assert stream is not None, f"{function}: no stream"
+        self._check_buffers(function, part.input, recv, reduces)
+        self._check_not_during_init(function, comm)
+        self._drive(function, comm.device)
+        self._enter_group()  # (an operation outside a group is a group of its own: src/collectives.cc)
+        _, queued = self._group()
+        queued.append(_Queued(name, args, comm, stream, part, extra))
+        self._leave_group()
+
+    def _check_buffers(self, function: str, send: torch.Tensor, recv: torch.Tensor | None, reduces: bool) -> None:
+        dtype = send.dtype
         old = self._version[:2] < (2, 10)
         if dtype not in NCCL_DTYPES - ({torch.bfloat16} if old else set()) and not (
             dtype == torch.bool and not reduces
-        ):
-            raise RuntimeError(f"Unconvertible NCCL type {dtype}")
-        for t in [*inputs, *(outputs or [])]:
-            assert t.dtype == dtype and t.is_contiguous(), (
-                f"{name}: inputs and outputs must be contiguous {dtype}"
-            )
-        if not all(t.numel() == inputs[0].numel() for t in inputs):
-            raise RuntimeError(f"torch.cuda.nccl.{name}: inputs differ in size")
-        if outputs is not None:
-            if len(outputs) != n:
-                raise RuntimeError(f"torch.cuda.nccl.{name}: one output per input")
-            want = inputs[0].numel() * out_factor
-            if not all(o.numel() == want for o in outputs):
-                raise RuntimeError(
-                    f"torch.cuda.nccl.{name}: output numel must be {want:g} ({len(inputs)} local inputs of "
-                    f"{inputs[0].numel()}), got {[o.numel() for o in outputs]}"
-                )
+        ):  # library.data_type refuses it before NCCL is called
+            raise NcclError(f"NCCL has no data type for {dtype} (ncclDataType_t in nccl.h)")
+        for t in (send, recv):
+            if t is not None:
+                assert t.dtype == dtype and t.is_contiguous(), f"{function}: buffers must be contiguous {dtype}"
 
     def _lazy(self) -> bool:
         """Whether a communicator made now connects its peers lazily: src/init.cc sets comm->runtimeConn from
@@ -468,38 +664,110 @@ class FakeNccl:
                 ).strip() not in ("0", "")
             return self._runtime_connect
 
-    def _check_not_during_init(self, name: str, uid: bytes) -> None:
-        """NCCL's thread-safety rule (docs: usage/threadsafety.html, "Thread Safety"; usage/communicators.html,
-        "Using multiple NCCL communicators concurrently"): NCCL operations on independent communicators of one
-        device must not be issued in parallel from several threads, and creating a communicator is such an
-        operation. Every device of the double is the one CPU device, so: no collective on one clique while a
-        thread of this process is inside init_rank of another. (Concurrent inits of the SAME clique from its
-        members' threads are how ncclCommInitRank is meant to be used: allowed.)"""
+    def _violation(self, message: str) -> None:
         with self.fake.lock:
-            busy = [u for u, n in self._initialising.items() if n and u != uid]
-        if busy:
-            message = (
-                f"NCCL thread-safety: {name} issued on clique {uid[:8]!r} while another thread of this process "
-                f"is creating a communicator of clique {busy[0][:8]!r} on the same device"
-            )
             self.violations.append(message)
-            raise RuntimeError(message)
+        raise RuntimeError(message)
 
-    def _issue(self, name, args, parts, streams, comms, **extra) -> None:
-        self._check_not_during_init(name, comms[0].uid)
-        nodes = self.fake.log_nccl(
-            name, [p.input for p in parts], [p.output for p in parts], streams, comms, extra
-        )
-        parts = [p._replace(stream=node.stream, node=node.index) for p, node in zip(parts, nodes)]
-        # With runtime connection, the first use of an algorithm connects the peers inside ncclGroupEnd
-        # (src/enqueue.cc marks algoNeedConnect when !comm->initAlgoChannels[algorithm]; the group's end
-        # sets the connections up, a handshake with the peer processes): the calling thread blocks there,
-        # holding whatever it holds. The double keys "algorithm" by collective (an approximation: NCCL picks
-        # ring/tree/NVLS per call). Otherwise the call returns at once (the device waits), so the double's
-        # wait for the other processes lets go of the launch lock, as a real launch would not be holding it.
-        key = (comms[0].uid, name)
+    def _check_not_during_init(self, function: str, comm: FakeComm) -> None:
+        """NCCL's thread-safety rule (docs: usage/threadsafety.html, "Thread Safety"; usage/communicators.html,
+        "Using multiple NCCL communicators concurrently"): operations on independent communicators of one
+        device must not be issued in parallel from several threads, and creating a communicator is such an
+        operation: no operation on a device while another thread of this process creates a communicator of
+        another clique there. (Concurrent inits of the SAME clique from its members' threads are how
+        ncclCommInitRank is meant to be used.)"""
         with self.fake.lock:
-            connecting = comms[0].lazy and key not in self._connected
-            self._connected.add(key)
-        release = None if connecting else self.fake.released_launch_lock
-        self.fabric.issue(name, args, list(comms), parts, release, lazy=self.fake.lazy)
+            busy = [u for u in self._initialising.get(comm.device, ()) if u != comm.uid]
+        if busy:
+            self._violation(
+                f"NCCL thread-safety: {function} issued on clique {comm.uid[:8]!r} while another thread of this "
+                f"process is creating a communicator of clique {busy[0][:8]!r} on device {comm.device}"
+            )
+
+    def _drive(self, function: str, device: int) -> None:
+        """The same rule for operations: a device's communicators are driven by one thread at a time; this
+        thread holds the device from its first operation there until its group ends."""
+        me = threading.get_ident()
+        with self.fake.lock:
+            holder = self._driving.setdefault(device, me)
+        if holder != me:
+            self._violation(
+                f"NCCL thread-safety: {function} on device {device} from thread {threading.current_thread().name} "
+                "while another thread's group holds operations on that device (usage/threadsafety.html)"
+            )
+
+    def _stop_driving(self, queued: list[_Queued]) -> None:
+        me = threading.get_ident()
+        with self.fake.lock:
+            for q in queued:
+                if self._driving.get(q.comm.device) == me:
+                    del self._driving[q.comm.device]
+
+    # the launch at the group's end ------------------------------------------------------------------------------
+    def _post(self, queued: list[_Queued]) -> tuple[list[Any], bool]:
+        """Enqueue every queued operation on its stream and post it to the fabric (the caller waits for all):
+        the k-th collective of each communicator in the group forms one call per clique (its local parts).
+        Returns the posted operations, and whether the group connects peers (it then blocks)."""
+        collectives: dict[tuple[bytes, int], list[_Queued]] = {}
+        counts: dict[tuple[bytes, int], int] = {}
+        p2p: list[_Queued] = []
+        for q in queued:
+            if q.name in ("send", "recv"):
+                p2p.append(q)
+                continue
+            k = counts.get((q.comm.uid, q.comm.rank), 0)
+            counts[q.comm.uid, q.comm.rank] = k + 1
+            collectives.setdefault((q.comm.uid, k), []).append(q)
+        posted: list[Any] = []
+        connecting = False
+        for group in collectives.values():
+            group.sort(key=lambda q: q.comm.rank)
+            first = group[0]
+            different = [q for q in group if (q.name, q.args) != (first.name, first.args)]
+            if different:
+                raise RuntimeError(
+                    f"NCCL collectives differ within one group on clique {first.comm.uid[:8]!r}: {first.name}"
+                    f"{first.args} and {different[0].name}{different[0].args} (NCCL would hang or corrupt data)"
+                )
+            parts, comms = self._log([q.part for q in group], group)
+            # With runtime connection, the first use of an algorithm connects the peers inside ncclGroupEnd
+            # (src/enqueue.cc marks algoNeedConnect when !comm->initAlgoChannels[algorithm]; the group's end
+            # sets the connections up, a handshake with the peer processes): the calling thread blocks there,
+            # holding whatever it holds. The double keys "algorithm" by collective (an approximation: NCCL
+            # picks ring/tree/NVLS per call).
+            key = (first.comm.uid, first.name)
+            with self.fake.lock:
+                connecting |= first.comm.lazy and key not in self._connected
+                self._connected.add(key)
+            posted.append(self.fabric.post(first.name, first.args, comms, parts, lazy=self.fake.lazy))
+        for q in sorted(p2p, key=lambda q: q.name != "send"):  # sends first: a rank may send to itself
+            self._log([q.part], [q])
+            peer = q.args[0]
+            if q.name == "send":
+                posted.append(self.fabric.post_send(q.comm, peer, q.part.input))
+            else:
+                posted.append(self.fabric.post_recv(q.comm, peer, q.part.input))
+        return posted, connecting
+
+    def _log(self, parts: list[Part], group: list[_Queued]) -> tuple[list[Part], list[FakeComm]]:
+        first = group[0]
+        outputs = [p.output for p in parts]
+        nodes = self.fake.log_nccl(
+            first.name, [p.input for p in parts], outputs, [q.stream for q in group], [q.comm for q in group],
+            first.extra,
+        )  # fmt: skip
+        placed = [p._replace(stream=node.stream, node=node.index) for p, node in zip(parts, nodes)]
+        return placed, [q.comm for q in group]
+
+
+_C_NAMES = {
+    "all_reduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "reduce": "ncclReduce",
+    "all_gather": "ncclAllGather", "reduce_scatter": "ncclReduceScatter", "send": "ncclSend", "recv": "ncclRecv",
+}  # fmt: skip
+
+
+def broken_torch_init_rank(num_ranks: int, uid: bytes, rank: int) -> Any:
+    """torch.cuda.nccl.init_rank as it behaves on CPython 3.10-3.12 (pytorch#38019): THCPModule_nccl_init_rank
+    (torch/csrc/cuda/python_nccl.cpp) parses the id with PyArg_ParseTuple's "s#" without PY_SSIZE_T_CLEAN,
+    which those Pythons reject before anything else happens."""
+    raise SystemError("PY_SSIZE_T_CLEAN macro must be defined for '#' formats")

@@ -31,10 +31,10 @@ def cuda_device_count() -> int:
 
 
 def nccl_built() -> bool:
-    """Whether this torch build can run torch.cuda.nccl (CUDA builds may lack it, e.g. some ROCm or custom ones)."""
-    from threadpar.comm.nccl.cuda_api import torch_nccl  # here: the nccl package loads only when asked
+    """Whether NCCL can run here: CUDA, and a libnccl that loads (CUDA builds may lack it, e.g. some ROCm ones)."""
+    from threadpar.comm.nccl.cuda_api import nccl_runtime  # here: the nccl package loads only when asked
 
-    return torch_nccl().nccl_available()
+    return nccl_runtime().nccl_available()
 
 
 # Why several ranks must not share a CUDA device on the threads backend (issue 14, defect 4). Autograd keeps one

@@ -93,9 +93,9 @@ class World:
                 f"World(cuda=...) got a {type(self.cuda).__name__}, which has CUDA primitives but no NCCL runtime "
                 "(threadpar.comm.common.cuda_seam.NcclRuntime); the nccl backend needs both: pass a double of both"
             )
-        from threadpar.comm.nccl.cuda_api import torch_nccl
+        from threadpar.comm.nccl.cuda_api import nccl_runtime
 
-        return torch_nccl()
+        return nccl_runtime()
 
     def world_group(self) -> GroupState:
         return self.groups.get_or_create(range(self.world_size), "WORLD")

@@ -3,9 +3,11 @@
 `CudaApi`: CUDA primitives (streams from torch's pool, the current stream, events, stream-ordered copies,
 the device guard, synchronisation); what the `threads` backend needs to order its work on CUDA tensors
 with the callers' streams. `NcclRuntime`: the NCCL library and the process's NCCL state on top of them
-(torch.cuda.nccl, the launch lock, the pool of communicator cliques, the comm streams live groups hold, the
+(the NCCL C API, the launch lock, the pool of communicator cliques, the comm streams live groups hold, the
 devices inside communicator creation, the async-error query), with the `CudaApi` it runs on; only the
-`nccl` backend uses it. The real ones are `threadpar.comm.nccl.cuda_api.TorchCuda` and `TorchNcclRuntime`;
+`nccl` backend uses it. `NcclApi`: NCCL's C API itself (nccl.h), one method per C function, tensors for
+buffers: the real one is `threadpar.comm.nccl.library.NcclLibrary`, the double's `FakeNccl`
+(tests/fakes/fake_nccl.py); a contract suite (tests/test_nccl_contract.py) runs the same assertions on both. The real ones are `threadpar.comm.nccl.cuda_api.TorchCuda` and `TorchNcclRuntime`;
 tests pass `tests.fakes.fake_cuda_nccl.FakeCuda`, which models the GPUs and the library of one process
 together and implements both, as `World(cuda=...)`. A test checks that the real ones and the double
 implement every member here with the same parameters, so they cannot drift apart.
@@ -14,6 +16,7 @@ implement every member here with the same parameters, so they cannot drift apart
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -47,6 +50,64 @@ class CudaApi(Protocol):
     def synchronize(self, device: torch.device) -> None: ...
 
 
+Communicator = Any  # threadpar.comm.nccl.library.Communicator, or the double's FakeComm
+
+
+@runtime_checkable
+class NcclApi(Protocol):
+    """NCCL's C API (nccl.h). Buffers are contiguous tensors (count and ncclDataType_t come from them), ops
+    are ncclRedOp_t values, streams the comm streams of CudaApi. Errors raise threadpar.errors.NcclError."""
+
+    def version(self) -> tuple[int, int, int]:
+        """ncclGetVersion, as (major, minor, patch)."""
+
+    def error_string(self, code: int) -> str: ...
+
+    def get_unique_id(self) -> bytes:
+        """ncclGetUniqueId: the 128 bytes every rank of a new communicator passes to comm_init_rank."""
+
+    def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int, device: int) -> Communicator:
+        """ncclCommInitRank on CUDA device `device`; blocks until all `nranks` ranks have joined."""
+
+    def comm_init_all(self, devices: Sequence[int]) -> list[Communicator]:
+        """ncclCommInitAll: one communicator per listed device of this process, rank i on devices[i]."""
+
+    def comm_destroy(self, comm: Communicator) -> None: ...
+
+    def comm_abort(self, comm: Communicator) -> None:
+        """ncclCommAbort: ends the communicator's queued and running operations and frees it."""
+
+    def comm_get_async_error(self, comm: Communicator) -> int:
+        """ncclCommGetAsyncError: the ncclResult_t of an asynchronous failure (0: none, 7: in progress)."""
+
+    def group_start(self) -> None: ...
+
+    def group_end(self) -> None:
+        """Launches every operation the calling thread issued since its outermost group_start."""
+
+    def all_reduce(
+        self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: Communicator, stream: Stream
+    ) -> None: ...
+
+    def broadcast(
+        self, send: torch.Tensor, recv: torch.Tensor, root: int, comm: Communicator, stream: Stream
+    ) -> None: ...
+
+    def reduce(
+        self, send: torch.Tensor, recv: torch.Tensor | None, root: int, op: int, comm: Communicator, stream: Stream
+    ) -> None: ...
+
+    def all_gather(self, send: torch.Tensor, recv: torch.Tensor, comm: Communicator, stream: Stream) -> None: ...
+
+    def reduce_scatter(
+        self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: Communicator, stream: Stream
+    ) -> None: ...
+
+    def send(self, tensor: torch.Tensor, peer: int, comm: Communicator, stream: Stream) -> None: ...
+
+    def recv(self, tensor: torch.Tensor, peer: int, comm: Communicator, stream: Stream) -> None: ...
+
+
 @runtime_checkable
 class NcclRuntime(Protocol):
     """The NCCL library and the process-wide NCCL state, over the CUDA primitives of `cuda`."""
@@ -56,8 +117,8 @@ class NcclRuntime(Protocol):
         """The CUDA primitives the communicators' streams and events come from."""
 
     @property
-    def nccl(self) -> Any:
-        """torch.cuda.nccl, or the double's FakeNccl: version, unique_id, init_rank and the collectives."""
+    def nccl(self) -> NcclApi:
+        """NCCL's C API: the binding of the library torch loaded, or the double's FakeNccl."""
 
     @property
     def launch_lock(self) -> contextlib.AbstractContextManager[Any]:

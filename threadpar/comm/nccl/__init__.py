@@ -1,1 +1,1 @@
-"""The `nccl` backend: one NCCL communicator per group through torch.cuda.nccl, and its process-spanning form."""
+"""The `nccl` backend: one NCCL communicator per member and group through NCCL's C API, and its process-spanning form."""

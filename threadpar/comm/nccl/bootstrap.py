@@ -1,6 +1,6 @@
 """NCCL communicators for a group whose member threads live in several processes.
 
-In one process, `torch.cuda.nccl` joins all members at once (ncclCommInitAll). Across processes every
+In one process every member thread joins at once (ncclCommInitRank from each, concurrently). Across processes every
 member joins with ncclCommInitRank and the group's unique id, which must reach every process: member 0
 creates it and writes it to torch.distributed's store (InfiniTrain writes it to a file; the store is
 already shared by every process of the job), the others wait for it there.
@@ -19,6 +19,7 @@ import os
 import threading
 from typing import Any
 
+from threadpar.comm.common.cuda_seam import NcclApi
 from threadpar.errors import CollectiveTimeoutError, ConfigError
 
 RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
@@ -55,16 +56,14 @@ def unique_id_key(group_key: str) -> str:
 
 
 def join_nccl_group(
-    store: Any, group_key: str, member: int, size: int, timeout: float, nccl: Any = None
+    store: Any, group_key: str, member: int, size: int, timeout: float, nccl: NcclApi, device: int
 ) -> Any:
     """This member's communicator of the group `group_key` (the same string in every process, e.g. the
-    hex of threadpar.comm.hierarchical.group.group_key(ranks)) with `size` members; `store` is a client of the
-    launch's store (Processes.store_client()). `nccl` defaults to torch.cuda.nccl (tests pass a stand-in)."""
-    if nccl is None:
-        import torch.cuda.nccl as nccl
+    hex of threadpar.comm.hierarchical.group.group_key(ranks)) with `size` members, on CUDA device `device`;
+    `store` is a client of the launch's store (Processes.store_client()), `nccl` NCCL's C API."""
     key = unique_id_key(group_key)
     if member == 0:
-        store.set(key, nccl.unique_id())
+        store.set(key, nccl.get_unique_id())
     else:
         try:
             store.wait([key], datetime.timedelta(seconds=timeout))
@@ -74,4 +73,4 @@ def join_nccl_group(
                 "group's unique id; member 0's process did not create the group (does it call the same "
                 "collectives?)"
             ) from None
-    return nccl.init_rank(size, store.get(key), member)
+    return nccl.comm_init_rank(size, store.get(key), member, device)

@@ -1,6 +1,7 @@
-"""The nccl backend's operations that torch.cuda.nccl lacks, built from copies between the members' devices.
+"""The nccl backend's operations within one process that are copies between the members' devices.
 
-Inside one process no NCCL point-to-point is needed: a device-to-device copy (over NVLink or PCIe) moves
+Inside one process no NCCL point-to-point is needed (ncclSend/ncclRecv would hold the sender until the
+receiver posts, unlike torch's buffered semantics on threads): a device-to-device copy (over NVLink or PCIe) moves
 the data, issued on the comm streams and ordered by events like the collectives. torch runs a copy across
 devices on the source device's current stream and fences it both ways with the destination device's
 current stream; the CudaApi's `copy_` makes those a copy lane of the source's device (so that copies to

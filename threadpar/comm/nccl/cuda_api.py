@@ -2,28 +2,29 @@
 
 The nccl backend and the `threads` backend on CUDA tensors never call torch.cuda directly: they call a
 `CudaApi` (CUDA primitives: the launch's `World.cuda`, else `torch_cuda()`), and the nccl backend an
-`NcclRuntime` on top of it (`torch_nccl()`), so that tests on a machine without a GPU can pass
-tests/fakes/fake_cuda_nccl.py, which records the calls and computes the collectives on CPU tensors.
+`NcclRuntime` on top of it (`nccl_runtime()`: NCCL's C API through library.py), so that tests on a machine
+without a GPU can pass tests/fakes/fake_cuda_nccl.py, which records the calls and computes the collectives
+on CPU tensors.
 
-The process's instances of what must be process-wide live here (`torch_nccl()`): the launch lock (NCCL calls
-are not thread-safe across communicators that share a device, whichever launch they belong to) and the
-bookkeeping in resources.py: the pool of cliques (torch never destroys the communicators `init_rank`
-creates, so a finished launch hands its cliques back for the next launch on the same devices), the comm
-streams live groups hold, the devices whose communicators are being created.
+The process's instances of what must be process-wide live here (`nccl_runtime()`): the launch lock (NCCL
+calls are not thread-safe across communicators that share a device, whichever launch they belong to) and
+the bookkeeping in resources.py: the pool of cliques (a finished launch hands its healthy cliques back for
+the next launch on the same devices: creating one costs 0.1-1 s, and a test suite launches hundreds of
+times), the comm streams live groups hold, the devices whose communicators are being created.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from threadpar.comm.nccl.library import IN_PROGRESS, SUCCESS, Communicator, NcclLibrary, nccl_library
 from threadpar.comm.nccl.resources import CliqueHealth, CliquePool, CommStreams, DeviceInits
+from threadpar.errors import ConfigError
 
 # The process-wide bookkeeping (re-exported: the double and the tests import them from here too).
 __all__ = [
@@ -31,10 +32,10 @@ __all__ = [
     "CliquePool",
     "CommStreams",
     "DeviceInits",
+    "LibraryNcclRuntime",
     "TorchCuda",
-    "TorchNcclRuntime",
+    "nccl_runtime",
     "torch_cuda",
-    "torch_nccl",
 ]
 
 
@@ -76,8 +77,8 @@ class TorchCuda:
         torch.cuda.synchronize(device)
 
 
-class TorchNcclRuntime:
-    """The real NCCL runtime: torch.cuda.nccl, the process's NCCL bookkeeping, NCCL's async-error query."""
+class LibraryNcclRuntime:
+    """The real NCCL runtime: the binding of NCCL's C API (library.py), the process's NCCL bookkeeping."""
 
     def __init__(
         self,
@@ -87,73 +88,34 @@ class TorchNcclRuntime:
         inits: DeviceInits,
         streams: CommStreams,
     ) -> None:
-        import torch.cuda.nccl as nccl
-
         self.cuda = cuda
-        self.nccl = nccl
         self.launch_lock = launch_lock
         self.cliques = cliques
         self.inits = inits
         self.streams = streams
 
+    @property
+    def nccl(self) -> NcclLibrary:
+        """The binding, loaded on first use (raises ConfigError naming the paths tried if none loads)."""
+        return nccl_library()
+
     def nccl_available(self) -> bool:
-        """False on torch builds without NCCL (CPU-only builds), where torch.cuda.nccl cannot run."""
-        return hasattr(torch._C, "_nccl_all_reduce") and hasattr(torch._C, "_nccl_init_rank")
-
-    def async_error(self, comm: Any) -> str | None:
-        """NCCL's asynchronous error of a communicator (ncclCommGetAsyncError), or None if all is well or the
-        query is unavailable (torch.cuda.nccl does not expose it; it is reached through the loaded libnccl)."""
-        query = _async_error_query()
-        return None if query is None else query(comm)
-
-
-def _find_nccl_symbols() -> tuple[Any, Any] | None:
-    # Only the NCCL that torch already loaded will do (a communicator must go back to the library that made
-    # it), so never load one: RTLD_NOLOAD returns a library only if it is in the process already.
-    mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1)
-    for name in ("libnccl.so.2", "libnccl.so", "libtorch_cuda.so"):
+        """False where NCCL cannot run: no CUDA (CPU-only torch builds, no GPU) or no loadable libnccl."""
+        if not torch.cuda.is_available():
+            return False
         try:
-            lib = ctypes.CDLL(name, mode=mode)
-            return lib.ncclCommGetAsyncError, lib.ncclGetErrorString
-        except (OSError, AttributeError):
-            continue
-    return None
+            nccl_library()
+        except (ConfigError, AttributeError):  # AttributeError: a library without NCCL's symbols
+            return False
+        return True
 
-
-_query_lock = threading.Lock()
-_query: list[Any] = []  # [] until looked up once, then [callable or None]
-
-
-def _async_error_query():
-    with _query_lock:
-        if not _query:
-            _query.append(_make_async_error_query())
-        return _query[0]
-
-
-def _make_async_error_query():
-    symbols = _find_nccl_symbols()
-    if symbols is None:
-        return None
-    get_async_error, get_error_string = symbols
-    get_async_error.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-    get_async_error.restype = ctypes.c_int
-    get_error_string.argtypes = [ctypes.c_int]
-    get_error_string.restype = ctypes.c_char_p
-    capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    capsule_pointer.restype = ctypes.c_void_p
-
-    def query(comm: Any) -> str | None:
-        pointer = capsule_pointer(comm, b"torch.cuda.nccl.Communicator")
-        result = ctypes.c_int(0)
-        status = get_async_error(pointer, ctypes.byref(result))
-        code = result.value if status == 0 else status
-        if code in (0, 7):  # ncclSuccess, ncclInProgress (a non-blocking communicator still working)
+    def async_error(self, comm: Communicator) -> str | None:
+        """NCCL's asynchronous error of a communicator (ncclCommGetAsyncError), or None if all is well."""
+        library = nccl_library()
+        code = library.comm_get_async_error(comm)
+        if code in (SUCCESS, IN_PROGRESS):  # (in progress: a non-blocking communicator still working)
             return None
-        return f"NCCL error {code}: {get_error_string(code).decode(errors='replace')}"
-
-    return query
+        return f"NCCL error {code}: {library.error_string(code)}"
 
 
 _CUDA = TorchCuda()
@@ -161,7 +123,7 @@ _LAUNCH_LOCK = threading.Lock()
 _CLIQUES = CliquePool()
 _INITS = DeviceInits()
 _STREAMS = CommStreams()
-_default: list[TorchNcclRuntime] = []
+_default: list[LibraryNcclRuntime] = []
 _default_lock = threading.Lock()
 
 
@@ -170,9 +132,9 @@ def torch_cuda() -> TorchCuda:
     return _CUDA
 
 
-def torch_nccl() -> TorchNcclRuntime:
-    """The process's real NcclRuntime (created on first use: it imports torch.cuda.nccl)."""
+def nccl_runtime() -> LibraryNcclRuntime:
+    """The process's real NcclRuntime (the library itself loads on its first use)."""
     with _default_lock:
         if not _default:
-            _default.append(TorchNcclRuntime(_CUDA, _LAUNCH_LOCK, _CLIQUES, _INITS, _STREAMS))
+            _default.append(LibraryNcclRuntime(_CUDA, _LAUNCH_LOCK, _CLIQUES, _INITS, _STREAMS))
         return _default[0]

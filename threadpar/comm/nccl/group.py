@@ -1,23 +1,25 @@
 """The `nccl` backend: one thread launches each collective for all members, on their comm streams.
 
-NCCL calls are not thread-safe across communicators that share a device, so rank threads never call NCCL
-themselves. A member that calls a collective records a *ready* event on its current stream and posts its
+NCCL is reached through its C API (library.py; torch.cuda.nccl cannot create communicators on CPython
+3.10-3.12). NCCL calls are not thread-safe across communicators that share a device, so rank threads never
+call NCCL themselves. A member that calls a collective records a *ready* event on its current stream and posts its
 tensors at the group's rendezvous (without waiting). The last member to post, the leader, then under the
 process-wide launch lock makes each member's comm stream wait for that member's ready event, issues ONE
-grouped torch.cuda.nccl call with every member's tensor, comm stream and communicator in group-rank order,
-and records each member's *done* event on its comm stream. Each member gets an `NcclWork` on its done event.
+NCCL group (ncclGroupStart, one operation per member with its tensor, comm stream and communicator, in
+group-rank order, ncclGroupEnd), and records each member's *done* event on its comm stream. Each member gets an `NcclWork` on its done event.
 
 Communicators: one clique per group (sub-groups get their own), made on the group's first collective by
-every member thread calling `init_rank` concurrently, as NCCL requires (ncclCommInitAll-style within one
-process), then reused. Comm streams: one per member and group, never shared with another live group
+every member thread calling ncclCommInitRank concurrently on its own device, as nccl.h allows (the
+ncclCommInitAll of one process, without one thread setting every device), then reused. Comm streams: one per member and group, never shared with another live group
 (resources.CommStreams: torch's pool would hand the same stream to every 32nd group).
 
 A group whose members live in several processes (spanning.py) is this class with `local` = the
 members in this process: its rendezvous, launch and grouped calls cover those members only (NCCL ranks are
 group indices, so one grouped call per process joins the processes' parts into one collective).
 
-What torch.cuda.nccl lacks is built from copies between devices on the comm streams, ordered by events
-(copies.py): send/recv, scatter, gather and all_to_all. dtypes and ops NCCL lacks are mapped as
+Every collective is NCCL's own (broadcast and reduce from any root, all_gather and reduce_scatter at their
+own bytes, also across processes). Within one process send/recv, scatter, gather and all_to_all are copies
+between devices on the comm streams, ordered by events (copies.py): one copy engine transfer each. dtypes and ops NCCL lacks are mapped as
 reduction.py describes. Inputs reach this module validated by ProcessGroup.
 """
 
@@ -38,8 +40,8 @@ from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.common.work import LazyText
 from threadpar.comm.nccl.copies import NcclCopyCollectives
+from threadpar.comm.nccl.library import nccl_group
 from threadpar.comm.nccl.reduction import (
-    NCCL_OPS,
     NcclReduction,
     contiguous_span,
     flat,
@@ -51,14 +53,10 @@ from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import ConfigError, NcclError
 
-# The NCCL rank torch.cuda.nccl.broadcast broadcasts from, whatever `root` it is given: torch 2.13's
-# torch::cuda::nccl::broadcast (torch/csrc/cuda/nccl.h, nccl.cpp) has no root and calls ncclBcast(..., 0, ...);
-# the Python binding only range-checks `root` against the local list. (A torch that honours `root` as the
-# NCCL rank gives the same result for root 0, so this stays right if torch changes.)
-BROADCAST_ROOT = 0
-
 # Launch = what the leader enqueues: f(payloads in group-rank order, comm streams in group-rank order).
 Launch = Callable[[list[Any], list[Any]], None]
+# Issue = one local member's NCCL operation: f(local position, its communicator, its comm stream).
+Issue = Callable[[int, Any, Any], None]
 
 
 class _Posted(NamedTuple):
@@ -95,12 +93,14 @@ class NcclGroup(NcclCopyCollectives):
         self.local = tuple(range(self.size)) if local is None else tuple(local)
         self.local_index = {m: i for i, m in enumerate(self.local)}
         self.local_devices = tuple(self.devices[m] for m in self.local)
+        self._device_ids = tuple(_device_id(d, r, world.local_ranks) for d, r in zip(self.devices, self.ranks))
         self._runtime = world.nccl_runtime()
         self._cuda = self._runtime.cuda
         if not self._runtime.nccl_available():
             raise ConfigError(
-                f"backend='nccl' (group '{name}'): this torch build has no NCCL support (torch.cuda.nccl cannot "
-                f"run; torch {torch.__version__}); install a CUDA build of torch, or use backend='threads'"
+                f"backend='nccl' (group '{name}'): NCCL cannot run here (no CUDA device, or no NCCL library "
+                f"loads; torch {torch.__version__}); install a CUDA build of torch, set THREADPAR_NCCL_LIBRARY "
+                "to a libnccl.so.2, or use backend='threads'"
             )
         self._abort = world.abort
         self._timeout = world.timeout
@@ -114,6 +114,8 @@ class NcclGroup(NcclCopyCollectives):
         self._local_comms: list[Any] | None = None
         self._clique_key = tuple(str(d) for d in self.devices)
         self._native_avg = has_native_avg(self._runtime.nccl.version())
+        self._aborted = False  # set once the launch stopped and this group's communicators were aborted
+        world.abort.register_waker(_weak_call(self._abort_communicators))  # (weak: the abort outlives groups)
         weakref.finalize(self, self._runtime.streams.release, self.devices, self._streams)
         # Spoiled by any failure of this group's operations: its clique is then never pooled.
         self._health = CliqueHealth()
@@ -146,7 +148,7 @@ class NcclGroup(NcclCopyCollectives):
         def choose(slot: Slot) -> bool:
             # A clique a finished launch left on these devices, or a fresh unique id for a new one. The
             # clique goes back to the pool when this group is dropped (the members fill self._comms).
-            slot.result = runtime.cliques.take(self._clique_key) or runtime.nccl.unique_id()
+            slot.result = runtime.cliques.take(self._clique_key) or runtime.nccl.get_unique_id()
             weakref.finalize(
                 self, runtime.cliques.give_back, self._clique_key, self._comms, self._health, self._abort
             )
@@ -160,7 +162,7 @@ class NcclGroup(NcclCopyCollectives):
         if isinstance(slot.result, bytes):
             try:
                 with self._initialising(member):
-                    comm = runtime.nccl.init_rank(self.size, slot.result, member)
+                    comm = runtime.nccl.comm_init_rank(self.size, slot.result, member, self._device_ids[member])
             except RuntimeError as error:
                 raise NcclError(
                     f"creating the NCCL communicator of rank {self.ranks[member]} in group '{self.name}' "
@@ -255,15 +257,34 @@ class NcclGroup(NcclCopyCollectives):
             # a communicator of another group is being created on one of these devices: wait, unlocked
             runtime.inits.wait_idle(self.local_devices, self._abort, self._timeout)
 
-    def _nccl(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """Call torch.cuda.nccl.<name> with every local member's communicator; failures become NcclError."""
+    def _nccl(self, name: str, streams: Sequence[Any], issue: Issue) -> None:
+        """One NCCL group holding `issue(i, comm, stream)` for every local member i, in group order (NCCL
+        ranks are group indices); failures become NcclError naming the group."""
+        comms = self._local_comms
+        if comms is None:  # (every member has its communicator by its first launch; made once)
+            comms = self._local_comms = [self._comms[m] for m in self.local]
         try:
-            comms = self._local_comms
-            if comms is None:  # (every member has its communicator by its first launch; made once)
-                comms = self._local_comms = [self._comms[m] for m in self.local]
-            getattr(self._runtime.nccl, name)(*args, comms=comms, **kwargs)
-        except RuntimeError as error:
-            raise NcclError(f"torch.cuda.nccl.{name} on group '{self.name}' failed: {error}") from error
+            with nccl_group(self._runtime.nccl):
+                for i, (comm, stream) in enumerate(zip(comms, streams)):
+                    issue(i, comm, stream)
+        except NcclError as error:
+            raise NcclError(f"NCCL {name} on group '{self.name}' failed: {error}") from error
+
+    def _abort_communicators(self) -> None:
+        """The launch stopped (a rank failed, a timeout, Ctrl-C): ncclCommAbort this group's communicators
+        in this process, so that a kernel waiting for a peer that will never come ends (nccl.h: abort
+        ends uncompleted operations). Not under the launch lock: the stop may come from a thread that holds
+        it, and aborting from another thread while an operation hangs is what ncclCommAbort is for. An
+        aborted communicator is freed: the group's list drops it (never pooled, never used again)."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            comms = [c for c in self._comms if c is not None]
+            self._comms[:] = [None] * self.size
+        for comm in comms:
+            with contextlib.suppress(Exception):  # (stopping anyway: the cause is already recorded)
+                self._runtime.nccl.comm_abort(comm)
 
     def _on(self, stream: Any):
         return self._cuda.on_streams(stream)
@@ -289,7 +310,8 @@ class NcclGroup(NcclCopyCollectives):
             return
         wins, wouts = [wire(t, how) for t in ins], [wire(t, how) for t in outs]
         if kind == "all":
-            self._nccl("all_reduce", wins, wouts, op=how.nccl_op, streams=streams)
+            nccl, op_ = self._runtime.nccl, how.nccl_op
+            self._nccl("all_reduce", streams, lambda i, c, s: nccl.all_reduce(wins[i], wouts[i], op_, c, s))
         elif kind == "root":
             self._nccl_reduce(wins, wouts, root, how, streams)
         else:
@@ -304,15 +326,23 @@ class NcclGroup(NcclCopyCollectives):
         return [self.local_index[root]] if root in self.local_index else []
 
     def _nccl_reduce(self, wins, wouts, root: int, how: NcclReduction, streams) -> None:
-        # In one process the local index of the root is its NCCL rank, as torch.cuda.nccl.reduce requires.
-        self._nccl("reduce", wins, wouts[root], root=root, op=how.nccl_op, streams=streams)
+        """ncclReduce to NCCL rank `root` (a group index); the others pass no output (NCCL reads none)."""
+        nccl, op, local = self._runtime.nccl, how.nccl_op, self.local
+
+        def issue(i: int, comm: Any, stream: Any) -> None:
+            nccl.reduce(wins[i], wouts[i] if local[i] == root else None, root, op, comm, stream)
+
+        self._nccl("reduce", streams, issue)
 
     def _nccl_reduce_scatter(self, wins, wouts, how: NcclReduction, streams) -> None:
-        self._nccl("reduce_scatter", wins, wouts, op=how.nccl_op, streams=streams)
+        """wins[i]: [size * count], wouts[i]: [count] (ncclReduceScatter's recvcount)."""
+        nccl, op = self._runtime.nccl, how.nccl_op
+        self._nccl("reduce_scatter", streams, lambda i, c, s: nccl.reduce_scatter(wins[i], wouts[i], op, c, s))
 
     def _all_gather_bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor], streams) -> None:
-        """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order."""
-        self._nccl("all_gather", ins, outs, streams=streams)
+        """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order (ncclAllGather)."""
+        nccl = self._runtime.nccl
+        self._nccl("all_gather", streams, lambda i, c, s: nccl.all_gather(ins[i], outs[i], c, s))
 
     def _divide(self, outs, streams, positions) -> None:
         for i in positions:
@@ -401,22 +431,10 @@ class NcclGroup(NcclCopyCollectives):
         return self._post(member, seq, call, tensor, launch)
 
     def _broadcast_bytes(self, data: list[torch.Tensor], src: int, streams) -> None:
-        """Every local member's `data` (uint8, one per local member) <- member `src`'s.
-
-        torch.cuda.nccl.broadcast always broadcasts from NCCL rank 0 (torch 2.13 checks `root` and then
-        drops it; see BROADCAST_ROOT), and NCCL rank = group index. So a broadcast from member 0 is NCCL's
-        own; from any other member it is an all-reduce (SUM of bytes) in which every member but the source
-        contributes zeros: x + 0 + ... + 0 = x exactly, in any dtype's bytes. It moves 2x the bytes of a
-        broadcast (ring all-reduce) but spreads them over every link, unlike device copies from the source
-        (P-1 x the bytes through the source's links), and it works across processes as it is."""
-        if src == BROADCAST_ROOT:
-            self._nccl("broadcast", data, root=BROADCAST_ROOT, streams=streams)
-            return
-        for i, m in enumerate(self.local):
-            if m != src:
-                with self._on(streams[i]):  # (a receiver's old bytes are overwritten by the broadcast anyway)
-                    data[i].zero_()
-        self._nccl("all_reduce", data, op=NCCL_OPS[ReduceOp.SUM], streams=streams)
+        """Every local member's `data` (uint8, one per local member) <- member `src`'s: ncclBroadcast in
+        place from NCCL rank `src` (a group index), in one process and across processes alike."""
+        nccl = self._runtime.nccl
+        self._nccl("broadcast", streams, lambda i, c, s: nccl.broadcast(data[i], data[i], src, c, s))
 
     def all_gather(
         self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], tensor: torch.Tensor
@@ -446,3 +464,24 @@ class NcclGroup(NcclCopyCollectives):
         """A host barrier: done when every member has reached it (it orders no device work)."""
         arrival = self.rendezvous.post(self.local_index[member], seq, call, None, timeout=timeout)
         return self._work(member, seq, call, arrival=arrival)
+
+
+def _device_id(device: torch.device, rank: int, local_ranks: range) -> int:
+    """The CUDA device index NCCL binds a member's communicator to. CPU devices carry none: a world on CPU
+    devices (the test double's, tests/fakes) numbers its rank threads' devices by their place in this
+    process, as its fake GPUs are numbered; -1 for a member in another process (never initialised here)."""
+    if device.index is not None:
+        return device.index
+    return local_ranks.index(rank) if rank in local_ranks else -1
+
+
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """A callable that runs `method` while its object lives, without keeping it alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call

@@ -1,4 +1,4 @@
-"""How the nccl backend maps each (dtype, ReduceOp) and tensor view onto what torch.cuda.nccl offers.
+"""How the nccl backend maps each (dtype, ReduceOp) and tensor view onto what NCCL offers.
 
 NCCL reduces float32/64, float16, bfloat16, int8, uint8, int32 and int64. The `threads` backend also
 supports bool, int16 and complex; the nccl backend covers them the same way:
@@ -31,7 +31,7 @@ import torch
 
 from threadpar.comm.common.reduce_op import BITWISE, ReduceOp
 
-# ncclRedOp_t values, which torch.cuda.nccl passes through unchanged.
+# ncclRedOp_t values (nccl.h).
 NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
 NCCL_REDUCIBLE = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,

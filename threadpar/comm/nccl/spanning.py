@@ -1,7 +1,7 @@
 """The `nccl` backend for a group whose member threads live in several processes (torchrun).
 
 It is `NcclGroup` (group.py) over the members in THIS process: they meet at a local rendezvous, and the last
-to post launches ONE grouped torch.cuda.nccl call for them (their tensors, comm streams and communicators,
+to post launches ONE NCCL group for them (their tensors, comm streams and communicators,
 in group order) under the process-wide launch lock, with ready/done events, exactly as in one process. The
 NCCL ranks are the members' indices in the whole group, so the processes' grouped calls are the parts of
 one NCCL collective. Communicators: on the group's first NCCL collective the local members meet once, the
@@ -9,21 +9,10 @@ leader checks that every process came with the same call (process_check.py), the
 joins the group's clique with `join_nccl_group` (member 0 puts the unique id in the launch's store).
 They are not pooled across launches (every process would have to agree on reusing them).
 
-torch.cuda.nccl sizes and indexes by the LOCAL lists, so some collectives are built from others:
-- all_reduce: as it is. Optimal. broadcast: NCCL's own from member 0; from another member an all-reduce
-  of bytes in which the others contribute zeros (torch.cuda.nccl.broadcast always sends from NCCL rank 0;
-  see NcclGroup._broadcast_bytes). Cost: 2x the bytes of a broadcast when the source is not member 0.
-- reduce: torch uses `root` both as the index of the output in the local lists and as NCCL's root rank,
-  which differ across processes. So: an all-reduce into the root's tensor and into scratch buffers on the
-  other members. Cost: 2x the bytes of a reduce on the wire (ring all-reduce = reduce-scatter +
-  all-gather), plus one scratch buffer per non-root member.
-- reduce_scatter: torch computes count = input numel / len(local inputs). So: an all-reduce of the whole
-  input into a scratch buffer, each member keeps its 1/size. Cost: 2x the bytes of a reduce-scatter, and a
-  [size x count] buffer per member.
-- all_gather (and the byte gather behind bool/int16/complex-product reductions): torch checks output =
-  len(local inputs) x input, and its broadcast cannot choose a root. So: each member zeroes the others'
-  chunks of the output and puts its own in place, then one all-reduce of the bytes. Cost: 2x the bytes
-  of a ring all-gather, one launch.
+NCCL's C API takes every count and root per communicator (library.py), so all_reduce, broadcast and reduce
+from any root, all_gather and reduce_scatter are NCCL's own across processes too, at their optimal bytes
+(through torch.cuda.nccl, which sizes and indexes by the local lists, reduce, reduce_scatter and all_gather
+were all-reduces: 2x the bytes, and a broadcast from a member other than 0 too). The rest:
 - scatter, gather, all_to_all, barrier: through host memory and gloo, with the hierarchical backend's code
   (comm/hierarchical/group.py). Each member's current stream is synchronized first (the host waits for the device);
   the op is done when it returns, so async_op=True does not overlap it. Cost: a device-to-host and a
@@ -48,13 +37,11 @@ from typing import Any
 import torch
 
 from threadpar.comm.backend import BackendSite
-from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.common.rendezvous import Call, Slot
 from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
 from threadpar.comm.nccl.bootstrap import join_nccl_group
 from threadpar.comm.nccl.group import NcclGroup, _tensors
 from threadpar.comm.nccl.process_check import ProcessCheck
-from threadpar.comm.nccl.reduction import NCCL_OPS, NcclReduction
 from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import NcclError
 
@@ -116,7 +103,8 @@ class NcclSpanningGroup(NcclGroup):
                     member,
                     self.size,
                     self._timeout,
-                    nccl=self._runtime.nccl,
+                    self._runtime.nccl,
+                    self._device_ids[member],
                 )
         except RuntimeError as error:
             raise NcclError(
@@ -128,45 +116,6 @@ class NcclSpanningGroup(NcclGroup):
 
     def _before_launch(self, seq: int, call: Call) -> str | None:
         return self._check.agree(seq, call) if self._check_every_call else None
-
-    # reductions torch.cuda.nccl cannot do across processes (costs: see the module note) ----------------------
-    def _nccl_reduce(self, wins, wouts, root: int, how: NcclReduction, streams) -> None:
-        outs = []
-        for i, (m, win) in enumerate(zip(self.local, wins)):
-            if m == root:
-                outs.append(wouts[i])  # (the root's input is its output: reduced in place)
-            else:
-                with self._on(streams[i]):  # allocated for the comm stream that uses it
-                    outs.append(torch.empty_like(win))
-        self._nccl("all_reduce", wins, outs, op=how.nccl_op, streams=streams)
-
-    def _nccl_reduce_scatter(self, wins, wouts, how: NcclReduction, streams) -> None:
-        wholes = []  # [size * count] each: the whole reduction, of which each member keeps its slice
-        for i, win in enumerate(wins):
-            with self._on(streams[i]):
-                wholes.append(torch.empty_like(win))
-        self._nccl("all_reduce", wins, wholes, op=how.nccl_op, streams=streams)
-        count = wouts[0].numel()
-        for i, m in enumerate(self.local):
-            with self._on(streams[i]):
-                wouts[i].copy_(wholes[i][m * count : (m + 1) * count])
-
-    def _all_gather_bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor], streams) -> None:
-        """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order, across processes:
-        each member zeroes the chunks of the others and puts its own in place, then one all-reduce (SUM of
-        bytes: x + 0 = x) fills them all. torch.cuda.nccl.all_gather cannot (it sizes the output by the
-        local list) and neither can one broadcast per member (torch.cuda.nccl.broadcast always sends from
-        NCCL rank 0). Cost: 2x the bytes of a ring all-gather, in one launch."""
-        n = ins[0].numel()
-        for i, m in enumerate(self.local):
-            out = outs[i]
-            own = out[m * n : (m + 1) * n]
-            with self._on(streams[i]):
-                out[: m * n].zero_()
-                out[(m + 1) * n :].zero_()
-                if own.data_ptr() != ins[i].data_ptr():  # (all_gather_into_tensor may pass its own chunk)
-                    own.copy_(ins[i])
-        self._nccl("all_reduce", outs, op=NCCL_OPS[ReduceOp.SUM], streams=streams)
 
     # through host memory ----------------------------------------------------------------------------------------
     def _host_staged(
