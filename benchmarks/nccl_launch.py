@@ -54,21 +54,25 @@ class NullEvent:
 
 
 class NullNccl:
-    """torch.cuda.nccl's interface; every call returns at once."""
+    """NCCL's C API (threadpar's NcclApi); every call returns at once."""
 
     def version(self):
         return (2, 21, 5)
 
-    def unique_id(self) -> bytes:
+    def get_unique_id(self) -> bytes:
         return b"null"
 
-    def init_rank(self, num_ranks, uid, rank):
+    def comm_init_rank(self, nranks, unique_id, rank, device):
         return object()
 
-    def _enqueue(self, *args, **kwargs) -> None:
+    def comm_get_async_error(self, comm) -> int:
+        return 0
+
+    def _nothing(self, *args) -> None:
         pass
 
-    all_reduce = reduce = broadcast = all_gather = reduce_scatter = _enqueue
+    group_start = group_end = all_reduce = reduce = broadcast = all_gather = reduce_scatter = _nothing
+    comm_abort = comm_destroy = send = recv = _nothing
 
 
 class NullCuda:

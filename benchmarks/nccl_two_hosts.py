@@ -68,11 +68,16 @@ def member(rank: int, folder: Path) -> None:
     done = torch.cuda.Event()
     done.record(stream)
     time.sleep(2.0)
-    print(f"process 0: all_reduce without its peer done after 2 s: {done.query()} (expected False)", flush=True)
+    print(
+        f"process 0: all_reduce without its peer done after 2 s: {done.query()} (expected False)", flush=True
+    )
     start = time.perf_counter()
     lib.comm_abort(comm)
     torch.cuda.synchronize()
-    print(f"process 0: ncclCommAbort ended the waiting kernel in {time.perf_counter() - start:.2f} s: pass", flush=True)
+    print(
+        f"process 0: ncclCommAbort ended the waiting kernel in {time.perf_counter() - start:.2f} s: pass",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -85,9 +90,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         procs = []
         for rank in range(2):
-            env = dict(os.environ, NCCL_HOSTID=f"threadpar-host-{rank}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
+            env = dict(
+                os.environ, NCCL_HOSTID=f"threadpar-host-{rank}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1"
+            )
             cmd = [sys.executable, "-m", "benchmarks.nccl_two_hosts", str(rank), folder]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            )
         ok = True
         for rank, proc in enumerate(procs):
             try:

@@ -14,7 +14,16 @@ def test_the_gpu_check_runs_its_steps_and_writes_its_report(tmp_path):
     report = tmp_path / "gpu_check.md"
     # the machine's facts, the host cost, the rank-thread step and the two-hosts probe (the others are
     # tested on their own: the selftest, the demo, the shared-GPU benchmark, pytest itself)
-    command = [sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--out", str(report), "--only", "1,4,5,6"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_check",
+        "--quick",
+        "--out",
+        str(report),
+        "--only",
+        "1,4,5,6",
+    ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=280, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = report.read_text()

@@ -91,7 +91,13 @@ def test_one_grouped_call_per_process_with_only_its_members_in_group_order():
     for fake, here in zip(fakes, ([0, 1], [3])):
         calls = [c for c in fake.calls if c.comms[0].size == 3]
         # every collective NCCL's own across processes, at its own bytes; roots are NCCL ranks (group indices)
-        assert [c.name for c in calls] == ["all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast"]
+        assert [c.name for c in calls] == [
+            "all_reduce",
+            "reduce",
+            "reduce_scatter",
+            "all_gather",
+            "broadcast",
+        ]
         assert calls[1].extra["root"] == 1 and calls[4].extra["root"] == 0
         for call in calls:
             assert [c.rank for c in call.comms] == [members[r] for r in here]  # group order, local only

@@ -15,7 +15,7 @@ import threadpar.comm
 from threadpar.comm.backend import Backend
 from threadpar.comm.common.cuda_seam import CudaApi, NcclApi, NcclRuntime
 from threadpar.comm.hierarchical.group import HierarchicalGroup
-from threadpar.comm.nccl.cuda_api import TorchCuda, LibraryNcclRuntime, torch_cuda, nccl_runtime
+from threadpar.comm.nccl.cuda_api import LibraryNcclRuntime, TorchCuda, nccl_runtime, torch_cuda
 from threadpar.comm.nccl.group import NcclGroup
 from threadpar.comm.nccl.library import NcclLibrary
 from threadpar.comm.nccl.spanning import NcclSpanningGroup
@@ -67,7 +67,9 @@ def test_the_double_and_the_real_seams_have_the_same_attributes_and_signatures()
     double = FakeCuda()
     for protocol, real in ((CudaApi, torch_cuda()), (NcclRuntime, nccl_runtime())):
         for api in (real, double):
-            if not (protocol is NcclRuntime and api is real):  # (isinstance reads `nccl`, which loads libnccl)
+            if not (
+                protocol is NcclRuntime and api is real
+            ):  # (isinstance reads `nccl`, which loads libnccl)
                 assert isinstance(api, protocol)
             for attribute in protocol_attributes(protocol):  # (on the class: the real `nccl` loads libnccl)
                 has = attribute in vars(api) or hasattr(type(api), attribute)

@@ -37,7 +37,7 @@ def test_the_nccl_backend_agrees_with_the_threads_backend_and_a_wrong_result_fai
 
     broken = FakeCuda()
     all_reduce, group_end = broken.nccl.all_reduce, broken.nccl.group_end
-    issued: list[torch.Tensor] = []
+    issued: list = []
 
     def off_by_one(send, recv, op, comm, stream):
         all_reduce(send, recv, op, comm, stream)

@@ -228,8 +228,11 @@ def test_the_nccl_double_refuses_a_bitwise_op_as_nccl_does():
     from tests.fakes.fake_cuda_nccl import FakeCuda
 
     nccl = FakeCuda().nccl
-    with pytest.raises(RuntimeError, match="ncclRedOp_t 5 is not a reduction NCCL has"):
-        nccl.all_reduce([torch.ones(1, dtype=torch.int32)], op=5, comms=[object()])
+    x = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(
+        RuntimeError, match=r"ncclAllReduce failed: ncclInvalidArgument \(ncclRedOp_t 5 is not"
+    ):
+        nccl.all_reduce(x, x, 5, object(), object())
 
 
 # object collectives --------------------------------------------------------------------------------------------

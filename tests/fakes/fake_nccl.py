@@ -125,7 +125,9 @@ class FakeFabric:
         self._processes = itertools.count()
         self._joining: dict[bytes, set[int]] = {}
         self._failed: set[bytes] = set()  # cliques whose init failed
-        self._devices: dict[tuple[bytes, int], int] = {}  # (clique, device) -> the rank bound to it (one process)
+        self._devices: dict[
+            tuple[bytes, int], int
+        ] = {}  # (clique, device) -> the rank bound to it (one process)
         self.owner: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> process holding that communicator
         self._issued: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> collectives issued so far
         self._ops: dict[tuple[bytes, int], CliqueOp] = {}
@@ -162,21 +164,27 @@ class FakeFabric:
             joined.add(rank)
             self.owner[uid, rank] = process
             self.cond.notify_all()
-            if not self.cond.wait_for(lambda: len(joined) == num_ranks or uid in self._failed, INIT_TIMEOUT_S):
+            if not self.cond.wait_for(
+                lambda: len(joined) == num_ranks or uid in self._failed, INIT_TIMEOUT_S
+            ):
                 raise nccl_error(
                     "ncclCommInitRank", REMOTE_ERROR,
                     f"init of rank {rank}: ranks {sorted(joined)} of {num_ranks} joined within {INIT_TIMEOUT_S:g} s "
                     "(the double's bound; NCCL waits for ever)",
                 )  # fmt: skip
             if uid in self._failed:
-                raise nccl_error("ncclCommInitRank", INVALID_USAGE, "Duplicate GPU detected (another rank's init)")
+                raise nccl_error(
+                    "ncclCommInitRank", INVALID_USAGE, "Duplicate GPU detected (another rank's init)"
+                )
 
     def ranks_held_by(self, uid: bytes, process: int) -> list[int]:
         with self.cond:
             return sorted(r for (u, r), p in self.owner.items() if u == uid and p == process)
 
     # collectives: post every part of a group, then wait for all ---------------------------------------------
-    def post(self, name: str, args: tuple, comms: list[FakeComm], parts: list[Part], lazy: bool = False) -> CliqueOp:
+    def post(
+        self, name: str, args: tuple, comms: list[FakeComm], parts: list[Part], lazy: bool = False
+    ) -> CliqueOp:
         """Add these parts (this process's, of one collective of one clique); compute it once every rank
         has. `lazy`: once complete, the collective waits on its comm streams until something waits on it."""
         uid, size = comms[0].uid, comms[0].size
@@ -439,8 +447,6 @@ def _execute(op: CliqueOp, parts: list[Part], count: int, reduce_op: Any, root: 
     return None
 
 
-
-
 class _Queued(NamedTuple):
     """An operation issued inside a group, launched at the group's end."""
 
@@ -491,7 +497,9 @@ class FakeNccl:
 
     def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int, device: int) -> FakeComm:
         self._fail_if_told("ncclCommInitRank")
-        if not 0 <= rank < nranks:  # src/init.cc, ncclCommInitRankDev: "rank %d nranks %d" -> ncclInvalidArgument
+        if (
+            not 0 <= rank < nranks
+        ):  # src/init.cc, ncclCommInitRankDev: "rank %d nranks %d" -> ncclInvalidArgument
             raise nccl_error("ncclCommInitRank", INVALID_ARGUMENT, f"rank {rank} is not in [0, {nranks})")
         with self.fake.lock:
             self._initialising.setdefault(device, set()).add(unique_id)
@@ -582,12 +590,16 @@ class FakeNccl:
         self.fabric.wait(posted, None if connecting else self.fake.released_launch_lock)
 
     # collectives and point to point (the C functions' arguments, tensors for buffers) ---------------------------
-    def all_reduce(self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any) -> None:
+    def all_reduce(
+        self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any
+    ) -> None:
         _check_op("ncclAllReduce", op)
         self._queue("all_reduce", (send.numel(), send.dtype, op, None), comm, stream, Part(send, recv), recv=recv,
                     reduces=True, op=op)  # fmt: skip
 
-    def broadcast(self, send: torch.Tensor, recv: torch.Tensor, root: int, comm: FakeComm, stream: Any) -> None:
+    def broadcast(
+        self, send: torch.Tensor, recv: torch.Tensor, root: int, comm: FakeComm, stream: Any
+    ) -> None:
         self._check_root("ncclBroadcast", root, comm)
         self._queue("broadcast", (recv.numel(), recv.dtype, None, root), comm, stream, Part(send, recv), recv=recv,
                     root=root)  # fmt: skip
@@ -601,9 +613,13 @@ class FakeNccl:
                     reduces=True, op=op, root=root)  # fmt: skip
 
     def all_gather(self, send: torch.Tensor, recv: torch.Tensor, comm: FakeComm, stream: Any) -> None:
-        self._queue("all_gather", (send.numel(), send.dtype, None, None), comm, stream, Part(send, recv), recv=recv)
+        self._queue(
+            "all_gather", (send.numel(), send.dtype, None, None), comm, stream, Part(send, recv), recv=recv
+        )
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any) -> None:
+    def reduce_scatter(
+        self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any
+    ) -> None:
         _check_op("ncclReduceScatter", op)
         self._queue("reduce_scatter", (recv.numel(), recv.dtype, op, None), comm, stream, Part(send, recv),
                     recv=recv, reduces=True, op=op)  # fmt: skip
@@ -642,7 +658,9 @@ class FakeNccl:
         queued.append(_Queued(name, args, comm, stream, part, extra))
         self._leave_group()
 
-    def _check_buffers(self, function: str, send: torch.Tensor, recv: torch.Tensor | None, reduces: bool) -> None:
+    def _check_buffers(
+        self, function: str, send: torch.Tensor, recv: torch.Tensor | None, reduces: bool
+    ) -> None:
         dtype = send.dtype
         old = self._version[:2] < (2, 10)
         if dtype not in NCCL_DTYPES - ({torch.bfloat16} if old else set()) and not (
@@ -651,7 +669,9 @@ class FakeNccl:
             raise NcclError(f"NCCL has no data type for {dtype} (ncclDataType_t in nccl.h)")
         for t in (send, recv):
             if t is not None:
-                assert t.dtype == dtype and t.is_contiguous(), f"{function}: buffers must be contiguous {dtype}"
+                assert t.dtype == dtype and t.is_contiguous(), (
+                    f"{function}: buffers must be contiguous {dtype}"
+                )
 
     def _lazy(self) -> bool:
         """Whether a communicator made now connects its peers lazily: src/init.cc sets comm->runtimeConn from

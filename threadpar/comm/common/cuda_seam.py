@@ -94,10 +94,18 @@ class NcclApi(Protocol):
     ) -> None: ...
 
     def reduce(
-        self, send: torch.Tensor, recv: torch.Tensor | None, root: int, op: int, comm: Communicator, stream: Stream
+        self,
+        send: torch.Tensor,
+        recv: torch.Tensor | None,
+        root: int,
+        op: int,
+        comm: Communicator,
+        stream: Stream,
     ) -> None: ...
 
-    def all_gather(self, send: torch.Tensor, recv: torch.Tensor, comm: Communicator, stream: Stream) -> None: ...
+    def all_gather(
+        self, send: torch.Tensor, recv: torch.Tensor, comm: Communicator, stream: Stream
+    ) -> None: ...
 
     def reduce_scatter(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: Communicator, stream: Stream

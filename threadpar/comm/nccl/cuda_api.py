@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -93,11 +92,16 @@ class LibraryNcclRuntime:
         self.cliques = cliques
         self.inits = inits
         self.streams = streams
+        self._library: NcclLibrary | None = None
 
     @property
     def nccl(self) -> NcclLibrary:
-        """The binding, loaded on first use (raises ConfigError naming the paths tried if none loads)."""
-        return nccl_library()
+        """The binding, loaded on first use (raises ConfigError naming the paths tried if none loads). Read
+        on every launch: kept after the first load (a write-once value, DESIGN.md rule 10's allowed case)."""
+        library = self._library
+        if library is None:
+            library = self._library = nccl_library()
+        return library
 
     def nccl_available(self) -> bool:
         """False where NCCL cannot run: no CUDA (CPU-only torch builds, no GPU) or no loadable libnccl."""
@@ -111,7 +115,7 @@ class LibraryNcclRuntime:
 
     def async_error(self, comm: Communicator) -> str | None:
         """NCCL's asynchronous error of a communicator (ncclCommGetAsyncError), or None if all is well."""
-        library = nccl_library()
+        library = self.nccl
         code = library.comm_get_async_error(comm)
         if code in (SUCCESS, IN_PROGRESS):  # (in progress: a non-blocking communicator still working)
             return None

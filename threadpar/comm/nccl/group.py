@@ -93,7 +93,9 @@ class NcclGroup(NcclCopyCollectives):
         self.local = tuple(range(self.size)) if local is None else tuple(local)
         self.local_index = {m: i for i, m in enumerate(self.local)}
         self.local_devices = tuple(self.devices[m] for m in self.local)
-        self._device_ids = tuple(_device_id(d, r, world.local_ranks) for d, r in zip(self.devices, self.ranks))
+        self._device_ids = tuple(
+            _device_id(d, r, world.local_ranks) for d, r in zip(self.devices, self.ranks)
+        )
         self._runtime = world.nccl_runtime()
         self._cuda = self._runtime.cuda
         if not self._runtime.nccl_available():
@@ -162,7 +164,9 @@ class NcclGroup(NcclCopyCollectives):
         if isinstance(slot.result, bytes):
             try:
                 with self._initialising(member):
-                    comm = runtime.nccl.comm_init_rank(self.size, slot.result, member, self._device_ids[member])
+                    comm = runtime.nccl.comm_init_rank(
+                        self.size, slot.result, member, self._device_ids[member]
+                    )
             except RuntimeError as error:
                 raise NcclError(
                     f"creating the NCCL communicator of rank {self.ranks[member]} in group '{self.name}' "
@@ -337,7 +341,9 @@ class NcclGroup(NcclCopyCollectives):
     def _nccl_reduce_scatter(self, wins, wouts, how: NcclReduction, streams) -> None:
         """wins[i]: [size * count], wouts[i]: [count] (ncclReduceScatter's recvcount)."""
         nccl, op = self._runtime.nccl, how.nccl_op
-        self._nccl("reduce_scatter", streams, lambda i, c, s: nccl.reduce_scatter(wins[i], wouts[i], op, c, s))
+        self._nccl(
+            "reduce_scatter", streams, lambda i, c, s: nccl.reduce_scatter(wins[i], wouts[i], op, c, s)
+        )
 
     def _all_gather_bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor], streams) -> None:
         """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order (ncclAllGather)."""

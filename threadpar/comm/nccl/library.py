@@ -229,7 +229,9 @@ class NcclLibrary:
         self._call("ncclGroupEnd")
 
     # collectives and point to point (count and type from the tensors) -------------------------------------------
-    def all_reduce(self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: Communicator, stream: Any) -> None:
+    def all_reduce(
+        self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: Communicator, stream: Any
+    ) -> None:
         args = (send.data_ptr(), recv.data_ptr(), send.numel(), self._type(send), op)
         self._call("ncclAllReduce", *args, _p(comm.handle), _stream_handle(stream), comm=comm.handle)
 
@@ -240,7 +242,13 @@ class NcclLibrary:
         self._call("ncclBroadcast", *args, _p(comm.handle), _stream_handle(stream), comm=comm.handle)
 
     def reduce(
-        self, send: torch.Tensor, recv: torch.Tensor | None, root: int, op: int, comm: Communicator, stream: Any
+        self,
+        send: torch.Tensor,
+        recv: torch.Tensor | None,
+        root: int,
+        op: int,
+        comm: Communicator,
+        stream: Any,
     ) -> None:
         """`recv` matters on the root only (NCCL ignores it elsewhere: None)."""
         out = 0 if recv is None else recv.data_ptr()
