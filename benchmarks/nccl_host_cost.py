@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # one way failing (e.g. torch.cuda.nccl on an old torch) is a result too
             rows[name] = f"failed: {type(error).__name__}: {str(error)[:200]}"
     base = rows[next(iter(WAYS))]
-    print(f"| way into NCCL (4 B all-reduce, 1 GPU) | host us / call | vs binding |\n|---|---|---|")
+    print("| way into NCCL (4 B all-reduce, 1 GPU) | host us / call | vs binding |\n|---|---|---|")
     for name, value in rows.items():
         if isinstance(value, float):
             ratio = f"{value / base:.2f}x" if isinstance(base, float) else "-"

@@ -10,10 +10,9 @@ import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 from test_nccl_double import clique
 
-from threadpar.comm.nccl.library import SUM, nccl_group
-
 import threadpar
 from threadpar import ReduceOp
+from threadpar.comm.nccl.library import SUM, nccl_group
 from threadpar.errors import NotInRankError
 from threadpar.runtime.context import in_rank
 
