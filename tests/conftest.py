@@ -7,6 +7,22 @@ import torch
 from helpers.gpus import gpu_count
 
 
+@pytest.fixture(autouse=True, scope="session")
+def broken_torch_nccl_init_rank():
+    """torch.cuda.nccl.init_rank as real torch has it on CPython 3.10-3.12 (pytorch#38019): it raises
+    SystemError. threadpar must never reach it (its communicators come from NCCL's C API), so every test
+    runs with it broken, whatever Python runs the suite."""
+    import torch.cuda.nccl
+    from fakes.fake_nccl import broken_torch_init_rank
+
+    saved = torch.cuda.nccl.init_rank
+    torch.cuda.nccl.init_rank = broken_torch_init_rank
+    try:
+        yield
+    finally:
+        torch.cuda.nccl.init_rank = saved
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if gpu_count():
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -30,3 +31,25 @@ def test_nccl_launch_benchmark_prints_its_table():
     assert out.returncode == 0, out.stderr[-2000:]
     row = next(line for line in out.stdout.splitlines() if line.startswith("| 2 "))
     assert "us" in row and "x" in row, row
+
+
+@pytest.mark.timeout(120)
+def test_shared_gpu_benchmark_prints_its_ratios_and_writes_json(tmp_path):
+    path = tmp_path / "shared.json"
+    command = [sys.executable, "-m", "benchmarks.shared_gpu", "--quick", "--ranks", "2", "--json", str(path)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=110, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ratio k=2: " in out.stdout, out.stdout
+    numbers = json.loads(path.read_text())["ranks"]["2"]
+    assert numbers["ratio"] > 0 and len(numbers["rank_cpu_s"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_shared_gpu_memory_option_says_it_needs_cuda_without_one():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --memory measures instead (the GPU check runs it)")
+    command = [sys.executable, "-m", "benchmarks.shared_gpu", "--memory"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=50, check=False)
+    assert out.returncode == 2 and "--memory needs CUDA" in out.stdout

@@ -134,8 +134,9 @@ def test_batches_are_a_function_of_seed_and_step():
 
 def test_fewer_gpus_than_ranks_says_what_it_does(monkeypatch):
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 2)
-    backend, devices, line = placement(DemoConfig(gpus=8))  # ranks must not share a GPU (issue 14, defect 4)
-    assert (backend, devices) == ("threads", "cpu") and "hang in backward" in line and "--gpus 2" in line
+    backend, devices, line = placement(DemoConfig(gpus=8))  # the 8 ranks share the 2 GPUs (issue 29)
+    assert (backend, devices) == ("threads", None) and "8 ranks on 2 GPU(s), sharing them" in line
+    assert "--gpus 2" in line
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 0)
     assert placement(DemoConfig(gpus=8))[1] == "cpu"
     monkeypatch.setattr("threadpar.demo.__main__.cuda_device_count", lambda: 8)

@@ -8,6 +8,7 @@ from torch import nn
 
 import threadpar
 import threadpar.parallel as parallel
+import threadpar.testing
 from threadpar.parallel.tensor_parallel.parallelize import STYLES
 
 SUBPACKAGES = ("clip_grad", "context_parallel", "ddp", "expert_parallel", "tensor_parallel", "zero")
@@ -75,3 +76,10 @@ def test_the_dropout_plan_entry_and_the_dropout_module_cannot_be_confused():
 
 def test_the_launch_config_is_part_of_the_top_level_api():
     assert "LaunchConfig" in threadpar.__all__ and threadpar.LaunchConfig is threadpar.runtime.LaunchConfig
+
+
+def test_is_available_says_threadpar_runs_here_as_torch_distributed_is_available_does():
+    # A script written for torch.distributed calls dist.is_available() first; threadpar always can run (CPU
+    # threads without GPUs), inside a rank or not.
+    assert threadpar.is_available() is True and "is_available" in threadpar.__all__
+    assert threadpar.testing.run_ranks(threadpar.is_available, 2) == [True, True]

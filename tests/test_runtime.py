@@ -115,20 +115,33 @@ class TestPlacement:
         p = resolve_placement(2, None, 1, None, "threads", n_cuda=2, nccl=True)
         assert p.backend == "threads" and [d.index for d in p.devices] == [0, 1] and p.note is None
 
-    def test_more_ranks_than_gpus_explains_the_choices(self):
-        with pytest.raises(
-            threadpar.ConfigError, match=r"8 ranks but only 2 GPU\(s\): NCCL needs one GPU per rank"
-        ):
-            resolve_placement(8, None, 1, None, "auto", n_cuda=2, nccl=True)
+    def test_more_ranks_than_gpus_share_them_round_robin_over_threads_with_a_note(self):
+        # Issue 29: rank r on cuda:ids[r % len(ids)]; NCCL cannot have two ranks of a communicator on one GPU.
+        p = resolve_placement(8, None, 1, None, "auto", n_cuda=3, nccl=True)
+        assert p.backend == "threads" and [d.index for d in p.devices] == [0, 1, 2, 0, 1, 2, 0, 1]
+        assert "8 ranks share 3 GPU(s) (round-robin)" in p.note and "Duplicate GPU detected" in p.note
+        assert "\n" not in p.note
+        p = resolve_placement(4, [1], 1, None, "auto", n_cuda=2, nccl=False)
+        assert p.backend == "threads" and p.devices == (torch.device("cuda", 1),) * 4
+        p = resolve_placement(4, None, 1, None, "threads", n_cuda=1, nccl=True)  # chosen: nothing to explain
+        assert p.backend == "threads" and p.devices == (torch.device("cuda", 0),) * 4 and p.note is None
+        p = resolve_placement(None, None, 1, 4, "auto", n_cuda=1, nccl=True)  # dp=4 on one GPU
+        assert p.world_size == 4 and p.backend == "threads"
 
-    def test_several_ranks_on_one_gpu_with_threads_are_refused_saying_why(self):
-        # Issue 14, defect 4: they would hang in backward (tests/test_shared_device_thread.py shows the hang).
-        for devices in (None, [1]):
-            with pytest.raises(threadpar.ConfigError) as info:
-                resolve_placement(4, devices, 1, None, "threads", n_cuda=2, nccl=True)
-            text = str(info.value)
-            assert "would hang in backward" in text and "engine.cpp" in text
-            assert "world_size=" in text and "devices='cpu'" in text
+    def test_a_device_named_twice_is_shared_by_those_ranks(self):
+        p = resolve_placement(None, [0, 0, 1, 1], 1, None, "auto", n_cuda=2, nccl=True)
+        assert p.backend == "threads" and [d.index for d in p.devices] == [0, 0, 1, 1]
+        assert "as devices= names them" in p.note
+        p = resolve_placement(None, ["cuda:1", "cuda:1"], 1, None, "threads", n_cuda=2, nccl=True)
+        assert p.devices == (torch.device("cuda", 1),) * 2 and p.note is None
+
+    @pytest.mark.parametrize("devices", [None, [0, 0, 1, 1], [1]])
+    def test_nccl_with_shared_gpus_is_refused_naming_nccls_reason_and_the_fix(self, devices):
+        with pytest.raises(threadpar.ConfigError) as info:
+            resolve_placement(4, devices, 1, None, "nccl", n_cuda=2, nccl=True)
+        text = str(info.value)
+        assert "backend='nccl' with 4 ranks on" in text and "Duplicate GPU detected" in text
+        assert "src/init.cc" in text and "backend='threads'" in text
 
     def test_auto_without_nccl_falls_back_to_threads_with_a_note(self, monkeypatch):
         # Issue 14, defect 10: a CUDA build without NCCL. The query itself is what is patched here.
@@ -148,7 +161,5 @@ class TestPlacement:
         assert p.devices == (torch.device("cpu"),) * 2 and p.note is None
         with pytest.raises(threadpar.ConfigError, match="asks for CUDA devices"):
             resolve_placement(None, [0, 9], 1, None, "auto", n_cuda=2)
-        with pytest.raises(threadpar.ConfigError, match="names a device twice"):
-            resolve_placement(None, [1, 1], 1, None, "auto", n_cuda=2)
         with pytest.raises(threadpar.ConfigError, match="is not one of"):
             resolve_placement(2, None, 1, None, "gloo", n_cuda=0)

@@ -1,5 +1,6 @@
-"""Issue 14, defect 4: ranks that share a CUDA device on the threads backend hang in backward, so launch refuses
-that configuration. The hang is shown on a test double of autograd's shared per-device worker thread."""
+"""Issue 14, defect 4: ranks that share a CUDA device hang in backward when autograd runs their backward on the
+device's one shared worker thread (shown on a test double of that thread). So a rank thread whose GPU other ranks
+share runs its backward itself (issue 29: runtime/autograd_threads.py), and launch places such ranks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threadpar
 import threadpar.runtime.devices as devices_module
 from threadpar.errors import CollectiveTimeoutError
 from threadpar.parallel import copy_to_tp_region
+from threadpar.runtime.autograd_threads import backward_on_this_thread, shares_gpu
 from threadpar.testing import run_ranks
 
 
@@ -76,11 +78,41 @@ def test_the_same_backward_with_a_device_thread_per_rank_works():
         torch.testing.assert_close(grad, torch.full((4,), 2.0))  # summed over the 2 ranks
 
 
-def test_launch_refuses_several_ranks_on_one_gpu_before_any_rank_runs(monkeypatch):
+@pytest.mark.parametrize("torch_distributed", [False, True])
+def test_ranks_sharing_a_gpu_run_their_backward_on_their_own_threads(monkeypatch, torch_distributed):
+    # Issue 29: launch places 2 ranks on the one GPU; each rank thread has autograd's device threads off
+    # (runtime/autograd_threads.py), so its backward never queues behind another rank's on a shared thread.
     monkeypatch.setattr(devices_module, "cuda_device_count", lambda: 1)
-    ran = threading.Event()
-    with pytest.raises(
-        threadpar.ConfigError, match=r"2 ranks on 1 GPU\(s\): several ranks on one CUDA device"
-    ):
-        threadpar.launch(ran.set, world_size=2, backend="threads")
-    assert not ran.is_set()
+    # No GPU here: what is tested is the placement and the rank threads' autograd flag, so CUDA's own calls
+    # of a rank's start (its device, its generator) are stood in for.
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(
+        "threadpar.runtime.context.make_generator", lambda device, seed: torch.Generator().manual_seed(seed)
+    )
+
+    def body():
+        return threadpar.get_device(), torch._C._is_multithreading_enabled()
+
+    results = threadpar.launch(body, world_size=2, backend="threads", torch_distributed=torch_distributed)
+    assert results == [(torch.device("cuda", 0), False)] * 2
+    assert torch._C._is_multithreading_enabled()  # the calling thread's own flag is untouched
+
+
+def test_only_a_rank_whose_gpu_is_shared_turns_the_device_threads_off():
+    cuda = [torch.device("cuda", i) for i in (0, 0, 1)]
+    assert [shares_gpu(cuda, range(3), r) for r in range(3)] == [True, True, False]
+    assert not shares_gpu([torch.device("cpu")] * 2, range(2), 0)  # CPU backward runs on the caller anyway
+    assert not shares_gpu(cuda, range(2, 3), 2)  # another process's ranks are not this process's threads
+
+    seen = []
+
+    def other_thread():
+        seen.append(torch._C._is_multithreading_enabled())
+
+    with backward_on_this_thread(True):
+        assert not torch._C._is_multithreading_enabled()
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    assert seen == [True]  # thread-local: c10/core/AutogradState.cpp
+    assert torch._C._is_multithreading_enabled()

@@ -37,6 +37,7 @@ FUNCTIONS = [
     "get_world_size",
     "init_process_group",
     "irecv",
+    "is_available",
     "is_initialized",
     "isend",
     "monitored_barrier",

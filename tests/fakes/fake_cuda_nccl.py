@@ -1,12 +1,13 @@
-"""Test double for CUDA streams and events: `FakeCuda` stands in for threadpar's CudaApi (torch.cuda.nccl's
-double, `FakeNccl`, is in fake_nccl.py).
+"""Test double for CUDA streams and events: `FakeCuda` stands in for threadpar's CudaApi (the double of NCCL's
+C API, `FakeNccl`, is in fake_nccl.py).
 
 A small simulation rather than a mock:
 - Streams keep what was enqueued on them; an event remembers where it was last recorded; a wait enqueues
   an edge to that point. `fake.ordered(a, b)` answers "would CUDA run a before b?" from stream order and
   event edges, so tests check ordering semantics rather than call sequences.
-- `FakeNccl` checks what torch.cuda.nccl and NCCL check, also checks that the calling thread holds the
-  launch lock, computes the results on the CPU tensors, and logs every call here (`calls`).
+- `FakeNccl` is NCCL's C API with NCCL's rules (fake_nccl.py); it computes the results on the CPU tensors
+  and logs every launched operation here (`calls`, one per clique and collective, with the thread and
+  whether it held the launch lock).
 - The device can hang (events recorded while hung stay incomplete until `resume()`), the next call of an
   NCCL function can fail, and an asynchronous NCCL error can be set.
 - Several FakeCudas sharing one `FakeFabric` are the GPUs of several simulated processes
@@ -345,6 +346,11 @@ class FakeCuda:
         return True
 
     def async_error(self, comm: FakeComm) -> str | None:
+        """As LibraryNcclRuntime.async_error, through the double's ncclCommGetAsyncError; a test may also
+        set `async_error_message` (what that query's error string would say)."""
+        code = self.nccl.comm_get_async_error(comm)
+        if code not in (0, 7):
+            return f"NCCL error {code}: {self.nccl.error_string(code)}"
         return self.async_error_message
 
     # for FakeNccl -----------------------------------------------------------------------------------------------

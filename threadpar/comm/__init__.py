@@ -36,6 +36,7 @@ from threadpar.comm.membership import (
     get_group_rank,
     get_process_group_ranks,
     init_process_group,
+    is_available,
     is_initialized,
 )
 from threadpar.comm.objects import (
@@ -73,6 +74,7 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "irecv",
+    "is_available",
     "is_initialized",
     "isend",
     "monitored_barrier",

@@ -19,6 +19,13 @@ from threadpar.comm.rank_groups import current_groups, has_groups
 from threadpar.errors import ConfigError
 
 
+def is_available() -> bool:
+    """Whether threadpar can run here, as torch.distributed.is_available() says for torch (a script written
+    for dist calls it first): always True, since rank threads run on CPU threads when there is no GPU (and the
+    backend choice, nccl or threads, is the launch's: threadpar.runtime.devices.resolve_placement)."""
+    return True
+
+
 def is_initialized() -> bool:
     """True in a rank thread of `threadpar.launch` (its world group exists), False elsewhere."""
     return has_groups()

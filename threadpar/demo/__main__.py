@@ -38,23 +38,21 @@ from threadpar.runtime.process_env import ProcessEnv, default_local_devices
 
 def placement(cfg: DemoConfig, env: ProcessEnv | None = None) -> tuple[str, str | None, str]:
     """(backend, devices, a line saying where the ranks run), as the library places them
-    (threadpar.runtime.devices.resolve_placement). The demo's one policy of its own: with fewer GPUs than
-    --gpus, the ranks run as CPU threads instead of failing as a plain launch would."""
+    (threadpar.runtime.devices.resolve_placement): with fewer GPUs than --gpus, the ranks share the GPUs
+    round-robin over the threads backend (NCCL needs one GPU per rank)."""
     n_cuda = cuda_device_count()
     if cfg.processes > 1:
         return _placement_across_processes(cfg, env or ProcessEnv(), n_cuda)
-    # Ranks cannot share a GPU (they would hang in backward: runtime.devices.SHARED_GPU_HINT), so with fewer
-    # GPUs than ranks the demo runs on CPU threads.
-    devices = "cpu" if n_cuda < cfg.gpus else None
+    devices = "cpu" if n_cuda == 0 else None  # "cpu": the line below says it, not the launch's note too
     placed = resolve_placement(cfg.gpus, devices, 1, None, "auto", n_cuda=n_cuda)
     if n_cuda == 0:
         return placed.backend, devices, f"no CUDA devices: running {cfg.gpus} ranks as CPU threads"
-    if devices == "cpu":
+    if n_cuda < cfg.gpus:
         return (
             placed.backend,
             devices,
-            f"{cfg.gpus} ranks but {n_cuda} GPU(s): running the ranks as CPU threads, since ranks sharing a GPU "
-            f"would hang in backward (pass --gpus {n_cuda} to give each rank its own GPU with NCCL)",
+            f"{cfg.gpus} ranks on {n_cuda} GPU(s), sharing them round-robin over backend 'threads' (NCCL needs "
+            f"one GPU per rank: pass --gpus {n_cuda} for NCCL)",
         )
     if placed.backend == "threads":  # a CUDA build of torch without NCCL (resolve_placement's fallback)
         return (

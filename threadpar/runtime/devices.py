@@ -37,15 +37,12 @@ def nccl_built() -> bool:
     return nccl_runtime().nccl_available()
 
 
-# Why several ranks must not share a CUDA device on the threads backend (issue 14, defect 4). Autograd keeps one
-# ready queue and one worker thread per device, shared by every backward in the process
-# (torch/csrc/autograd/engine.cpp: Engine::start_device_threads / ready_queue_by_index; CUDA work of any graph
-# task goes to its device's queue). A collective inside one rank's backward blocks that thread in the
-# rendezvous, while the other ranks' backward waits behind it in the same queue: a hang, never an error.
-SHARED_GPU_HINT = (
-    "several ranks on one CUDA device with backend='threads' would hang in backward: autograd runs every "
-    "backward for a device on one shared thread (torch/csrc/autograd/engine.cpp, one ready queue per device), "
-    "so a collective inside one rank's backward blocks the other ranks' backward behind it"
+# Why ranks sharing a GPU use the threads backend: NCCL refuses two ranks of one communicator on one device
+# (src/init.cc: ncclInvalidUsage, "Duplicate GPU detected"). Autograd's shared per-device thread, the reason
+# sharing was refused before (issue 14, defect 4), is off on such rank threads: runtime/autograd_threads.py.
+NCCL_SHARED_GPU_REASON = (
+    'NCCL refuses two ranks of one communicator on one GPU (ncclInvalidUsage, "Duplicate GPU detected", '
+    "NCCL's src/init.cc)"
 )
 
 
@@ -79,11 +76,7 @@ def _requested_ids(devices: object) -> list[int] | None:
             ids.append(d)
         if not ids:
             raise ConfigError("devices is an empty list; pass at least one device id, an int, or 'cpu'")
-        if len(set(ids)) != len(ids):
-            raise ConfigError(
-                f"devices={ids} names a device twice; give each GPU once (backend='threads' shares GPUs)"
-            )
-        return ids
+        return ids  # a GPU named twice is shared by those ranks (resolve_placement)
     raise ConfigError(f"devices must be an int, a list of CUDA device ids, or 'cpu'; got {devices!r}")
 
 
@@ -136,36 +129,27 @@ def resolve_placement(
     if ids is not None and len(ids) > world_size:
         raise ConfigError(f"devices lists {len(ids)} devices but world_size={world_size}; make them agree")
     if use_cuda:
+        named = ids is not None  # devices= named each rank's GPU (or the GPUs to share round-robin)
         if ids is None:
             ids = list(range(min(world_size, n_cuda)))
         missing = [i for i in ids if i >= n_cuda]
         if missing:
             raise ConfigError(f"devices={ids} asks for CUDA devices {missing}, but only {n_cuda} are visible")
+        if len(ids) < world_size or len(set(ids)) < len(ids):
+            return _shared_placement(world_size, ids, backend, named)
         if backend != "threads" and not (nccl_built() if nccl is None else nccl):
             if backend == "nccl":
                 raise ConfigError(
                     f"backend='nccl': this torch build ({torch.__version__}) has no NCCL support; "
                     "use backend='threads' (or 'auto'), or install a torch built with NCCL"
                 )
-            if len(ids) == world_size:  # "auto" on a CUDA build without NCCL
-                fallback = (
-                    f"this torch build ({torch.__version__}) has no NCCL: {world_size} ranks on {world_size} "
-                    "GPU(s) use backend 'threads' (collectives through shared memory, not NCCL)"
-                )
-                return Placement(world_size, "threads", tuple(torch.device("cuda", i) for i in ids), fallback)
-        if len(ids) == world_size:
-            devs = tuple(torch.device("cuda", i) for i in ids)
-            return Placement(world_size, "threads" if backend == "threads" else "nccl", devs)
-        if backend == "threads":
-            raise ConfigError(
-                f"{world_size} ranks on {len(ids)} GPU(s): {SHARED_GPU_HINT}. Give each rank its own GPU "
-                f"(world_size={len(ids)}), or run the ranks as CPU threads with devices='cpu'"
+            fallback = (  # "auto" on a CUDA build without NCCL
+                f"this torch build ({torch.__version__}) has no NCCL: {world_size} ranks on {world_size} "
+                "GPU(s) use backend 'threads' (collectives through shared memory, not NCCL)"
             )
-        raise ConfigError(
-            f"{world_size} ranks but only {len(ids)} GPU(s): NCCL needs one GPU per rank. Pass world_size={len(ids)} "
-            "(or fewer ranks), or devices='cpu' to run the ranks as CPU threads (ranks cannot share a GPU: "
-            "autograd runs a device's backward on one shared thread)"
-        )
+            return Placement(world_size, "threads", tuple(torch.device("cuda", i) for i in ids), fallback)
+        devs = tuple(torch.device("cuda", i) for i in ids)
+        return Placement(world_size, "threads" if backend == "threads" else "nccl", devs)
 
     if ids is not None and len(ids) != world_size:
         raise ConfigError(f"devices lists {len(ids)} devices but world_size={world_size}; make them agree")
@@ -175,3 +159,26 @@ def resolve_placement(
             f"no CUDA devices: running {world_size} ranks as CPU threads (backend 'threads', virtual devices)"
         )
     return Placement(world_size, "threads", tuple(torch.device("cpu") for _ in range(world_size)), note)
+
+
+def _shared_placement(world_size: int, ids: list[int], backend: str, named: bool) -> Placement:
+    """Several ranks on one GPU: rank r on ids[r % len(ids)] (round-robin; a list as long as the world names
+    each rank's GPU itself), over the threads backend, which orders each cross-rank access with events on the
+    ranks' own streams (comm/threads/stream_order.py). Each such rank thread runs its backward itself
+    (runtime/autograd_threads.py)."""
+    devices = tuple(torch.device("cuda", ids[r % len(ids)]) for r in range(world_size))
+    gpus = len(set(ids))
+    if backend == "nccl":
+        raise ConfigError(
+            f"backend='nccl' with {world_size} ranks on {gpus} GPU(s): {NCCL_SHARED_GPU_REASON}. Pass "
+            "backend='threads' (or 'auto') to let ranks share GPUs, or give each rank its own GPU "
+            f"(world_size={gpus})"
+        )
+    note = None
+    if backend == "auto":
+        how = "as devices= names them" if named and len(ids) == world_size else "round-robin"
+        note = (
+            f"{world_size} ranks share {gpus} GPU(s) ({how}) over backend 'threads', not nccl: "
+            f"{NCCL_SHARED_GPU_REASON}"
+        )
+    return Placement(world_size, "threads", devices, note)

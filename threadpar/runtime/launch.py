@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError, Terminated
+from threadpar.runtime.autograd_threads import backward_on_this_thread, shares_gpu
 from threadpar.runtime.compiling import rank_thread_contexts
 from threadpar.runtime.context import RankContext, leave
 from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
@@ -111,6 +112,13 @@ class _Launch:
         ]
 
     def _rank_main(self, i: int) -> None:
+        # A rank sharing its GPU runs its backward itself, not on the device's one autograd thread, which
+        # the other ranks' backward would wait behind (runtime/autograd_threads.py).
+        world = self.world
+        with backward_on_this_thread(shares_gpu(world.devices, world.local_ranks, world.local_ranks[i])):
+            self._rank_body(i)
+
+    def _rank_body(self, i: int) -> None:
         ctx = self.contexts[i]
         session: TorchDistSession | None = None
         try:

@@ -61,7 +61,7 @@ class LaunchConfig:
     ep: expert parallelism, borrowed from DP x CP (it divides dp * cp): the MoE experts are split over runs
         of ep ranks of each DP x CP group (the "EP" groups); the ranks holding the same experts form the
         "EDP" groups (threadpar.topology).
-    backend: "auto" (nccl with one GPU per rank, else threads on CPU), "threads" or "nccl".
+    backend: "auto" (nccl with one GPU per rank; threads on CPU or with ranks sharing GPUs), "threads" or "nccl".
     timeout: seconds any collective or receive may wait before it fails, naming who did not arrive.
     seed: base seed of the per-rank generators (threadpar.get_generator()).
     order: axis order, outermost first (default "PP-DP-CP-TP": TP ranks adjacent).
