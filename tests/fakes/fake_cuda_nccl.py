@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from threadpar.comm.nccl.library import async_error_text
 from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceInits
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
@@ -348,10 +349,7 @@ class FakeCuda:
     def async_error(self, comm: FakeComm) -> str | None:
         """As LibraryNcclRuntime.async_error, through the double's ncclCommGetAsyncError; a test may also
         set `async_error_message` (what that query's error string would say)."""
-        code = self.nccl.comm_get_async_error(comm)
-        if code not in (0, 7):
-            return f"NCCL error {code}: {self.nccl.error_string(code)}"
-        return self.async_error_message
+        return async_error_text(self.nccl, comm) or self.async_error_message
 
     # for FakeNccl -----------------------------------------------------------------------------------------------
     def log_nccl(self, name, inputs, outputs, streams, comms, extra) -> list[Node]:

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from threadpar.comm.nccl.library import RESULT_NAMES
 from threadpar.errors import NcclError
 
 from .fake_device_queue import PendingOp, attach
@@ -56,15 +57,13 @@ NCCL_DTYPES = {
 INIT_TIMEOUT_S = 5.0
 # How long an issued part waits for the rest of its clique (a real device would wait for ever).
 OP_TIMEOUT_S = 10.0
-SUM = 0
 # ncclResult_t (nccl.h)
 INVALID_ARGUMENT, INVALID_USAGE, REMOTE_ERROR = 4, 5, 6
 
 
 def nccl_error(function: str, code: int, message: str) -> NcclError:
     """The error the binding raises for a failed call (threadpar.comm.nccl.library.NcclLibrary._error)."""
-    names = {4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 3: "ncclInternalError"}
-    return NcclError(f"{function} failed: {names.get(code, code)} ({message})")
+    return NcclError(f"{function} failed: {RESULT_NAMES[code]} ({message})")
 
 
 class FakeComm(NamedTuple):
@@ -125,9 +124,7 @@ class FakeFabric:
         self._processes = itertools.count()
         self._joining: dict[bytes, set[int]] = {}
         self._failed: set[bytes] = set()  # cliques whose init failed
-        self._devices: dict[
-            tuple[bytes, int], int
-        ] = {}  # (clique, device) -> the rank bound to it (one process)
+        self._devices: dict[tuple[bytes, int, int], int] = {}  # (clique, process, device) -> its rank
         self.owner: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> process holding that communicator
         self._issued: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> collectives issued so far
         self._ops: dict[tuple[bytes, int], CliqueOp] = {}
@@ -148,7 +145,7 @@ class FakeFabric:
 
     def join(self, num_ranks: int, uid: bytes, rank: int, process: int, device: int) -> None:
         with self.cond:
-            other = self._devices.get((uid, process * 1_000_003 + device))
+            other = self._devices.get((uid, process, device))
             if other is not None:
                 self._failed.add(uid)  # (every rank's init fails: NCCL checks in the collective bootstrap)
                 self.cond.notify_all()
@@ -159,7 +156,7 @@ class FakeFabric:
                     "ncclCommInitRank", INVALID_USAGE,
                     f"Duplicate GPU detected: rank {other} and rank {rank} both on CUDA device {device}",
                 )  # fmt: skip
-            self._devices[uid, process * 1_000_003 + device] = rank
+            self._devices[uid, process, device] = rank
             joined = self._joining.setdefault(uid, set())
             joined.add(rank)
             self.owner[uid, rank] = process
@@ -460,8 +457,6 @@ class _Queued(NamedTuple):
 
 class FakeNccl:
     """NCCL's C API (the NcclApi seam) for one simulated process, with NCCL's rules (module docstring)."""
-
-    SUM = SUM
 
     def __init__(self, fake: Any, version: tuple[int, ...], fabric: FakeFabric | None = None) -> None:
         self.fake = fake

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from threadpar.comm.nccl.library import IN_PROGRESS, SUCCESS, Communicator, NcclLibrary, nccl_library
+from threadpar.comm.nccl.library import Communicator, NcclLibrary, async_error_text, nccl_library
 from threadpar.comm.nccl.resources import CliqueHealth, CliquePool, CommStreams, DeviceInits
 from threadpar.errors import ConfigError
 
@@ -115,11 +115,7 @@ class LibraryNcclRuntime:
 
     def async_error(self, comm: Communicator) -> str | None:
         """NCCL's asynchronous error of a communicator (ncclCommGetAsyncError), or None if all is well."""
-        library = self.nccl
-        code = library.comm_get_async_error(comm)
-        if code in (SUCCESS, IN_PROGRESS):  # (in progress: a non-blocking communicator still working)
-            return None
-        return f"NCCL error {code}: {library.error_string(code)}"
+        return async_error_text(self.nccl, comm)
 
 
 _CUDA = TorchCuda()

@@ -279,6 +279,15 @@ class NcclLibrary:
         return data_type(tensor.dtype, self._version)
 
 
+def async_error_text(api: Any, comm: Any) -> str | None:
+    """What ncclCommGetAsyncError reports for `comm` through `api` (the binding or the double), or None if
+    all is well (ncclInProgress: a non-blocking communicator still working)."""
+    code = api.comm_get_async_error(comm)
+    if code in (SUCCESS, IN_PROGRESS):
+        return None
+    return f"NCCL error {code}: {api.error_string(code)}"
+
+
 @contextlib.contextmanager
 def nccl_group(api: Any) -> Iterator[None]:
     """ncclGroupStart ... ncclGroupEnd around the calls made inside (on the real binding or the double).
