@@ -314,3 +314,38 @@ def test_nccl_wait_orders_the_callers_stream_and_keeps_tensors_alive():
     for before, after, protected, t in run_fake_gpus(body, P, fake, timeout=20):
         assert (before, after, protected) == (False, True, True)
         torch.testing.assert_close(t, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_all_to_all_single_takes_split_sizes_as_tensors(run):
+    # torch's threaded PG and gloo accept tensor split sizes (torch.distributed.all_to_all_single documents
+    # them as lists; MoE code computes them as tensors): output_split_sizes=torch.tensor([...]).
+    def body():
+        r = dist.get_rank()
+        sends = torch.arange(3.0) + 10 * r  # rank 0 sends 1 row to rank 0 and 2 to rank 1; rank 1 likewise
+        out = torch.empty(2 if r == 0 else 4)
+        dist.all_to_all_single(
+            out, sends, output_split_sizes=torch.tensor([1, 1] if r == 0 else [2, 2]),
+            input_split_sizes=torch.tensor([1, 2]),
+        )  # fmt: skip
+        return out
+
+    first, second = run(body)
+    torch.testing.assert_close(first, torch.tensor([0.0, 10.0]))
+    torch.testing.assert_close(second, torch.tensor([1.0, 2.0, 11.0, 12.0]))
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_all_reduce_of_a_leaf_that_requires_grad(run):
+    # gloo and torch's threaded PG write below autograd; an in-place write through torch ops would raise
+    # "a leaf Variable that requires grad is being used in an in-place operation".
+    def body():
+        w = torch.full((3,), float(dist.get_rank() + 1), requires_grad=True)
+        dist.all_reduce(w)
+        threadpar.all_reduce(w)
+        dist.broadcast(w, src=1)
+        return w.detach(), w.requires_grad, w.is_leaf
+
+    for w, requires_grad, leaf in run(body):
+        torch.testing.assert_close(w, torch.full((3,), 6.0))
+        assert requires_grad and leaf

@@ -275,11 +275,13 @@ class ProcessGroup(PointToPoint):
         self,
         output: torch.Tensor,
         input: torch.Tensor,
-        output_split_sizes: Sequence[int] | None = None,
-        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | torch.Tensor | None = None,
+        input_split_sizes: Sequence[int] | torch.Tensor | None = None,
         async_op: bool = False,
     ) -> Work | None:
-        """Split `input` along dim 0 (evenly, or by input_split_sizes) and exchange, as torch does."""
+        """Split `input` along dim 0 (evenly, or by input_split_sizes) and exchange, as torch does. Split
+        sizes may be lists or 1-D integer tensors (torch's threaded process group and gloo take both; a
+        CUDA tensor of sizes costs a host sync to read, as in torch)."""
         name = "all_to_all_single"
         self._check_tensor(name, "input", input)
         self._check_tensor(name, "output", output)
@@ -297,8 +299,12 @@ class ProcessGroup(PointToPoint):
             async_op,
         )
 
-    def _split(self, op: str, what: str, t: torch.Tensor, sizes: Sequence[int] | None) -> list[torch.Tensor]:
+    def _split(
+        self, op: str, what: str, t: torch.Tensor, sizes: Sequence[int] | torch.Tensor | None
+    ) -> list[torch.Tensor]:
         n = t.shape[0] if t.dim() else 0
+        if isinstance(sizes, torch.Tensor):
+            sizes = [int(s) for s in sizes.tolist()]
         if sizes is None or len(sizes) == 0:
             if n % self.size():
                 raise ConfigError(

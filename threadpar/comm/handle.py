@@ -7,6 +7,7 @@ the collectives and `PointToPoint` (point_to_point.py) the messages on top of th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,6 +58,20 @@ def _write_back(result: Any, writebacks: Sequence[Callable[[], object] | None]) 
             result.wait()
         for writeback in pending:
             writeback()
+
+
+def _below_autograd(fn: Callable[[], Any]) -> Any:
+    """Run a collective with grad mode off, as c10d's C++ collectives write below autograd: an all-reduce of
+    a leaf that requires grad (a parameter) is accepted by gloo and torch's threaded process group, and an
+    in-place torch op on it under grad mode would raise. (Two C calls, not torch.no_grad(): this is on every
+    collective's path, and grad mode is thread-local, so it is set on the thread that runs the op.)"""
+    if not torch.is_grad_enabled():
+        return fn()
+    torch._C._set_grad_enabled(False)
+    try:
+        return fn()
+    finally:
+        torch._C._set_grad_enabled(True)
 
 
 class GroupHandle:
@@ -150,7 +165,9 @@ class GroupHandle:
 
     def _run(self, op: str, seq: int, fn: Callable[[], Any], async_op: bool) -> Work | None:
         """Run now, or on the rank's comm worker. A synchronous op still queues behind pending async ops,
-        so a rank's operations on a tensor happen in issue order, as on a CUDA stream."""
+        so a rank's operations on a tensor happen in issue order, as on a CUDA stream. Either way below
+        autograd (`_below_autograd`)."""
+        fn = functools.partial(_below_autograd, fn)
         if self._stream_ordered:
             work = fn()  # enqueued on the backend's comm stream: its Work orders the caller's stream
             if async_op:

@@ -283,12 +283,14 @@ class ThreadparProcessGroup(dist.ProcessGroup):
         self,
         output: torch.Tensor,
         input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
+        output_split_sizes: list[int] | torch.Tensor,
+        input_split_sizes: list[int] | torch.Tensor,
         opts: Any = None,
     ) -> C10dWork:
+        # Split sizes come as c10d passes them: lists, or the caller's tensors (torch.distributed passes
+        # those through); ProcessGroup reads both, and an empty list as "split evenly", as c10d does.
         work = self._handle.all_to_all_single(
-            output, input, output_split_sizes or None, input_split_sizes or None, async_op=_asynchronous(opts)
+            output, input, output_split_sizes, input_split_sizes, async_op=_asynchronous(opts)
         )
         return self._work([work], [output])
 
