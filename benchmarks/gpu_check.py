@@ -71,10 +71,15 @@ def steps(quick: bool) -> list[Step]:
         ),
         Step("selftest", [py, "-m", "threadpar.selftest", "--sizes", "4K,1M,16M", "--iters", "10"], 90),
         Step("host cost per collective", [py, "-m", "benchmarks.nccl_host_cost", "--calls", "300"], 60),
+        Step("communicators made vs pooled", [py, "-m", "benchmarks.nccl_comm_cost", "--launches", "3"], 60),
         Step(
             "rank thread step vs plain loop", [py, "-m", "benchmarks.rank_thread_step", "--steps", "20"], 90
         ),
-        Step("two processes as two NCCL hosts on one GPU", [py, "-m", "benchmarks.nccl_two_hosts"], 60),
+        Step(
+            "two processes as two NCCL hosts on one GPU (binding, then threadpar)",
+            [py, "-m", "benchmarks.nccl_two_hosts"],
+            100,
+        ),
         Step(
             "demo, 1 GPU, --check",
             [py, "-m", "threadpar.demo", "--gpus", "1", "--model", "small", "--check", "--steps", demo_steps],

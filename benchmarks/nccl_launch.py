@@ -4,16 +4,19 @@
     python -m benchmarks.nccl_launch --quick
 
 On GPUs a small NCCL all-reduce takes the device some 10-30 us. What threadpar adds on the host is Python
-work serialized by the GIL across the rank threads: posting at the rendezvous, the events, the leader's
-grouped call for all members, the Work. This measures that cost per collective with a *null* CUDA API
-(streams, events and NCCL calls that do nothing), so the numbers are threadpar's own overhead, a lower
-bound of the real host time (real event records and NCCL enqueues add a few microseconds each).
+work serialized by the GIL across the rank threads: the argument checks, the call's entry in the ledger
+(the mismatch check without a meeting), the device lock, the NCCL call, for an asynchronous op its events
+and Work. Each rank thread calls NCCL itself, so no rank waits for another: this measures that cost per
+collective with a *null* CUDA API (streams, events and NCCL calls that do nothing), so the numbers are
+threadpar's own overhead with n rank threads issuing at once, a lower bound of the real host time (the
+real ncclAllReduce through ctypes adds ~5 us: benchmarks/nccl_host_cost.py).
 
 Side by side in one run, on 4-byte all-reduces: n plain Python threads meeting at a `threading.Barrier`
-(the floor of a design in which the members of a collective meet on the host; issue 23 asks for at most
-0.8x of it), the nccl path (each rank waits for each collective, and
-10 asynchronous ones issued and then waited), the threads backend (its whole cost on CPU), and
-torch.distributed over gloo with one process per rank (the anchor of benchmarks/collectives.py).
+(the floor of any design in which the members of a collective meet on the host; issue 32 asks for at most
+0.5 round trips of it per collective), the nccl path (synchronous calls back to back, and 10 asynchronous
+ones issued and then waited), the threads backend (its whole cost on CPU: a meeting per collective), and
+torch.distributed over gloo with one process per rank (the anchor of benchmarks/collectives.py). Also: how
+many all-reduces rank 0 issues while every other rank is held before its first (they never meet).
 The Barrier and threadpar's paths run twice: unpinned, and with all their threads on one core
 (`LaunchConfig.rank_cores=1`, the default for CPU ranks); the ratios compare the nccl path with the
 unpinned Barrier (the issue's anchor) and with a Barrier whose threads share the same one core.
@@ -33,9 +36,12 @@ import torch
 
 import threadpar
 from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
-from tests.fakes.fake_cuda_nccl import run_fake_gpus
-from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceInits
+from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceLocks
+from threadpar.comm.nccl.watchdog import Watchdog
+from threadpar.runtime.launch import _Launch
 from threadpar.runtime.rank_cores import allowed_cpus, choose_rank_cpus, pin_calling_thread
+from threadpar.runtime.world import World
+from threadpar.topology import Layout
 
 ASYNC_BATCH = 10
 
@@ -65,13 +71,19 @@ class NullNccl:
     def comm_init_rank(self, nranks, unique_id, rank, device):
         return object()
 
+    def comm_init_rank_config(self, nranks, unique_id, rank, device, blocking):
+        return object()
+
     def comm_get_async_error(self, comm) -> int:
+        return 0
+
+    def group_end(self) -> int:
         return 0
 
     def _nothing(self, *args) -> None:
         pass
 
-    group_start = group_end = all_reduce = reduce = broadcast = all_gather = reduce_scatter = _nothing
+    group_start = all_reduce = reduce = broadcast = all_gather = reduce_scatter = _nothing
     comm_abort = comm_destroy = send = recv = _nothing
 
 
@@ -79,14 +91,12 @@ class NullCuda:
     """A CudaApi and NcclRuntime whose device and library do nothing: what remains is threadpar's own host
     work."""
 
-    autograd_thread = False  # run_fake_gpus's harness switch (tests/fakes): backward on the rank's thread
-
     def __init__(self) -> None:
         self.nccl = NullNccl()
-        self.launch_lock = threading.Lock()
+        self.device_locks = DeviceLocks()
         self.cliques = CliquePool()
-        self.inits = DeviceInits()
         self.streams = CommStreams()
+        self.watchdog = Watchdog()
         self._stream = NullStream()
 
     @property
@@ -95,6 +105,9 @@ class NullCuda:
 
     def nccl_available(self) -> bool:
         return True
+
+    def prepare_environment(self) -> None:
+        pass
 
     def pool_stream(self, device, priority):
         return NullStream()
@@ -120,12 +133,47 @@ class NullCuda:
     def synchronize(self, device) -> None:
         pass
 
-    def async_error(self, comm):
-        return None
+
+def run_null(fn, n: int, cpus: frozenset[int] | None):
+    """`fn` on n rank threads of the nccl backend over the null device (`cpus`: where they run)."""
+    world = World(
+        layout=Layout.build(n),
+        backend="nccl",
+        devices=(torch.device("cpu"),) * n,
+        timeout=60.0,
+        seed=0,
+        intraop_threads=1,
+        cuda=NullCuda(),
+        rank_cpus=cpus,
+    )
+    return _Launch(world, fn, (), {}).run()
+
+
+def ahead(n: int, calls: int) -> int:
+    """How many all-reduces rank 0 issues while every other rank is held before its first one."""
+    issued = threading.Event()
+
+    def body() -> int:
+        t = torch.ones(1)
+        threadpar.all_reduce(t)  # the communicators
+        if threadpar.get_rank() != 0:
+            issued.wait(60)
+            for _ in range(calls):
+                threadpar.all_reduce(t)
+            return 0
+        count = 0
+        for _ in range(calls):
+            threadpar.all_reduce(t)
+            count += 1
+        issued.set()
+        return count
+
+    return run_null(body, n, None)[0]
 
 
 def measure(api, iters: int, repeats: int, barrier) -> list[float]:
-    """Seconds per all-reduce: [waited, issued asynchronously in batches, CPU time of this process (waited)]."""
+    """Seconds per all-reduce: [synchronous, issued asynchronously in batches, CPU time of this process
+    (synchronous)]; `barrier` starts every repeat of every rank together."""
     t = torch.ones(1)
 
     def batch() -> None:
@@ -201,7 +249,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (cpus, _) in placements.items():
                 meetings[name].append(barrier_meeting(n, iters, repeats, cpus))
-                paths[name].append(run_fake_gpus(work, n, NullCuda(), timeout=60.0, rank_cpus=cpus)[0])
+                start = threading.Barrier(n)  # (the null device's barrier() does not meet: a Python one)
+                null_work = lambda start=start: measure(threadpar, iters, repeats, start.wait)  # noqa: E731
+                paths[name].append(run_null(null_work, n, cpus)[0])
         gloo = [float("nan")] * 3 if args.no_gloo else run_gloo(gloo_worker, n, iters, repeats)
         gloo_cpu = gloo[2] * n  # one process per rank
         for name, (_, rank_cores) in placements.items():
@@ -219,6 +269,7 @@ def main() -> None:
                 [
                     n,
                     name,
+                    f"{ahead(n, 100)} of 100",
                     fmt_time(statistics.median(meetings["unpinned"])),
                     fmt_time(statistics.median(meetings[name])),
                     *(fmt_time(t) for t in (nccl_path[0], nccl_path[1])),
@@ -233,11 +284,12 @@ def main() -> None:
     headers = [
         "ranks",
         "rank threads on",
+        "rank 0 issues, the others held",
         "Barrier, unpinned",
         "Barrier, same cores",
-        "nccl path, waited",
+        "nccl path, synchronous",
         f"nccl path, async x{ASYNC_BATCH}",
-        "nccl path / unpinned Barrier (waited / async)",
+        "nccl path / unpinned Barrier (sync / async)",
         "nccl path / Barrier on the same cores",
         "threads, waited",
         f"threads, async x{ASYNC_BATCH}",

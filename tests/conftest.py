@@ -35,9 +35,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(params=["eager", "lazy"])
 def fake_mode(request: pytest.FixtureRequest):
-    """Runs a test twice: its FakeCudas compute each collective at launch (eager), then only when something
-    waits on it, reporting a buffer changed in between as a race (lazy: tests/fakes/fake_device_queue.py).
-    Use with `pytestmark = pytest.mark.usefixtures("fake_mode")` in a module on the nccl path."""
+    """Runs a test twice: its FakeCudas run each NCCL operation once every rank issued its part (eager), then
+    only when something needs its result, reporting a buffer touched out of order as a race (lazy:
+    tests/fakes/fake_device.py). Use with `pytestmark = pytest.mark.usefixtures("fake_mode")` in a module on
+    the nccl path."""
     from fakes.fake_cuda_nccl import LAZY_DEFAULT
 
     LAZY_DEFAULT[0] = request.param == "lazy"

@@ -20,7 +20,7 @@ from threadpar.parallel import (
 )
 from threadpar.testing import run_ranks
 
-# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+# Each test runs with the double running NCCL operations once issued and lazily (conftest.fake_mode).
 pytestmark = pytest.mark.usefixtures("fake_mode")
 
 DENSE = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8))

@@ -11,7 +11,7 @@ from threadpar import ConfigError
 from threadpar.parallel import DistributedDataParallel
 from threadpar.parallel.ddp import comm_hooks
 
-# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+# Each test runs with the double running NCCL operations once issued and lazily (conftest.fake_mode).
 pytestmark = pytest.mark.usefixtures("fake_mode")
 
 

@@ -1,14 +1,16 @@
-"""The CUDA/NCCL double's stricter modes catch what a GPU would (issue 22): a lazy comm stream runs a
-collective only when something waits on it, and a buffer written before that is reported as a race; NCCL's
-in-place offset rule for all-gather and reduce-scatter; backward on a device thread without the rank's
-context. (The weak logs are checked by test_payload_lifetime.py.)"""
+"""The CUDA/NCCL double's device catches what a GPU would (tests/fakes/fake_device.py): a collective runs on
+its stream only once every rank's part is there, and a host op on one of its buffers waits for it when the
+op's stream is ordered after it, or is a race when not; host reads that bypass the dispatcher (tolist)
+too; NCCL's in-place offset rule for all-gather and reduce-scatter; backward on a device thread without
+the rank's context. (The weak logs are checked by test_payload_lifetime.py.)"""
 
 import threading
 
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
-from test_nccl_double import clique
+from fakes.fake_device_index import bound_to
+from test_nccl_double import clique, stream
 
 import threadpar
 from threadpar import ReduceOp
@@ -17,66 +19,84 @@ from threadpar.errors import NotInRankError
 from threadpar.runtime.context import in_rank
 
 
-def test_a_lazy_collective_runs_only_once_something_waits_on_it():
-    both_read = threading.Barrier(2)
+def test_a_collective_runs_only_once_every_rank_issued_it_and_the_host_waits_where_the_stream_would():
+    rank_0_read = threading.Event()
 
     def body():
+        threadpar.all_reduce(torch.ones(1))  # (the communicators exist from here on)
         t = torch.ones(4)
-        work = threadpar.all_reduce(t, ReduceOp.SUM, async_op=True)
-        before = t.clone()  # read before waiting: on a slow comm stream, the old values
-        both_read.wait()  # (no rank has waited on the collective yet)
-        work.wait()
-        return before, t
+        if threadpar.get_rank() == 1:
+            assert rank_0_read.wait(30)
+        threadpar.all_reduce(t, ReduceOp.SUM)  # synchronous: on this rank's current stream
+        if threadpar.get_rank() == 0:
+            threading.Timer(0.2, rank_0_read.set).start()  # rank 1 issues its part only after this
+        after = t * 1  # a host op on the result: waits until rank 1's part is there, as the stream would
+        listed = t.tolist()  # (tolist reads memory without an aten op: the double watches it too)
+        return after, listed
 
-    for before, after in run_fake_gpus(body, 2, FakeCuda(lazy=True)):
-        assert torch.equal(before, torch.ones(4)) and torch.equal(after, torch.full((4,), 2.0))
+    for after, listed in run_fake_gpus(body, 2, FakeCuda()):
+        assert torch.equal(after, torch.full((4,), 2.0)) and listed == [2.0] * 4
 
 
 @pytest.mark.parametrize("which", ["input", "output"])
-def test_a_buffer_written_between_launch_and_run_is_a_race(which):
-    fake = FakeCuda(lazy=True)
-    both_wrote = threading.Barrier(2)
+def test_a_buffer_touched_before_waiting_on_the_work_is_a_race(which):
+    fake = FakeCuda(lazy=True)  # (the latest schedule: the collective has not run when the buffer is touched)
+    both_issued = threading.Barrier(2)
 
     def body():
         src, out = torch.ones(4), torch.empty(8)
-        work = threadpar.get_group().all_gather_into_tensor(out, src, async_op=True)
-        (src if which == "input" else out).add_(1)  # before waiting on the Work
-        both_wrote.wait()
+        work = threadpar.get_group().all_gather_into_tensor(out, src, async_op=True)  # on the comm stream
+        both_issued.wait()
+        if which == "input":
+            src.add_(1)  # a write to what the collective reads, before the stream waited on it
+        else:
+            out.sum()  # a read of what it writes
         work.wait()
 
-    with pytest.raises(RuntimeError, match=f"race: all_gather's {which}"):
+    with pytest.raises(
+        RuntimeError, match=f"race: aten::.* {'writes' if which == 'input' else 'reads'} a buffer"
+    ):
         run_fake_gpus(body, 2, fake)
     assert fake.races
-    assert not FakeCuda(lazy=False).races  # (eager: computed at launch, nothing to report)
+
+
+def test_after_waiting_on_the_work_the_buffer_is_the_callers():
+    def body():
+        out = torch.empty(2)
+        work = threadpar.get_group().all_gather_into_tensor(out, torch.ones(1), async_op=True)
+        work.wait()  # the current stream waits: a host op there is ordered after the collective
+        return out.sum()
+
+    fake = FakeCuda()
+    assert [s.item() for s in run_fake_gpus(body, 2, fake)] == [2.0, 2.0]
+    assert not fake.races
 
 
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("offset", [0, 1], ids=["rank-offset", "wrong-offset"])
-def test_nccls_in_place_offset_rule(op, offset):
+def test_nccls_in_place_offset_rule(op, offset, monkeypatch):
     """ncclAllGather(data + rank * count, data) and ncclReduceScatter(data, data + rank * count) are in place;
     rank 1 passing its slice at another offset of the same buffer is refused."""
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")  # (one thread issues both ranks' parts: see below)
     fake = FakeCuda()
     comms = clique([fake], [[0, 1]])[0]
     n = 3
     bufs = [torch.arange(2.0 * n), torch.arange(2.0 * n)]
     shift = [0, n if offset == 0 else 0]  # rank 1's slice: at rank * count, or at 0
     pieces = [b[s : s + n] for b, s in zip(bufs, shift)]
-    streams = [fake.pool_stream(torch.device("cpu"), 0) for _ in range(2)]
-    with fake.launch_lock:
-
-        def call():
-            with nccl_group(fake.nccl):
-                for piece, buf, comm, s in zip(pieces, bufs, comms, streams):
-                    if op == "all_gather":
-                        fake.nccl.all_gather(piece, buf, comm, s)
-                    else:
-                        fake.nccl.reduce_scatter(buf, piece, SUM, comm, s)
-
-        if offset == 0:
-            call()
-        else:
-            with pytest.raises(RuntimeError, match="in-place rule"):
-                call()
+    fake.nccl.group_start()  # both ranks from one thread, in one group (as ncclCommInitAll's users do)
+    for rank, (piece, buf, comm) in enumerate(zip(pieces, bufs, comms)):
+        with bound_to(rank):
+            if op == "all_gather":
+                fake.nccl.all_gather(piece, buf, comm, stream(fake, rank))
+            else:
+                fake.nccl.reduce_scatter(buf, piece, SUM, comm, stream(fake, rank))
+    fake.nccl.group_end()
+    if offset == 0:
+        fake.synchronize(torch.device("cpu"))
+    else:
+        with pytest.raises(RuntimeError, match="in-place rule"):
+            fake.synchronize(torch.device("cpu"))
 
 
 def test_backward_runs_on_a_device_thread_without_the_rank_context():
@@ -96,3 +116,16 @@ def test_backward_runs_on_a_device_thread_without_the_rank_context():
     for grad in run_fake_gpus(body, 2, FakeCuda(autograd_thread=True)):
         assert torch.equal(grad, torch.full((2,), 2.0))
     assert seen == [False, False]
+
+
+def test_nccl_group_of_one_thread_for_two_devices_issues_both_parts():
+    """(nccl_group is what threadpar's calls inside one NCCL group go through.)"""
+    fake = FakeCuda()
+    comms = clique([fake], [[0, 1]])[0]
+    xs = [torch.ones(2), torch.ones(2)]
+    with nccl_group(fake.nccl):
+        for rank in (0, 1):
+            with bound_to(rank):
+                fake.nccl.all_reduce(xs[rank], xs[rank], SUM, comms[rank], stream(fake, rank))
+    fake.synchronize(torch.device("cpu"))
+    assert all(torch.equal(x, torch.full((2,), 2.0)) for x in xs)

@@ -2,12 +2,12 @@
 
 Results: one workload (every collective, every dtype and ReduceOp the threads backend supports, on the
 world and on TP/DP sub-groups, plus point to point) runs on the threads backend (the oracle) and on the nccl
-backend over the double; the outputs must agree. Mechanics: one grouped call per collective with each
-member's tensor, comm stream and communicator in group-rank order, under the launch lock; ready/done events
-that order the NCCL op after the caller's earlier work and the caller's later work after the op.
+backend over the double; the outputs must agree. Mechanics: each member's own call on its own
+communicator, from its own thread, on its current stream (synchronous) or its comm stream (asynchronous);
+point to point on pairs' communicators; scatter, gather, all_to_all as grouped sends and receives.
 """
 
-import gc
+import threading
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from threadpar.comm.common.reduce_op import check_reducible
 from threadpar.errors import ConfigError
 from threadpar.testing import run_ranks
 
-# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+# Each test runs with the double running NCCL operations once issued and lazily (conftest.fake_mode).
 pytestmark = pytest.mark.usefixtures("fake_mode")
 
 DTYPES = [
@@ -51,8 +51,8 @@ def valid_ops(dtype, ops=tuple(ReduceOp)):
     return valid
 
 
-def workload(groups, dtypes=DTYPES, shapes=((3, 4),), ops=tuple(ReduceOp)):
-    """Every collective; returns {key: output} for comparison between backends."""
+def workload(groups, dtypes=DTYPES, shapes=((3, 4),), ops=tuple(ReduceOp), p2p=True):
+    """Every collective (and point to point: `p2p`); returns {key: output} for comparison between backends."""
     rank, out, key = threadpar.get_rank(), {}, 0
     for group in groups:
         g = threadpar.get_group(group)
@@ -103,6 +103,8 @@ def workload(groups, dtypes=DTYPES, shapes=((3, 4),), ops=tuple(ReduceOp)):
     noncontiguous = (torch.arange(12.0).reshape(3, 4) * (rank + 1)).t()
     threadpar.all_reduce(noncontiguous, op="MAX")
     out["noncontiguous"] = noncontiguous
+    if not p2p:
+        return out
     world = threadpar.get_world_size()
     threadpar.send(torch.arange(3.0) + rank, dst=(rank + 1) % world, tag=rank)
     got = torch.empty(3)
@@ -147,7 +149,7 @@ def test_scalars_and_empty_tensors_match_the_threads_backend():
 def test_avg_uses_ncclavg_only_where_nccl_has_it(nccl_version):
     fake = FakeCuda(nccl_version)
     dtypes = [torch.float32, torch.bfloat16, torch.complex128, torch.int32, torch.uint8]
-    compare(fake, 3, [None], dtypes, ((2, 3),), (ReduceOp.AVG,))
+    compare(fake, 3, [None], dtypes, ((2, 3),), (ReduceOp.AVG,), nccl_version >= (2, 14))  # (P2P needs 2.14)
     reduces = fake.calls_named("reduce")  # only the AVG loop issues these
     float_ops = {c.extra["op"] for c in reduces if c.inputs[0].dtype in (torch.float32, torch.float64)}
     half_ops = {c.extra["op"] for c in reduces if c.inputs[0].dtype == torch.bfloat16}
@@ -158,7 +160,7 @@ def test_avg_uses_ncclavg_only_where_nccl_has_it(nccl_version):
     assert int_ops == {0}  # integers: SUM, then a division that truncates like the threads backend
 
 
-def test_one_grouped_call_per_collective_with_each_members_tensor_stream_and_communicator():
+def test_each_member_issues_its_own_call_on_its_own_communicator_and_current_stream():
     fake = FakeCuda()
 
     def body():
@@ -166,69 +168,62 @@ def test_one_grouped_call_per_collective_with_each_members_tensor_stream_and_com
         mine = fake.current_stream(device)
         t = torch.full((4,), float(rank))
         produced = fake.mark(mine, "produce")
-        threadpar.all_reduce(t, group="TP")
+        threadpar.all_reduce(t, group="TP")  # the group's first: creates the communicators
+        threadpar.all_reduce(t, group="TP")  # issued by the rank thread itself
         consumed = fake.mark(mine, "consume")
-        threadpar.all_reduce(t, group="TP")  # reuses the communicators
-        return t, produced, consumed
+        return t, mine, produced, consumed
 
     results = run_fake_gpus(body, 4, fake, tp=2)
     calls = fake.calls_named("all_reduce")
-    assert len(calls) == 4  # two collectives on each of the two TP groups: one grouped call each
-    firsts = []  # the first call of each TP group
-    for group_ranks in ([0, 1], [2, 3]):
-        mine = [c for c in calls if c.inputs[0].data_ptr() == results[group_ranks[0]][0].data_ptr()]
-        assert len(mine) == 2
-        firsts.append(mine[0])
-    for call, group_ranks in zip(firsts, ([0, 1], [2, 3])):
-        for i, r in enumerate(group_ranks):
-            t, produced, consumed = results[r]
-            assert call.inputs[i].data_ptr() == t.data_ptr()  # in group-rank order
-            assert call.streams[i] in fake.comm_streams and call.streams[i].priority == -1
-            assert call.comms[i].rank == i and call.comms[i].thread == f"threadpar-rank-{r}"
-            assert fake.ordered(produced, call.nodes[i]), "the op must wait for the caller's earlier work"
-            assert fake.ordered(call.nodes[i], consumed), "the caller's later work must wait for the op"
-            assert not fake.ordered(call.nodes[i], produced)
-            # protected from the caching allocator until its comm stream is done with it
-            assert any(x.data_ptr() == t.data_ptr() and s is call.streams[i] for x, s in fake.recorded)
-        assert call.lock_held and call.thread.startswith("threadpar-rank-")
-    # Each member has its own comm stream and communicator; the two TP groups are two cliques, made once.
-    assert len({id(s) for c in calls for s in c.streams}) == 4
-    assert len({c.comms[0].uid for c in calls}) == 2
-    assert len({tuple(c.comms) for c in calls}) == 2
+    assert len(calls) == 8  # two collectives on each TP group, one call per member each: no leader
+    for r, (t, mine, produced, consumed) in enumerate(results):
+        torch.testing.assert_close(t, torch.full((4,), 2.0 * (2 * (r // 2) + 0.5) * 2))
+        first, second = [c for c in calls if c.stream is mine]  # synchronous: on the caller's current stream
+        assert "threadpar-nccl-connect" in first.thread  # made with the communicator, on a connector
+        assert second.thread == f"threadpar-rank-{r}"  # then the rank thread calls NCCL itself
+        assert first.comm == second.comm and first.comm.rank == r % 2
+        assert fake.ordered(produced, first.node) and fake.ordered(second.node, consumed)
+        assert not fake.recorded or all(s is not mine for _, s in fake.recorded)  # no events, no records
+    assert len({c.comm.uid for c in calls}) == 2  # two cliques (TP0, TP1), one communicator per member
     assert len(fake.nccl.init_calls) == 4
+    assert not fake.nccl.violations
 
 
-def test_async_work_orders_the_stream_at_wait_and_blocks_the_host_only_with_a_timeout():
+def test_an_async_op_returns_at_once_and_its_stream_waits_for_the_late_peer():
     fake = FakeCuda()
+    late = threading.Event()
 
     def body():
         device = threadpar.get_device()
         mine = fake.current_stream(device)
+        threadpar.all_reduce(torch.ones(1))  # the communicators exist from here on
         t = torch.ones(3)
+        if threadpar.get_rank() == 1:
+            assert late.wait(30)  # rank 1 issues its part only once rank 0 has checked everything below
         work = threadpar.all_reduce(t, async_op=True)
-        threadpar.barrier()  # every member has posted: the all-reduce is launched, but the device hangs
+        if threadpar.get_rank() == 1:
+            work.wait()
+            return t
         before = fake.mark(mine, "before wait")
-        assert not work.is_completed()
+        assert not work.is_completed()  # issued, but rank 1's part is not: the device waits, not the host
         assert work.wait() is True  # returns at once: only the stream waits
         after = fake.mark(mine, "after wait")
-        with pytest.raises(threadpar.CollectiveTimeoutError, match=r"did not finish it within 0\.2 s"):
+        with pytest.raises(
+            threadpar.CollectiveTimeoutError, match=r"timed out after 0\.2 s waiting for the device"
+        ):
             work.wait(timeout=0.2)
-        threadpar.barrier()
-        if threadpar.get_rank() == 0:
-            fake.resume()
-        threadpar.barrier()
+        node = fake.calls_named("all_reduce")[-1].node
+        assert (fake.ordered(node, before), fake.ordered(node, after)) == (False, True)
+        late.set()
         work.wait(timeout=5)
         assert work.is_completed() and work.is_success()
-        node = next(c for c in fake.calls_named("all_reduce")).nodes[threadpar.get_rank()]
-        return fake.ordered(node, before), fake.ordered(node, after), t
+        return t
 
-    fake.hang()
-    for before, after, t in run_fake_gpus(body, 2, fake):
-        assert (before, after) == (False, True)
+    for t in run_fake_gpus(body, 2, fake):
         torch.testing.assert_close(t, torch.full((3,), 2.0))
 
 
-def test_send_and_recv_are_ordered_copies_on_the_comm_streams():
+def test_send_and_recv_are_nccl_calls_on_the_pairs_own_communicators_and_streams():
     fake = FakeCuda()
 
     def body():
@@ -238,27 +233,31 @@ def test_send_and_recv_are_ordered_copies_on_the_comm_streams():
             t = torch.arange(4.0)
             produced = fake.mark(mine, "produce")
             threadpar.send(t, dst=1)
-            reused = fake.mark(mine, "overwrite")  # send returned: the stream may write t again
-            work = threadpar.isend(t * 2, dst=1, tag=1)
-            return produced, reused, work
+            t.mul_(10)  # send returned: the stream may write t again (the message is a snapshot)
+            work = threadpar.isend(t, dst=1, tag=1)
+            return produced, work
         got = torch.empty(4)
         threadpar.recv(got, src=0)
         consumed = fake.mark(mine, "consume")
         return got, consumed, threadpar.get_group().recv_tensor(src=0, tag=1)
 
-    (produced, reused, work), (got, consumed, second) = run_fake_gpus(body, 2, fake)
-    copy = fake.copies[0]
-    assert copy.lock_held and copy.src_stream is not copy.dst_stream
-    assert {copy.src_stream, copy.dst_stream} <= set(fake.comm_streams)
-    assert fake.ordered(produced, copy.node) and fake.ordered(copy.node, consumed)
-    assert fake.ordered(copy.node, reused)
-    assert not fake.ordered(fake.copies[1].node, reused)  # isend: ordered only once its Work is waited on
+    (produced, work), (got, consumed, second) = run_fake_gpus(body, 2, fake)
+    sends = [
+        c for c in fake.calls_named("send") if c.inputs[0].numel > 1
+    ]  # (not the pairs' connecting bytes)
+    recvs = [c for c in fake.calls_named("recv") if c.outputs[0].numel > 1]
+    assert len(sends) == 2 and len(recvs) == 2
+    assert sends[0].stream is sends[1].stream and sends[0].stream in fake.comm_streams
+    assert recvs[0].stream is recvs[1].stream and recvs[0].stream is not sends[0].stream
+    assert sends[0].comm.uid == recvs[0].comm.uid  # rank 0 -> 1 has a communicator of its own
+    assert fake.ordered(produced, sends[0].node) and fake.ordered(recvs[0].node, consumed)
     assert isinstance(work, threadpar.Work)
     torch.testing.assert_close(got, torch.arange(4.0))
-    torch.testing.assert_close(second, torch.arange(4.0) * 2)
+    torch.testing.assert_close(second, torch.arange(4.0) * 10)
+    assert not fake.nccl.violations
 
 
-def test_scatter_gather_all_to_all_are_copies_between_the_members_comm_streams():
+def test_scatter_gather_all_to_all_are_grouped_sends_and_receives_on_the_groups_communicators():
     fake = FakeCuda()
 
     def body():
@@ -268,10 +267,9 @@ def test_scatter_gather_all_to_all_are_copies_between_the_members_comm_streams()
         return t
 
     assert [t[0].item() for t in run_fake_gpus(body, 3, fake)] == [0.0, 1.0, 2.0]
-    assert not fake.calls and not fake.nccl.init_calls  # no NCCL, so no communicators either
-    src_streams = {id(c.src_stream) for c in fake.copies}  # the root's copy lanes (and its comm stream)
-    assert len(fake.copies) == 3 and len(src_streams) == 3 and all(c.lock_held for c in fake.copies)
-    assert len({id(c.dst_stream) for c in fake.copies}) == 3
+    names = sorted(c.name for c in fake.calls)
+    assert names == ["recv", "recv", "send+send"]  # the root's two sends in one group; its own chunk copied
+    assert len({c.comm.uid for c in fake.calls}) == 1  # the group's own communicators
 
 
 def test_sub_groups_get_their_own_cliques_and_later_launches_reuse_them():
@@ -282,12 +280,12 @@ def test_sub_groups_get_their_own_cliques_and_later_launches_reuse_them():
             threadpar.all_reduce(torch.ones(2), group=group)
 
     run_fake_gpus(body, 4, fake, tp=2)
-    first = {c.comms[0].uid for c in fake.calls}
+    first = {c.comm.uid for c in fake.calls}
     assert len(first) == 5 and len(fake.nccl.init_calls) == 12  # WORLD, TP0, TP1, DP0, DP1
-    gc.collect()  # the launch's groups are gone: their cliques went back to the pool
-    run_fake_gpus(body, 4, fake, tp=2)
+    run_fake_gpus(body, 4, fake, tp=2)  # the first launch's end pooled its cliques
     assert len(fake.nccl.init_calls) == 12  # no new communicators
-    assert {c.comms[0].uid for c in fake.calls[5:]} == first
+    assert {c.comm.uid for c in fake.calls[12:]} == first
+    assert not fake.nccl.destroyed and not fake.nccl.aborted
 
 
 def test_tensors_must_be_on_the_ranks_device():

@@ -6,6 +6,7 @@ are in test_nccl_double.py."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from fakes.fake_cuda_nccl import FakeCuda
 from helpers.gpus import gpu_count
 
-from threadpar.comm.nccl.library import AVG, MAX, SUM, UNIQUE_ID_BYTES, nccl_group
+from threadpar.comm.nccl.library import AVG, IN_PROGRESS, MAX, SUM, UNIQUE_ID_BYTES, nccl_group
 from threadpar.errors import NcclError
 
 
@@ -35,8 +36,14 @@ class Contract:
 @pytest.fixture(params=["double", pytest.param("nccl", marks=pytest.mark.cuda)])
 def contract(request) -> Iterator[Contract]:
     if request.param == "double":
-        fake = FakeCuda()
-        yield Contract(fake.nccl, torch.device("cpu"), fake.pool_stream(torch.device("cpu"), 0), lambda: None)
+        fake = FakeCuda()  # (this thread is on fake GPU 0, as the communicators below)
+        yield Contract(
+            fake.nccl,
+            torch.device("cpu"),
+            fake.pool_stream(torch.device("cpu"), 0),
+            lambda: fake.synchronize(torch.device("cpu")),
+        )
+        assert not fake.nccl.violations
         return
     if not gpu_count():
         pytest.skip("needs a CUDA GPU")
@@ -136,3 +143,42 @@ def test_abort_frees_a_communicator(contract):
     c.api.all_reduce(x, x, SUM, comm, c.stream)
     c.sync()
     c.api.comm_abort(comm)  # (using it afterwards is a use-after-free on real NCCL: the double refuses it)
+
+
+def _settled(c: Contract, comm: Any) -> int:
+    """Poll ncclCommGetAsyncError until a nonblocking communicator's last call is done (nccl.h)."""
+    deadline = time.monotonic() + 60
+    while (state := c.api.comm_get_async_error(comm)) == IN_PROGRESS:
+        assert time.monotonic() < deadline, "a nonblocking communicator stayed in progress for 60 s"
+        time.sleep(0.001)
+    return state
+
+
+def test_a_nonblocking_communicator_is_used_once_its_state_says_success(contract):
+    """ncclCommInitRankConfig with config.blocking = 0 (threadpar's point-to-point communicators): it returns
+    at once, and is ready once ncclCommGetAsyncError says ncclSuccess; a group end on it may return
+    ncclInProgress, after which the state is polled again (user guide, api/comms.html)."""
+    c = contract
+    comm = c.api.comm_init_rank_config(1, c.api.get_unique_id(), 0, 0, False)
+    assert _settled(c, comm) == 0
+    x = c.tensor([1.0, 2.0])
+    c.api.group_start()
+    c.api.all_reduce(x, x, SUM, comm, c.stream)
+    assert c.api.group_end() in (0, IN_PROGRESS)
+    assert _settled(c, comm) == 0
+    c.sync()
+    torch.testing.assert_close(x.cpu(), torch.tensor([1.0, 2.0]))
+    c.api.comm_abort(comm)  # (nonblocking: abort is allowed at any point)
+
+
+def test_empty_messages_travel_in_a_group(contract):
+    """Zero-byte sends and receives match like any other (NCCL >= 2.12.10; torch sends them rather than
+    skipping them, so that every rank's calls match: torch/csrc/cuda/nccl.cpp, _nccl_should_send_recv)."""
+    c, comm = contract, one_rank(contract)
+    empty_out, empty_in = c.tensor([]), c.tensor([])
+    with nccl_group(c.api):
+        c.api.send(empty_out, 0, comm, c.stream)
+        c.api.recv(empty_in, 0, comm, c.stream)
+    c.sync()
+    assert c.api.comm_get_async_error(comm) == 0
+    c.api.comm_destroy(comm)

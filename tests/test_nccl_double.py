@@ -1,6 +1,7 @@
 """The NCCL double's own rules, on several ranks and simulated processes (what a one-GPU contract run cannot
-reach): each is a way real NCCL hangs, corrupts data or refuses a call, and the double must refuse it too,
-so that no code path passes against the double while failing on a GPU. Sources: tests/fakes/fake_nccl.py."""
+reach): each is a way real NCCL hangs, corrupts data or refuses a call, and the double must fail on it too,
+so that no code path passes against the double while failing on a GPU. Sources: tests/fakes/fake_nccl.py,
+tests/fakes/fake_device.py."""
 
 from __future__ import annotations
 
@@ -8,23 +9,27 @@ import threading
 
 import pytest
 import torch
-from fakes import fake_nccl
+from fakes import fake_device
 from fakes.fake_cuda_nccl import FakeCuda, FakeStream, fake_gpu_processes, run_fake_gpus
+from fakes.fake_device import HangError
+from fakes.fake_device_index import bound_to
 
 import threadpar
-from threadpar.comm.nccl.library import SUM, nccl_group
+from threadpar.comm.nccl.library import IN_PROGRESS, SUM, nccl_group
 from threadpar.errors import NcclError
 
+CPU = torch.device("cpu")
 
-def clique(fakes, held):
-    """Communicators of one clique; held[p] = the NCCL ranks process p holds, each on its own device (its
+
+def clique(fakes, held, blocking=True):
+    """Communicators of one clique; held[p] = the NCCL ranks process p holds, each on its own fake GPU (its
     position in the process). Returns comms per process."""
     size = sum(len(ranks) for ranks in held)
     uid = fakes[0].nccl.get_unique_id()
     comms = [[None] * len(ranks) for ranks in held]
 
     def join(p, i, r):
-        comms[p][i] = fakes[p].nccl.comm_init_rank(size, uid, r, i)
+        comms[p][i] = fakes[p].nccl.comm_init_rank_config(size, uid, r, i, blocking)
 
     threads = [
         threading.Thread(target=join, args=(p, i, r)) for p, rs in enumerate(held) for i, r in enumerate(rs)
@@ -36,19 +41,24 @@ def clique(fakes, held):
     return comms
 
 
-def in_processes(fakes, comms, call):
-    """call(p, fake, comms of p) in one thread per process at once, inside one NCCL group each; returns what
-    each raised (or None)."""
-    errors = [None] * len(fakes)
+def stream(fake, device=0, name="s"):
+    """A stream of fake GPU `device` (a communicator's calls must use its own device's streams)."""
+    return FakeStream(fake, f"{name}@gpu{device}", CPU, -1, device)
 
-    def run(p):
+
+def issue(fake, comms, call):
+    """call(i, comm, stream) for each communicator, each from a thread standing for its device's, inside one
+    NCCL group per thread; returns what each raised (or None)."""
+    errors = [None] * len(comms)
+
+    def run(i):
         try:
-            with fakes[p].launch_lock, nccl_group(fakes[p].nccl):
-                call(p, fakes[p], comms[p])
+            with bound_to(comms[i].device), nccl_group(fake.nccl):
+                call(i, comms[i], stream(fake, comms[i].device))
         except Exception as error:
-            errors[p] = error
+            errors[i] = error
 
-    threads = [threading.Thread(target=run, args=(p,)) for p in range(len(fakes))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(comms))]
     for t in threads:
         t.start()
     for t in threads:
@@ -56,74 +66,134 @@ def in_processes(fakes, comms, call):
     return errors
 
 
-def stream(fake, name="s"):
-    return FakeStream(fake, name, torch.device("cpu"), -1)
+@pytest.fixture
+def short_waits(monkeypatch):
+    """The double gives up where a GPU would wait for ever after 0.3 s (instead of 10 s)."""
+    monkeypatch.setattr(fake_device, "WAIT_TIMEOUT_S", 0.3)
 
 
-def test_a_collective_across_processes_is_computed_once_every_part_is_issued():
+@pytest.fixture(autouse=True)
+def connect_at_creation(monkeypatch):
+    """Collectives connected when communicators are created (NCCL_RUNTIME_CONNECT=0, as threadpar sets it:
+    comm/nccl/bootstrap.py), so that a first collective issued from one thread before its peers' does not
+    block that thread (point to point connects on first use all the same)."""
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")
+
+
+def together(*calls):
+    """Run each call on a thread of its own at once (ranks that issue at the same time); their errors."""
+    errors = [None] * len(calls)
+
+    def run(i):
+        try:
+            calls[i]()
+        except Exception as error:
+            errors[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_a_call_returns_at_once_and_its_stream_waits_for_the_peers():
+    fake = FakeCuda()
+    (comms,) = clique([fake], [[0, 1]])
+    xs = [torch.full((2,), 1.0), torch.full((2,), 2.0)]
+    streams = [stream(fake, 0), stream(fake, 1)]
+    with bound_to(0):
+        fake.nccl.all_reduce(xs[0], xs[0], SUM, comms[0], streams[0])  # returns: rank 1 has not called
+        done = fake.event()
+        done.record(streams[0])
+    assert not done.query()  # the kernel waits for rank 1's part, on the device
+    waiter = threading.Thread(target=done.synchronize)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # a host that synchronizes waits for rank 1 too
+    with bound_to(1):
+        fake.nccl.all_reduce(xs[1], xs[1], SUM, comms[1], streams[1])
+    waiter.join(10)
+    assert not waiter.is_alive() and done.query()
+    fake.synchronize(CPU)
+    assert all(torch.equal(x, torch.full((2,), 3.0)) for x in xs)
+
+
+def test_a_collective_across_processes_runs_once_every_part_is_issued():
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0, 1], [2]])
     tensors = [[torch.full((2,), 1.0), torch.full((2,), 2.0)], [torch.full((2,), 4.0)]]
-
-    def call(p, fake, mine):
-        for t, comm in zip(tensors[p], mine):
-            fake.nccl.all_reduce(t, t, SUM, comm, stream(fake))
-
-    assert in_processes(fakes, comms, call) == [None, None]
+    for p in range(2):
+        assert issue(fakes[p], comms[p], lambda i, c, s, p=p: fakes[p].nccl.all_reduce(
+            tensors[p][i], tensors[p][i], SUM, c, s)) == [None] * len(comms[p])  # fmt: skip
+    for fake in fakes:
+        fake.synchronize(CPU)
     assert all(torch.equal(t, torch.full((2,), 7.0)) for ts in tensors for t in ts)
 
 
-def test_a_reduce_whose_root_has_no_output_is_refused():
+def test_a_reduce_whose_root_has_no_output_fails_its_kernel():
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0], [1]])
-
-    def call(p, fake, mine):
-        fake.nccl.reduce(torch.ones(2), None, 1, SUM, mine[0], stream(fake))
-
-    errors = in_processes(fakes, comms, call)
-    assert all("rank 1 is the root, but passed no recvbuff" in str(e) for e in errors)
+    for p in range(2):
+        issue(
+            fakes[p], comms[p], lambda i, c, s, p=p: fakes[p].nccl.reduce(torch.ones(2), None, 1, SUM, c, s)
+        )
+    with pytest.raises(RuntimeError, match="rank 1 is the root, but passed no recvbuff"):
+        fakes[0].synchronize(CPU)
 
 
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
-def test_buffers_too_small_for_the_communicators_size_are_refused(op):
+def test_buffers_too_small_for_the_communicators_size_fail_the_kernel(op):
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0, 1], [2]])
 
-    def call(p, fake, mine):
-        for comm in mine:  # sized for this process's members, not the clique's 3
-            n = len(mine)
+    def call(p):
+        n = len(comms[p])  # sized for this process's members, not the clique's 3
+
+        def one(i, comm, s):
             if op == "all_gather":
-                fake.nccl.all_gather(torch.ones(2), torch.empty(2 * n), comm, stream(fake))
+                fakes[p].nccl.all_gather(torch.ones(2), torch.empty(2 * n), comm, s)
             else:
-                fake.nccl.reduce_scatter(torch.ones(2 * n), torch.empty(2), SUM, comm, stream(fake))
+                fakes[p].nccl.reduce_scatter(torch.ones(2 * n), torch.empty(2), SUM, comm, s)
 
-    errors = in_processes(fakes, comms, call)
-    assert all("buffer overrun" in str(e) for e in errors), errors
+        return one
+
+    for p in range(2):
+        issue(fakes[p], comms[p], call(p))
+    with pytest.raises(RuntimeError, match="buffer overrun"):
+        fakes[1].synchronize(CPU)
 
 
-def test_collectives_that_differ_across_ranks_are_named():
+def test_collectives_that_differ_across_ranks_fail_their_kernels():
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0], [1]])
-
-    def call(p, fake, mine):
-        fake.nccl.all_reduce(torch.ones(2 + p), torch.empty(2 + p), SUM, mine[0], stream(fake))
-
-    errors = in_processes(fakes, comms, call)
-    assert all("collectives differ" in str(e) for e in errors), errors
+    issue(
+        fakes[0], comms[0], lambda i, c, s: fakes[0].nccl.all_reduce(torch.ones(2), torch.empty(2), SUM, c, s)
+    )
+    issue(
+        fakes[1], comms[1], lambda i, c, s: fakes[1].nccl.all_reduce(torch.ones(3), torch.empty(3), SUM, c, s)
+    )
+    assert "collectives differ" in fakes[0].nccl.fabric.mismatches[0]
+    for fake in fakes:
+        with pytest.raises(RuntimeError, match="collectives differ"):
+            fake.synchronize(CPU)  # every rank's kernel failed
 
 
 def test_operations_of_a_group_launch_at_its_end():
     fake = FakeCuda()
     (comms,) = clique([fake], [[0, 1]])
     xs = [torch.full((2,), 1.0), torch.full((2,), 2.0)]
-    with fake.launch_lock:
-        fake.nccl.group_start()
-        for x, comm in zip(xs, comms):
-            fake.nccl.all_reduce(x, x, SUM, comm, stream(fake))
-        assert torch.equal(xs[0], torch.full((2,), 1.0))  # nothing launched yet
-        fake.nccl.group_end()
+    fake.nccl.group_start()  # one thread, both ranks in one group: as ncclCommInitAll's users do
+    with bound_to(0):
+        fake.nccl.all_reduce(xs[0], xs[0], SUM, comms[0], stream(fake, 0))
+    with bound_to(1):
+        fake.nccl.all_reduce(xs[1], xs[1], SUM, comms[1], stream(fake, 1))
+    assert not fake.calls  # nothing launched yet
+    fake.nccl.group_end()
+    fake.synchronize(CPU)
     assert all(torch.equal(x, torch.full((2,), 3.0)) for x in xs)
-    assert len(fake.calls_named("all_reduce")) == 1  # one launch of both ranks' parts
+    assert len(fake.calls_named("all_reduce")) == 2  # one kernel per stream
 
 
 def test_sends_and_receives_match_per_peer_in_order_and_must_agree_on_size():
@@ -131,77 +201,159 @@ def test_sends_and_receives_match_per_peer_in_order_and_must_agree_on_size():
     comms = clique(fakes, [[0], [1]])
     got = [torch.empty(2), torch.empty(3)]
 
-    def call(p, fake, mine):
-        if p == 0:
-            fake.nccl.send(torch.full((2,), 1.0), 1, mine[0], stream(fake))
-            fake.nccl.send(torch.full((3,), 2.0), 1, mine[0], stream(fake))
-        else:
-            for t in got:
-                fake.nccl.recv(t, 0, mine[0], stream(fake))
+    def sends(i, comm, s):
+        fakes[0].nccl.send(torch.full((2,), 1.0), 1, comm, s)
+        fakes[0].nccl.send(torch.full((3,), 2.0), 1, comm, s)
 
-    assert in_processes(fakes, comms, call) == [None, None]
+    def recvs(i, comm, s):
+        for t in got:
+            fakes[1].nccl.recv(t, 0, comm, s)
+
+    # (the first send connects its peer inside its group end, waiting for it: both ranks issue at once)
+    assert together(lambda: issue(fakes[0], comms[0], sends), lambda: issue(fakes[1], comms[1], recvs)) == [
+        None,
+        None,
+    ]
+    fakes[1].synchronize(CPU)
     assert torch.equal(got[0], torch.full((2,), 1.0)) and torch.equal(got[1], torch.full((3,), 2.0))
 
-    def mismatched(p, fake, mine):
-        if p == 0:
-            fake.nccl.send(torch.ones(2), 1, mine[0], stream(fake))
-        else:
-            fake.nccl.recv(torch.empty(5), 0, mine[0], stream(fake))
-
-    errors = in_processes(fakes, comms, mismatched)
-    assert any("they must match" in str(e) for e in errors), errors
+    issue(fakes[0], comms[0], lambda i, c, s: fakes[0].nccl.send(torch.ones(2), 1, c, s))
+    issue(fakes[1], comms[1], lambda i, c, s: fakes[1].nccl.recv(torch.empty(5), 0, c, s))  # (connected)
+    with pytest.raises(RuntimeError, match="they must match"):
+        fakes[1].synchronize(CPU)
 
 
-def test_two_threads_driving_one_device_at_once_is_a_violation():
+def test_a_send_blocks_its_stream_until_the_receive_runs(short_waits):
+    """Two ranks that send to each other, then receive, on one communicator and one stream each: NCCL's
+    "blocking for the GPU" send makes that a cycle, which the double reports instead of waiting for ever."""
+    fake = FakeCuda()
+    (comms,) = clique([fake], [[0, 1]])
+    streams = [stream(fake, 0), stream(fake, 1)]
+
+    def connect(me):  # a grouped exchange first: connected, as threadpar's pairs are
+        with bound_to(me), nccl_group(fake.nccl):
+            fake.nccl.send(torch.ones(1), 1 - me, comms[me], streams[me])
+            fake.nccl.recv(torch.empty(1), 1 - me, comms[me], streams[me])
+
+    assert together(lambda: connect(0), lambda: connect(1)) == [None, None]
+    for me in (0, 1):
+        with bound_to(me):
+            fake.nccl.send(torch.ones(4), 1 - me, comms[me], streams[me])
+            fake.nccl.recv(torch.empty(4), 1 - me, comms[me], streams[me])
+    with pytest.raises(HangError, match="wait for each other in a cycle"):
+        fake.synchronize(CPU)
+
+
+def test_collectives_of_two_groups_in_opposite_orders_on_two_ranks_are_a_hang():
+    fake = FakeCuda()
+    (a,) = clique([fake], [[0, 1]])
+    (b,) = clique([fake], [[0, 1]])
+    streams = [stream(fake, 0), stream(fake, 1)]
+    order = {0: (a, b), 1: (b, a)}  # rank 1 calls group b's first
+    for me in (0, 1):
+        with bound_to(me):
+            for comms in order[me]:
+                fake.nccl.all_reduce(torch.ones(2), torch.empty(2), SUM, comms[me], streams[me])
+    with pytest.raises(HangError, match="wait for each other in a cycle"):
+        fake.synchronize(CPU)
+
+
+def test_two_threads_issuing_on_one_device_at_once_is_a_violation():
     fake = FakeCuda()
     (comms,) = clique([fake], [[0, 1]])
     other = fake.nccl.comm_init_all([0, 1])  # a second communicator on the same devices
+    s0 = stream(fake, 0)
     fake.nccl.group_start()
-    fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0], stream(fake))
+    fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0], s0)  # this thread holds device 0
     seen = []
 
     def intruder():
         try:
-            fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, other[0], stream(fake))
+            fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, other[0], s0)
         except RuntimeError as error:
             seen.append(str(error))
 
     t = threading.Thread(target=intruder)
     t.start()
     t.join()
-    fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[1], stream(fake))
     fake.nccl.group_end()
-    assert seen and "another thread's group holds operations on that device" in seen[0]
+    assert seen and "host threads racing to launch NCCL on same device" in seen[0]
     assert fake.nccl.violations
 
 
-def test_abort_ends_a_pending_operation_with_an_error(monkeypatch):
+def test_a_stream_of_another_device_is_refused():
+    fake = FakeCuda()
+    (comms,) = clique([fake], [[0, 1]])
+    with pytest.raises(
+        NcclError, match=r"ncclUnhandledCudaError.*belongs to fake GPU 1, the communicator to GPU 0"
+    ):
+        fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0], stream(fake, 1))
+
+
+def test_abort_ends_this_ranks_pending_kernel_and_freed_communicators_fail_loudly():
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0], [1]])
-    errors = []
-
-    def lonely():  # process 1 never issues its part: the kernel would wait for ever
-        try:
-            fakes[0].nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0][0], stream(fakes[0]))
-        except RuntimeError as error:
-            errors.append(str(error))
-
-    t = threading.Thread(target=lonely)
-    t.start()
-    while not fakes[0].calls:  # (its part is posted once logged)
-        t.join(0.01)
+    s = stream(fakes[0], 0)
+    fakes[0].nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0][0], s)  # process 1 never issues it
+    done = fakes[0].event()
+    done.record(s)
+    assert not done.query()
     fakes[0].nccl.comm_abort(comms[0][0])
-    t.join(5)
-    assert not t.is_alive() and "aborted (ncclCommAbort)" in errors[0]
-    with pytest.raises(NcclError, match="ncclInvalidArgument"):
-        fakes[0].nccl.comm_get_async_error(comms[0][0])  # freed
+    assert done.query()  # the kernel ended (its output holds whatever it holds): its stream went on
+    for use in (
+        lambda: fakes[0].nccl.comm_get_async_error(comms[0][0]),
+        lambda: fakes[0].nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0][0], s),
+        lambda: fakes[0].nccl.comm_abort(comms[0][0]),
+    ):
+        with pytest.raises(RuntimeError, match="use after free"):
+            use()
+    assert len(fakes[0].nccl.violations) == 3
 
 
-def test_an_init_whose_peers_never_join_fails_in_the_double(monkeypatch):
-    monkeypatch.setattr(fake_nccl, "INIT_TIMEOUT_S", 0.2)
+def test_destroy_waits_for_the_communicators_operations(short_waits):
+    fakes = fake_gpu_processes(2)
+    comms = clique(fakes, [[0], [1]])
+    fakes[0].nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0][0], stream(fakes[0]))
+    with pytest.raises(HangError, match="ncclCommDestroy waiting for all_reduce"):
+        fakes[0].nccl.comm_destroy(comms[0][0])  # its peer never issues it: on a GPU, for ever
+
+
+def test_a_blocking_init_whose_peers_never_join_would_wait_for_ever(short_waits):
     fake = FakeCuda()
-    with pytest.raises(NcclError, match="ranks \\[0\\] of 2 joined"):
+    with pytest.raises(HangError, match=r"ranks \[0\] of 2 joined.*NCCL waits for ever"):
         fake.nccl.comm_init_rank(2, fake.nccl.get_unique_id(), 0, 0)
+
+
+def test_a_nonblocking_communicator_is_in_progress_until_its_peers_join_and_unusable_until_then():
+    fake = FakeCuda()
+    uid = fake.nccl.get_unique_id()
+    comm = fake.nccl.comm_init_rank_config(2, uid, 0, 0, False)  # returns at once
+    assert fake.nccl.comm_get_async_error(comm) == IN_PROGRESS
+    with pytest.raises(
+        NcclError, match=r"ncclInvalidArgument.*before the previous operation returned ncclSuccess"
+    ):
+        fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comm, stream(fake, 0))
+    with bound_to(1):
+        fake.nccl.comm_init_rank_config(2, uid, 1, 1, False)
+    assert fake.nccl.comm_get_async_error(comm) == 0
+    fake.nccl.violations.clear()
+
+
+def test_a_first_send_connects_its_peer_blocking_the_host_on_a_blocking_communicator(short_waits):
+    """NCCL connects point to point on first use, inside the group end, waiting for the peer to connect too
+    (src/transport.cc); on a nonblocking communicator the call returns ncclInProgress instead."""
+    fake = FakeCuda()
+    (blocking,) = clique([fake], [[0, 1]])
+    with bound_to(0), pytest.raises(HangError, match="connecting send/recv"):
+        fake.nccl.send(torch.ones(2), 1, blocking[0], stream(fake, 0))
+    (nonblocking,) = clique([fake], [[0, 1]], blocking=False)
+    with bound_to(0):
+        fake.nccl.send(torch.ones(2), 1, nonblocking[0], stream(fake, 0))
+        assert fake.nccl.comm_get_async_error(nonblocking[0]) == IN_PROGRESS
+    with bound_to(1):
+        fake.nccl.recv(torch.empty(2), 0, nonblocking[1], stream(fake, 1))
+    with bound_to(0):
+        assert fake.nccl.comm_get_async_error(nonblocking[0]) == 0
 
 
 def test_threadpar_never_calls_torch_cuda_nccl_init_rank():

@@ -1,6 +1,8 @@
 """The nccl backend's failures on the test double: NCCL errors, device hangs, asynchronous errors, mismatches,
-missing ranks. Each must reach every affected rank as a clear exception, never a hang."""
+missing ranks, stopped launches. Each must stop the launch with a clear exception naming the rank (found by
+the rank itself or by the process's watchdog), never a hang; communicators of a failed launch are aborted."""
 
+import re
 import threading
 import time
 
@@ -9,74 +11,102 @@ import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
 import threadpar
+from threadpar.comm.nccl.resources import CliquePool
 from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, NcclError
 
 
-def test_an_nccl_call_that_fails_raises_ncclerror_on_every_member():
-    fake = FakeCuda()
-    fake.nccl.fail_next["ncclAllReduce"] = "unhandled cuda error"
-
-    def body():
-        with pytest.raises(NcclError) as info:
-            threadpar.all_reduce(torch.ones(2))
-        return str(info.value)
-
-    for message in run_fake_gpus(body, 3, fake):
-        assert "all_reduce(float32[2], op=SUM) #1 on group 'WORLD' failed" in message
-        assert (
-            "NCCL all_reduce on group 'WORLD' failed: ncclAllReduce failed: ncclInternalError (unhandled cuda error)"
-            in message
-        )
-
-
-def test_synchronize_and_wait_with_timeout_fail_clearly_when_the_device_hangs():
+def test_an_nccl_call_that_fails_stops_the_launch_naming_the_call():
     fake = FakeCuda()
 
     def body():
+        threadpar.all_reduce(torch.ones(2))  # the communicators exist
+        threadpar.barrier()
+        if threadpar.get_rank() == 1:
+            fake.nccl.fail_next["ncclBroadcast"] = "unhandled cuda error"
+        together.wait()
+        threadpar.broadcast(torch.ones(2), src=0)  # one rank's call fails; the other's waits until aborted
+        while True:
+            time.sleep(0.01)
+
+    together = threading.Barrier(2)
+    with pytest.raises(NcclError) as info:
+        run_fake_gpus(body, 2, fake)
+    message = str(info.value)
+    assert re.search(r"broadcast\(float32\[2\], src=0\) #3 on group 'WORLD' \(rank \d\) failed", message), (
+        message
+    )
+    assert "ncclBroadcast failed: ncclInternalError (unhandled cuda error)" in message
+    assert len(fake.nccl.aborted) == 2  # the launch stopped: both communicators aborted
+
+
+def test_a_wait_with_a_timeout_gives_up_clearly_while_the_device_hangs():
+    fake = FakeCuda()
+    together = threading.Barrier(2)
+
+    def body():
+        threadpar.all_reduce(torch.ones(2))
+        together.wait()
+        if threadpar.get_rank() == 0:
+            fake.hang()
+        together.wait()
         work = threadpar.broadcast(torch.ones(2), src=0, async_op=True)
-        start = time.monotonic()
         with pytest.raises(
-            CollectiveTimeoutError, match=r"broadcast.*was launched but the device did not finish"
+            CollectiveTimeoutError, match=r"broadcast.*timed out after 0\.1 s waiting for the device"
         ):
-            work.synchronize()  # the launch's timeout (0.3 s)
-        with pytest.raises(CollectiveTimeoutError, match=r"within 0\.1 s"):
             work.wait(timeout=0.1)
         assert not work.is_completed()
-        return time.monotonic() - start
+        together.wait()
+        if threadpar.get_rank() == 0:
+            fake.resume()
+        work.wait(timeout=10)  # now it runs
 
-    fake.hang()
-    # The exceptions above are the check; this bound only says "gave up after the 0.3 s timeout, did not hang":
-    # 100x the timeout, far from what a busy machine adds, and below pytest-timeout's 60 s so it fails clearly.
-    assert all(elapsed < 30 for elapsed in run_fake_gpus(body, 2, fake, timeout=0.3))
+    run_fake_gpus(body, 2, fake, timeout=30)
 
 
-def test_an_asynchronous_nccl_error_ends_a_blocking_wait_at_once():
+def test_a_device_that_hangs_is_found_by_the_watchdog_which_names_the_rank_and_group():
+    fake = FakeCuda()
+    together = threading.Barrier(2)
+
+    def body():
+        threadpar.all_reduce(torch.ones(2))
+        together.wait()
+        if threadpar.get_rank() == 0:
+            fake.hang()
+        together.wait()
+        threadpar.all_reduce(torch.ones(2))  # returns: the device waits (for ever)
+        while True:  # the rank goes on with host work until the launch stops it
+            time.sleep(0.01)
+
+    start = time.monotonic()
+    with pytest.raises(
+        CollectiveTimeoutError,
+        match=r"the device has not finished the NCCL operations rank \d issued on group 'WORLD'",
+    ):
+        run_fake_gpus(body, 2, fake, timeout=0.5)
+    # The exception is the check; this bound only says "stopped near the timeout, did not hang": 60x it.
+    assert time.monotonic() - start < 30
+    assert len(fake.nccl.aborted) == 2
+    fake.resume()
+
+
+def test_an_asynchronous_nccl_error_stops_the_launch():
     fake = FakeCuda()
 
     def body():
-        work = threadpar.all_reduce(torch.ones(2), async_op=True)
+        threadpar.all_reduce(torch.ones(2))
         threadpar.barrier()
         if threadpar.get_rank() == 0:
-            fake.async_error_message = "NCCL error 6: remote process exited or there was a network error"
-        threadpar.barrier()
-        start = time.monotonic()
-        # The device hangs, so only the asynchronous error can end this wait with an NcclError (its 30 s
-        # timeout would raise CollectiveTimeoutError): the type is the check. The bound (half the timeout) is
-        # wide on purpose; the poll that notices the error runs every few milliseconds.
-        with pytest.raises(
-            NcclError, match=r"all_reduce.*failed on the device: NCCL error 6: remote process"
-        ):
-            work.wait(timeout=30)
-        assert time.monotonic() - start < 15
-        assert work.is_completed() and not work.is_success()
-        with pytest.raises(NcclError):
-            work.wait()  # the failure sticks to the Work
+            fake.nccl.async_error_code = 6  # ncclRemoteError, as a peer process's loss reports it
+        while True:
+            time.sleep(0.01)
 
-    fake.hang()
-    run_fake_gpus(body, 2, fake)
+    with pytest.raises(
+        NcclError, match=r"NCCL error 6: remote process exited"
+    ):  # (the watchdog's or a wait's)
+        run_fake_gpus(body, 2, fake, timeout=30)
 
 
-def test_a_cuda_error_seen_by_the_done_event_becomes_an_ncclerror():
+def test_a_cuda_error_seen_by_a_done_event_becomes_an_ncclerror():
     fake = FakeCuda()
 
     def body():
@@ -84,42 +114,41 @@ def test_a_cuda_error_seen_by_the_done_event_becomes_an_ncclerror():
         threadpar.barrier()
         if threadpar.get_rank() == 0:
             fake.device_error = "an illegal memory access was encountered"
-        threadpar.barrier()
-        with pytest.raises(NcclError, match=r"failed on the device: CUDA error: an illegal memory access"):
-            work.synchronize()
+        work.synchronize()
 
-    run_fake_gpus(body, 2, fake)
+    with pytest.raises(NcclError, match=r"CUDA error: an illegal memory access"):
+        run_fake_gpus(body, 2, fake)
 
 
-def test_mismatched_collectives_raise_on_every_member():
+def test_mismatched_collectives_are_named_by_the_rank_that_completes_the_call():
     def body():
         t = torch.zeros(4)
-        threadpar.all_reduce(t)  # the communicators exist: the next call meets at the rendezvous only
-        with pytest.raises(
-            CollectiveMismatchError, match=r"rank 1: broadcast\(float32\[4\], src=0\)   <-- differs"
-        ):
-            if threadpar.get_rank() == 1:
-                threadpar.broadcast(t, src=0)
-            else:
-                threadpar.all_reduce(t)
-
-    run_fake_gpus(body, 3, FakeCuda())
-
-
-def test_a_rank_that_does_not_come_times_out_naming_it():
-    timed_out = threading.Event()  # rank 1 stays away until rank 0 has timed out
-
-    def body():
-        if threadpar.get_rank() == 0:
-            threadpar.barrier()
-            with pytest.raises(CollectiveTimeoutError, match=r"all_reduce.*ranks \[1\] did not arrive"):
-                threadpar.all_reduce(torch.ones(1))
-            timed_out.set()
+        threadpar.all_reduce(t)  # the communicators exist: the next calls meet nowhere
+        if threadpar.get_rank() == 1:
+            threadpar.broadcast(t, src=0)
         else:
-            threadpar.barrier()
-            assert timed_out.wait(timeout=30)
+            threadpar.all_reduce(t)
+        while True:  # the launch's stop ends this
+            time.sleep(0.01)
 
-    run_fake_gpus(body, 2, FakeCuda(), timeout=0.3)
+    with pytest.raises(
+        CollectiveMismatchError, match=r"rank 1: broadcast\(float32\[4\], src=0\)   <-- differs"
+    ):
+        run_fake_gpus(body, 3, FakeCuda())
+
+
+def test_a_rank_that_does_not_come_is_named_by_the_watchdog():
+    def body():
+        threadpar.all_reduce(torch.ones(1))
+        if threadpar.get_rank() == 0:
+            threadpar.all_reduce(torch.ones(1))  # rank 1 never issues it
+        while True:
+            time.sleep(0.01)
+
+    with pytest.raises(
+        CollectiveTimeoutError, match=r"all_reduce.*#2 on group 'WORLD'.*ranks \[1\] did not issue it"
+    ):
+        run_fake_gpus(body, 2, FakeCuda(), timeout=0.3)
 
 
 def test_nccl_on_a_torch_without_nccl_says_so():
@@ -139,64 +168,44 @@ def test_nccl_on_a_torch_without_nccl_says_so():
         world.world_group()
 
 
-def test_a_clique_some_member_never_completed_is_not_pooled():
-    from threadpar.comm.nccl.cuda_api import CliquePool
-
-    pool = CliquePool()
-    pool.give_back(("cuda:0", "cuda:1"), ["comm0", None])
-    assert pool.take(("cuda:0", "cuda:1")) is None
-    pool.give_back(("cuda:0", "cuda:1"), ["comm0", "comm1"])
-    assert pool.take(("cuda:1", "cuda:0")) is None  # another device order is another clique
-    assert pool.take(("cuda:0", "cuda:1")) == ["comm0", "comm1"]
+def test_the_pool_keeps_a_few_cliques_per_device_set_and_hands_the_rest_back():
+    pool = CliquePool(per_key=1)
+    assert pool.put(("0", "1"), ["a0", "a1"]) == []
+    assert pool.put(("0", "1"), ["b0", "b1"]) == ["b0", "b1"]  # full: the caller destroys these
+    assert pool.take(("1", "0")) is None  # another device order is another clique
+    assert pool.take(("0", "1")) == ["a0", "a1"]
+    assert pool.drain() == []
 
 
-@pytest.mark.parametrize("trouble", ["clean", "async_error", "timeout", "nccl_error", "abort"])
-def test_communicators_of_a_group_in_trouble_are_never_given_to_a_later_launch(trouble):
-    # torch cannot abort or destroy a communicator (torch/csrc/cuda/python_nccl.cpp: destroy_nccl_comm
-    # returns before ncclCommDestroy), and one that saw an error or a hang may hold half-done work:
-    # a later launch on the same devices must make new ones.
-    import gc
-
+@pytest.mark.parametrize("trouble", ["clean", "async_error", "nccl_error", "abort"])
+def test_communicators_of_a_launch_in_trouble_are_aborted_never_pooled(trouble):
     fake = FakeCuda()
 
     def first():
         threadpar.all_reduce(torch.ones(2))  # creates the clique
+        threadpar.barrier()
         if trouble == "async_error":
-            work = threadpar.all_reduce(torch.ones(2), async_op=True)
-            threadpar.barrier()
             if threadpar.get_rank() == 0:
-                fake.async_error_message = "NCCL error 6: remote process exited"
-            threadpar.barrier()
-            with pytest.raises(NcclError):
-                work.wait(timeout=5)
-        elif trouble == "timeout":
-            threadpar.barrier()
-            if threadpar.get_rank() == 0:
-                fake.hang()
-            threadpar.barrier()
-            work = threadpar.all_reduce(torch.ones(2), async_op=True)
-            with pytest.raises(CollectiveTimeoutError):
-                work.wait(timeout=0.05)
+                fake.nccl.async_error_code = 6
+            while True:
+                time.sleep(0.01)
         elif trouble == "nccl_error":
             if threadpar.get_rank() == 0:
                 fake.nccl.fail_next["ncclAllReduce"] = "unhandled cuda error"
             threadpar.barrier()
-            with pytest.raises(NcclError):
-                threadpar.all_reduce(torch.ones(2))
+            threadpar.all_reduce(torch.ones(2))
         elif trouble == "abort" and threadpar.get_rank() == 1:
             raise ValueError("a rank fails after its collective")
 
-    if trouble == "abort":
-        with pytest.raises(ValueError):
-            run_fake_gpus(first, 2, fake)
-    else:
-        run_fake_gpus(first, 2, fake)
-    fake.resume()
-    fake.async_error_message = None
-    gc.collect()  # the first launch's groups are gone: a clean clique is back in the pool
-    run_fake_gpus(lambda: threadpar.all_reduce(torch.ones(2)), 2, fake)
-    uids = [c.comms[0].uid for c in fake.calls_named("all_reduce")]
     if trouble == "clean":
-        assert len(fake.nccl.init_calls) == 2 and uids[-1] == uids[0]  # reused
+        run_fake_gpus(first, 2, fake)
     else:
-        assert len(fake.nccl.init_calls) == 4 and uids[-1] != uids[0], f"{trouble}: communicators reused"
+        with pytest.raises((NcclError, ValueError)):
+            run_fake_gpus(first, 2, fake, timeout=30)
+    fake.nccl.async_error_code = 0
+    run_fake_gpus(lambda: threadpar.all_reduce(torch.ones(2)), 2, fake)
+    if trouble == "clean":
+        assert len(fake.nccl.init_calls) == 2 and not fake.nccl.aborted  # reused from the pool
+    else:
+        assert len(fake.nccl.init_calls) == 4, f"{trouble}: communicators reused"
+        assert len(fake.nccl.aborted) == 2  # the first launch's, at its end

@@ -27,6 +27,7 @@ from threadpar.parallel import DistributedDataParallel, LossScaler, ZeroRedundan
 from threadpar.pipeline import PipelineParallel
 from threadpar.testing import run_ranks
 
+# Each test runs with the double running NCCL operations once issued and lazily (conftest.fake_mode).
 pytestmark = pytest.mark.usefixtures("fake_mode")
 
 TEMPLATE = mlp()  # made here, in the test's thread (mlp() seeds the global generator)

@@ -61,8 +61,19 @@ def test_processes_that_disagree_on_the_first_collective_raise_a_mismatch_on_eve
 
 
 def test_with_check_collectives_every_collective_is_checked_between_processes():
-    messages = _mismatch(5, first_op=False, check=True)
-    assert all("process 1: #2 all_reduce(float32[5], op=SUM)" in m for m in messages)
+    """The member that completes a call's check in its process asks the other processes too (a store round
+    trip): a mismatch stops both processes' launches, each naming both processes' calls."""
+
+    def body():
+        threadpar.all_reduce(torch.ones(3))  # communicators made, the processes agreed once
+        threadpar.all_reduce(torch.zeros(4 if threadpar.get_process_rank() == 0 else 5))
+        while True:  # the launch's stop ends this
+            time.sleep(0.01)
+
+    outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, check_collectives=True, timeout=5.0)
+    for outcome in outcomes:
+        assert isinstance(outcome, RankFailedError), outcome
+        assert "process 1: #2 all_reduce(float32[5], op=SUM)" in str(outcome)
 
 
 def test_with_check_collectives_a_process_that_skips_a_later_collective_is_named():

@@ -1,21 +1,23 @@
 """The nccl backend for groups that span processes, on the CUDA/NCCL double in simulated processes.
 
 Each simulated process (threads of this interpreter sharing a HashStore, as threadpar.testing runs them)
-has its own FakeCuda (its own launch lock, streams, call log); their NCCLs share one FakeFabric, so an
-NCCL collective is computed once every process has issued its part. Results: every collective against
-float64 references (tests/procs/checks.py, shared with the hierarchical backend's tests) and against the
-threads backend in one process (the workload of test_nccl_backend.py). Mechanics: one grouped call per
-process per collective with only that process's members, in group order; communicators through the store.
+has its own FakeCuda (its own device locks, streams, call log); their NCCLs share one FakeFabric, so an
+NCCL operation runs once every process has issued its part. Results: every collective against float64
+references (tests/procs/checks.py, shared with the hierarchical backend's tests) and against the threads
+backend in one process (the workload of test_nccl_backend.py). Mechanics: each member's own call, NCCL ranks
+being group indices; communicators through the store; everything through NCCL, nothing through host memory
+but unique ids and the announcements of point-to-point messages.
 """
 
 import pytest
 import torch
-from fakes.fake_cuda_nccl import fake_gpu_processes, run_fake_gpu_processes
+from fakes.fake_cuda_nccl import fake_gpu_processes, launch_fake_gpu_processes, run_fake_gpu_processes
 from procs import checks
 from test_nccl_backend import DTYPES, assert_same, workload
 
 import threadpar
 from threadpar.comm.nccl.spanning import NcclSpanningGroup
+from threadpar.errors import RankFailedError
 from threadpar.testing import run_ranks
 
 
@@ -31,9 +33,10 @@ def test_every_collective_and_message_matches_direct_results(processes, threads)
     run = lambda: checks.run_all(processes, threads)  # noqa: E731
     counts = run_fake_gpu_processes(run, fakes, threads, tp=2, timeout=20)
     assert all(c > 500 for c in flat(counts))
-    for fake in fakes:  # NCCL did the collectives (the spanning groups' too), each process its own part
-        comms = {c.comms[0].uid for c in fake.calls}
-        assert len(fake.calls) > 500 and len(comms) >= 4  # (all_gather: one call, not one per member)
+    for fake in fakes:  # NCCL did the collectives (the spanning groups' too), each member its own part
+        comms = {c.comm.uid for c in fake.calls}
+        assert len(fake.calls) > 500 and len(comms) >= 4
+        assert not fake.copies and not fake.host_syncs  # nothing through host memory
 
 
 @pytest.mark.parametrize(
@@ -54,7 +57,7 @@ def test_every_dtype_and_op_matches_the_threads_backend_in_one_process(processes
             assert_same(actual[rank][key], expected[rank][key], f"rank {rank} {key}")
 
 
-def test_one_grouped_call_per_process_with_only_its_members_in_group_order():
+def test_each_member_issues_its_own_call_with_its_group_index_as_nccl_rank():
     fakes = fake_gpu_processes(2)
 
     def body():
@@ -77,40 +80,34 @@ def test_one_grouped_call_per_process_with_only_its_members_in_group_order():
         g.all_gather_into_tensor(rows, torch.full((2,), float(rank)))
         b = torch.full((5,), float(rank))
         g.broadcast(b, src=3)  # member 0, in process 1
-        return t, produced, consumed, r, y, rows, b
+        return t, mine, produced, consumed, r, y, rows, b
 
     results = flat(run_fake_gpu_processes(body, fakes, 2))
     members = {0: 1, 1: 2, 3: 0}  # global rank -> index in "odd"
     for rank, m in members.items():
-        t, _, _, r, y, rows, b = results[rank]
+        t, _, _, _, r, y, rows, b = results[rank]
         assert torch.equal(t, torch.full((4,), 4.0))
         assert torch.equal(r, torch.full((3,), 4.0 if rank == 0 else float(rank)))  # only dst changes
         assert torch.equal(y, 3 * torch.arange(6.0)[2 * m : 2 * m + 2] + 4)
         assert torch.equal(rows, torch.tensor([[3.0, 3.0], [0.0, 0.0], [1.0, 1.0]]))
         assert torch.equal(b, torch.full((5,), 3.0))
     for fake, here in zip(fakes, ([0, 1], [3])):
-        calls = [c for c in fake.calls if c.comms[0].size == 3]
-        # every collective NCCL's own across processes, at its own bytes; roots are NCCL ranks (group indices)
-        assert [c.name for c in calls] == [
-            "all_reduce",
-            "reduce",
-            "reduce_scatter",
-            "all_gather",
-            "broadcast",
-        ]
-        assert calls[1].extra["root"] == 1 and calls[4].extra["root"] == 0
-        for call in calls:
-            assert [c.rank for c in call.comms] == [members[r] for r in here]  # group order, local only
-            assert [c.thread for c in call.comms] == [f"threadpar-rank-{r}" for r in here]
-            assert call.lock_held and call.thread in {f"threadpar-rank-{r}" for r in here}
-            assert all(s in fake.comm_streams and s.priority == -1 for s in call.streams)
-            assert len({id(s) for s in call.streams}) == len(here)
-        first = calls[0]
-        for i, r in enumerate(here):
-            t, produced, consumed = results[r][:3]
-            assert first.inputs[i].data_ptr() == t.data_ptr()
-            assert fake.ordered(produced, first.nodes[i]), "the op must wait for the caller's earlier work"
-            assert fake.ordered(first.nodes[i], consumed), "the caller's later work must wait for the op"
+        for r in here:
+            t, mine, produced, consumed = results[r][:4]
+            calls = [c for c in fake.calls if c.comm.size == 3 and c.stream is mine]
+            # every collective NCCL's own across processes, at its own bytes; roots are group indices
+            assert [c.name for c in calls] == [
+                "all_reduce",
+                "reduce",
+                "reduce_scatter",
+                "all_gather",
+                "broadcast",
+            ]
+            assert calls[1].extra["root"] == 1 and calls[4].extra["root"] == 0
+            assert all(c.comm.rank == members[r] for c in calls)
+            assert all(c.thread == f"threadpar-rank-{r}" for c in calls[1:])  # (the first made the comms)
+            assert calls[0].inputs[0].data_ptr() == t.data_ptr()
+            assert fake.ordered(produced, calls[0].node) and fake.ordered(calls[0].node, consumed)
 
 
 def test_communicators_are_joined_through_the_store_with_member_0s_unique_id():
@@ -125,17 +122,16 @@ def test_communicators_are_joined_through_the_store_with_member_0s_unique_id():
 
     run_fake_gpu_processes(body, fakes, 2)
     fabric = fakes[0].nccl.fabric
-    world_uid = next(c.comms[0].uid for c in fakes[0].calls if c.comms[0].size == 4)
-    odd_uid = next(c.comms[0].uid for c in fakes[0].calls if c.comms[0].size == 3)
+    world_uid = next(c.comm.uid for c in fakes[0].calls if c.comm.size == 4)
+    odd_uid = next(c.comm.uid for c in fakes[0].calls if c.comm.size == 3)
     assert fabric.id_makers == {world_uid: "threadpar-rank-0", odd_uid: "threadpar-rank-3"}  # member 0, once
-    joined = [(c.uid, c.rank, c.thread) for fake in fakes for c in fake.nccl.init_calls]
-    assert sorted(joined) == sorted(
-        [(world_uid, r, f"threadpar-rank-{r}") for r in range(4)]
-        + [(odd_uid, m, f"threadpar-rank-{r}") for r, m in ((3, 0), (0, 1), (1, 2))]
-    )  # each member joins in its own thread, once
+    joined = sorted((c.uid, c.rank) for fake in fakes for c in fake.nccl.init_calls)
+    assert joined == sorted([(world_uid, r) for r in range(4)] + [(odd_uid, m) for m in range(3)])
+    assert all("threadpar-nccl-connect" in c.thread for fake in fakes for c in fake.nccl.init_calls)
+    assert sum(len(fake.nccl.destroyed) for fake in fakes) == 7  # every communicator, at the launch's end
 
 
-def test_messages_in_a_process_are_device_copies_and_between_processes_go_through_the_router():
+def test_messages_go_through_nccl_on_pair_communicators_in_and_across_processes():
     fakes = fake_gpu_processes(2)
 
     def body():
@@ -144,7 +140,7 @@ def test_messages_in_a_process_are_device_copies_and_between_processes_go_throug
             threadpar.send(torch.arange(3.0), dst=1)  # same process
             threadpar.send(torch.arange(3.0) * 2, dst=2)  # another process
             work = threadpar.isend(torch.arange(3.0) * 3, dst=3, tag=5)
-            assert work.is_completed()  # handed over already
+            work.wait()
             return None
         if rank == 1:
             got = torch.empty(3)
@@ -159,11 +155,14 @@ def test_messages_in_a_process_are_device_copies_and_between_processes_go_throug
     results = flat(run_fake_gpu_processes(body, fakes, 2))
     for rank, factor in ((1, 1), (2, 2), (3, 3)):
         assert torch.equal(results[rank], torch.arange(3.0) * factor)
-    assert len(fakes[0].copies) == 1 and fakes[0].copies[0].lock_held  # rank 0 -> rank 1 only
-    assert not fakes[1].copies
+    sent = [c for c in fakes[0].calls_named("send") if c.inputs[0].numel > 1]  # (not the connecting bytes)
+    received = [c for fake in fakes for c in fake.calls_named("recv") if c.outputs[0].numel > 1]
+    assert len(sent) == 3 and len(received) == 3
+    assert len({c.comm.uid for c in sent}) == 3  # a communicator per pair and direction
+    assert not fakes[0].copies and not fakes[1].copies
 
 
-def test_copies_between_processes_go_through_host_memory_after_synchronizing_the_callers_stream():
+def test_scatter_gather_and_all_to_all_across_processes_are_nccl_sends_and_receives():
     fakes = fake_gpu_processes(2)
 
     def body():
@@ -184,10 +183,8 @@ def test_copies_between_processes_go_through_host_memory_after_synchronizing_the
 
     run_fake_gpu_processes(body, fakes, 2)
     for fake in fakes:
-        assert not fake.calls and not fake.copies  # no NCCL, and no device copies: through host memory
-        assert (
-            len(fake.host_syncs) == 3 * 2
-        )  # all_to_all, scatter, gather: each member's stream (not barrier)
+        assert not fake.copies and not fake.host_syncs  # nothing through host memory
+        assert any("send" in c.name and "recv" in c.name for c in fake.calls)  # all_to_all: one group
 
 
 def test_ddp_across_processes_matches_one_thread_on_the_whole_batch():
@@ -200,3 +197,19 @@ def test_ddp_across_processes_matches_one_thread_on_the_whole_batch():
 def test_pipeline_stages_in_different_processes_match_the_whole_model():
     counts = run_fake_gpu_processes(checks.check_pipeline, fake_gpu_processes(2), 2, pp=2)
     assert all(c > 0 for c in flat(counts))
+
+
+def test_the_gpu_checks_of_two_processes_on_one_gpu_pass_on_the_double():
+    """benchmarks/nccl_two_hosts.py's threadpar part (two processes of one rank thread each on one GPU, run by
+    gpu_check on a GPU) checked here on the double, so the first GPU runs a script known to be right."""
+    from benchmarks import nccl_two_hosts
+
+    (checks0,), (checks1,) = run_fake_gpu_processes(nccl_two_hosts.spanning_checks, fake_gpu_processes(2), 1)
+    assert all(checks0.values()) and all(checks1.values()), (checks0, checks1)
+    outcomes = launch_fake_gpu_processes(nccl_two_hosts.stopped, fake_gpu_processes(2), 1, timeout=20)
+    for outcome in outcomes:
+        assert (
+            isinstance(outcome, RankFailedError)
+            and outcome.rank == 1
+            and "rank 1 fails on purpose" in str(outcome)
+        )

@@ -14,7 +14,7 @@ from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_proc
 import threadpar
 from threadpar.testing import run_ranks
 
-# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
+# Each test runs with the double running NCCL operations once issued and lazily (conftest.fake_mode).
 pytestmark = pytest.mark.usefixtures("fake_mode")
 
 
@@ -192,17 +192,16 @@ def test_no_collective_runs_while_a_communicator_of_another_group_is_being_creat
 
 
 def test_two_processes_launching_two_groups_first_collectives_in_opposite_orders_do_not_deadlock(monkeypatch):
-    # NCCL >= 2.22 connects peers on an algorithm's first use inside ncclGroupEnd, blocking on the other
-    # processes while the launching thread holds its process's launch lock. Process 0 launches group
-    # [0, 2]'s first broadcast, process 1 group [1, 3]'s; each then needs the other's lock for the second
-    # group. threadpar connects eagerly at communicator creation instead (NCCL_RUNTIME_CONNECT=0).
+    # NCCL >= 2.22 connects peers on an algorithm's first use inside ncclGroupEnd, blocking the host until
+    # the other processes connect too (the double blocks the group end so). Process 0 issues group [0, 2]'s
+    # first broadcast, process 1 group [1, 3]'s, after a delay: a lazily connecting first broadcast would
+    # hold its rank's thread there. threadpar connects at communicator creation (NCCL_RUNTIME_CONNECT=0, set
+    # before the process's first communicator: comm/nccl/bootstrap.py), so no operation waits on the host.
     import time
-
-    from fakes.fake_nccl import FakeFabric
 
     monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "unset by the test")  # restored afterwards
     monkeypatch.delenv("NCCL_RUNTIME_CONNECT")
-    fakes = fake_gpu_processes(2, FakeFabric(op_timeout=3.0))
+    fakes = fake_gpu_processes(2)
 
     def body():
         rank = threadpar.get_rank()
@@ -227,22 +226,36 @@ def test_two_processes_launching_two_groups_first_collectives_in_opposite_orders
     assert [b[0].item() for b in results] == [0.0, 1.0, 0.0, 1.0]
 
 
-def test_a_lazy_connection_setting_is_refused_for_groups_that_span_processes(monkeypatch):
-    from threadpar.comm.nccl.bootstrap import connect_eagerly
+def test_nccl_environment_that_would_block_or_defer_is_refused(monkeypatch):
+    from threadpar.comm.nccl.bootstrap import prepare_environment
     from threadpar.errors import ConfigError
 
     monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")
     with pytest.raises(ConfigError, match="unset NCCL_RUNTIME_CONNECT or set it to 0"):
-        connect_eagerly()
+        prepare_environment()
     monkeypatch.delenv("NCCL_RUNTIME_CONNECT")
-    connect_eagerly()
+    prepare_environment()
     assert __import__("os").environ["NCCL_RUNTIME_CONNECT"] == "0"
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")
+    with pytest.raises(ConfigError, match="NCCL_COMM_BLOCKING=0 makes every NCCL communicator nonblocking"):
+        prepare_environment()
+
+
+def test_the_first_communicator_of_any_launch_is_made_with_eager_connections(monkeypatch):
+    """NCCL reads NCCL_RUNTIME_CONNECT once per process, at its first communicator (src/include/param.h): a
+    one-process launch first, a launch across processes later, must both find it set (it was set only for
+    the latter, after the first had made its communicators: too late)."""
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "unset by the test")
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT")
+    fake = FakeCuda()
+    run_fake_gpus(lambda: threadpar.all_reduce(torch.ones(1)), 2, fake)
+    assert all(not comm.lazy for comm in fake.nccl.init_calls)
 
 
 def test_live_groups_never_share_a_comm_stream_on_a_device():
-    # torch.cuda.Stream(priority=-1) hands out 32 pooled streams per device, round-robin; the double's ranks
-    # share one device, so here the 33rd (group, member) would get the 1st one's stream. Groups on one stream
-    # run one after the other; across processes, in opposite orders, that is a cycle.
+    # torch.cuda.Stream(priority=-1) hands out 32 pooled streams per device, round-robin: here the 33rd
+    # (group, member) on a device would get the 1st one's stream. Groups on one stream run one after the
+    # other; across processes, in opposite orders, that is a cycle. (Asynchronous ops run on the comm stream.)
     import itertools
 
     fake = FakeCuda()
@@ -253,16 +266,18 @@ def test_live_groups_never_share_a_comm_stream_on_a_device():
         groups = [threadpar.new_group(list(ranks), sort_ranks=False) for ranks in tuples]
         for g in groups:
             if g.is_member():
-                g.all_reduce(torch.ones(1))
+                g.all_reduce(torch.ones(1))  # (makes the communicators)
+                g.all_reduce(torch.ones(1), async_op=True).wait()
         return groups  # alive until every rank has used all of them
 
     run_fake_gpus(body, 4, fake)
-    per_group: dict = {}
-    for call in fake.calls_named("all_reduce"):
-        per_group.setdefault(call.comms[0].uid, call.streams)
-    streams = [id(s) for ss in per_group.values() for s in ss]
-    assert len(per_group) == len(tuples) and len(streams) == 42
-    assert len(set(streams)) == 42, "two live groups share a comm stream"
+    streams = {
+        (c.comm.uid, c.comm.rank): id(c.stream)
+        for c in fake.calls_named("all_reduce")
+        if c.stream in fake.comm_streams
+    }
+    assert len(streams) == 42
+    assert len(set(streams.values())) == 42, "two live groups share a comm stream"
 
 
 def test_comm_streams_run_out_with_a_clear_error_and_come_back_when_groups_go():
@@ -299,48 +314,3 @@ def test_a_group_dropped_while_another_takes_its_streams_does_not_deadlock():
     assert done.wait(30), "releasing a stream while CommStreams held its lock deadlocked"
     # The released stream came back: 62 more fit beside the second group's (64 per device), one of them it.
     assert any(stream is first for stream in [registry.acquire(fake, cpu) for _ in range(62)])
-
-
-def test_copies_to_different_destinations_run_concurrently_and_stay_ordered_with_the_callers():
-    # torch's cross-device copy (aten/src/ATen/native/cuda/Copy.cu, copy_device_to_device) runs on the
-    # source device's current stream and fences it both ways with the destination's current stream: issued
-    # one after another on the comm streams, P^2 all_to_all copies would run one after another.
-    fake = FakeCuda()
-
-    def body():
-        rank, world = threadpar.get_rank(), threadpar.get_world_size()
-        mine = fake.current_stream(threadpar.get_device())
-        before = fake.mark(mine, "produce")
-        t = torch.empty(2)
-        threadpar.scatter(t, [torch.full((2,), float(i)) for i in range(world)] if rank == 0 else None, src=0)
-        outs = [torch.empty(1) for _ in range(world)]
-        threadpar.all_to_all(outs, [torch.full((1,), 10.0 * rank + m) for m in range(world)])
-        after = fake.mark(mine, "consume")
-        return t, outs, before, after
-
-    results = run_fake_gpus(body, 4, fake)
-    for rank, (t, outs, _, _) in enumerate(results):
-        assert torch.equal(t, torch.full((2,), float(rank)))
-        assert [o.item() for o in outs] == [10.0 * s + rank for s in range(4)]
-    scatter, a2a = fake.copies[:4], fake.copies[4:]
-    assert len(a2a) == 16
-    # who copied to whom, read from the values: scatter sends i to rank i; all_to_all 10 s + m from s to m
-    ends = {id(c): (0, int(c.dst.tensor[0].item())) for c in scatter}
-    ends.update({id(c): divmod(int(c.dst.tensor[0].item()), 10) for c in a2a})
-    for copies in (scatter, a2a):
-        for a in copies:
-            for b in copies:
-                (sa, da), (sb, db) = ends[id(a)], ends[id(b)]
-                if a is not b and sa == sb and da != db and da != sa and db != sb:
-                    assert not fake.ordered(a.node, b.node), f"copies {sa}->{da} and {sb}->{db} serialised"
-        for c in copies:  # still after each side's earlier work and before its later work
-            for side in ends[id(c)]:
-                assert fake.ordered(results[side][2], c.node) and fake.ordered(c.node, results[side][3])
-    # the longest chain of copies that must run one after another: one per source into a destination (4),
-    # not all 16 (issued on the comm streams, each copy waited for the one before: a chain of 16)
-    depth: dict = {}
-    for c in a2a:  # (issue order is a topological order: a copy waits only for earlier ones)
-        depth[id(c)] = 1 + max(
-            (depth[id(b)] for b in a2a if id(b) in depth and fake.ordered(b.node, c.node)), default=0
-        )
-    assert max(depth.values()) <= 4, f"a chain of {max(depth.values())} copies"

@@ -11,7 +11,6 @@ the Works are dropped too, which still catches a peer's slot or the worker keepi
 
 import weakref
 
-import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
@@ -63,8 +62,7 @@ def test_threads_backend_keeps_no_payload():
     assert run_ranks(check_released, 2) == [[], []]
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_nccl_backend_keeps_no_payload(lazy):
-    fake = FakeCuda(lazy=lazy)
+def test_nccl_backend_keeps_no_payload():
+    fake = FakeCuda()
     assert run_fake_gpus(check_released, 2, fake) == [[], []]
     assert not fake.races

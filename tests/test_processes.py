@@ -14,9 +14,10 @@ import torch.distributed as dist
 from procs import checks
 
 import threadpar
+import threadpar.comm.common.abort
 import threadpar.comm.hierarchical.group as hierarchical
 from threadpar.comm.hierarchical.router import MAX_DIMS, MessageRouter, decode_header, encode_header
-from threadpar.comm.nccl.bootstrap import join_nccl_group, unique_id_key
+from threadpar.comm.nccl.bootstrap import shared_unique_id, unique_id_key
 from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, RemoteRankError
 from threadpar.runtime.launch import launch_in_process
 from threadpar.runtime.launch_config import LaunchConfig
@@ -236,37 +237,32 @@ def test_message_headers_round_trip():
         encode_header(0, 1, 0, 1, 0, torch.float32, (1,) * (MAX_DIMS + 1), 4)
 
 
-class FakeNccl:
-    """Stands in for NCCL's C API (threadpar's NcclApi): records the calls that join a communicator."""
+def test_a_unique_id_is_made_by_its_creator_and_read_from_the_store_by_everyone_else():
+    store, made, got = dist.HashStore(), [], {}
+    abort = threadpar.comm.common.abort.AbortSignal()
 
-    def __init__(self):
-        self.ids, self.joins, self.lock = 0, [], threading.Lock()
-
-    def get_unique_id(self):
-        with self.lock:
-            self.ids += 1
+    def make():
+        made.append(1)
         return b"\x01uid\x00" * 16
 
-    def comm_init_rank(self, size, uid, rank, device):
-        with self.lock:
-            self.joins.append((size, uid, rank))
-        return f"comm{rank}"
-
-
-def test_nccl_members_join_with_the_unique_id_from_the_store():
-    store, nccl, comms = dist.HashStore(), FakeNccl(), {}
-
     def member(m):
-        comms[m] = join_nccl_group(dist.PrefixStore("launch1", store), "ab12", m, 3, 5.0, nccl, 0)
+        got[m] = shared_unique_id(
+            dist.PrefixStore("launch1", store),
+            unique_id_key("ab12"),
+            m == 0,
+            make,
+            abort,
+            5.0,
+            lambda: "late",
+        )
 
     threads = [threading.Thread(target=member, args=(m,)) for m in (2, 1, 0)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert nccl.ids == 1  # only member 0 creates the id
-    assert sorted(nccl.joins) == [(3, b"\x01uid\x00" * 16, m) for m in range(3)]
-    assert comms == {0: "comm0", 1: "comm1", 2: "comm2"}
+    assert made == [1]  # only the creator (member 0) makes the id
+    assert got == {m: b"\x01uid\x00" * 16 for m in range(3)}
     assert dist.PrefixStore("launch1", store).check([unique_id_key("ab12")])
     with pytest.raises(CollectiveTimeoutError, match="member 0 to publish"):
-        join_nccl_group(store, "other", 1, 2, 0.2, nccl, 0)
+        shared_unique_id(store, "other", False, make, abort, 0.2, lambda: "waited for member 0 to publish")

@@ -115,19 +115,16 @@ def imported_modules(path: pathlib.Path) -> list[tuple[str, list[str]]]:
     return found
 
 
-def test_no_backend_imports_another_backends_helpers():
-    """A backend may build on another's public group class (nccl's spanning groups carry their host transfers
-    on a HierarchicalGroup), never on its helpers: what backends share lives in comm/common."""
-    allowed = {("nccl", "threadpar.comm.hierarchical.group"): {"HierarchicalGroup", "group_key"}}
+def test_no_backend_imports_another_backend():
+    """What backends share lives in comm/common (nccl's spanning groups once carried host transfers on a
+    HierarchicalGroup; every op is NCCL's own now, and the message router comes with the launch's Processes)."""
     for backend in BACKENDS:
         for path in (COMM / backend).rglob("*.py"):
             for module, names in imported_modules(path):
                 for other in BACKENDS:
-                    if other != backend and module.startswith(f"threadpar.comm.{other}"):
-                        permitted = allowed.get((backend, module), set())
-                        assert names and set(names) <= permitted, (
-                            f"comm/{backend}/{path.name} imports {names or module} from {module}"
-                        )
+                    assert other == backend or not module.startswith(f"threadpar.comm.{other}"), (
+                        f"comm/{backend}/{path.name} imports {names or module} from {module}"
+                    )
 
 
 PACKAGE = pathlib.Path(threadpar.__file__).parent

@@ -35,21 +35,17 @@ def test_the_nccl_backend_agrees_with_the_threads_backend_and_a_wrong_result_fai
     assert [r[2] for r in rows] == ["pass"] * len(selftest.COLLECTIVES)
     assert all(r[3] > 0 and r[5] > 0 for r in rows)  # timed, with a bus bandwidth
 
-    broken = FakeCuda()
-    all_reduce, group_end = broken.nccl.all_reduce, broken.nccl.group_end
-    issued: list = []
+    broken = FakeCuda(lazy=True)  # (each kernel waits on its stream until needed: the hook below finds it)
+    all_reduce = broken.nccl.all_reduce
 
     def off_by_one(send, recv, op, comm, stream):
         all_reduce(send, recv, op, comm, stream)
-        if comm.rank == 1:
-            issued.append(recv)
+        if comm.rank == 1:  # rank 1's result is wrong, once its kernel ran
+            node = next(c for c in reversed(broken.calls) if c.stream is stream).node
+            kernel = node.stream.kernels[node.index]
+            kernel.parts[0].op.after.append(lambda: recv.add_(1))
 
-    def corrupting_group_end():
-        group_end()  # (the outermost end launches: the double computes the results here)
-        while issued:
-            issued.pop().add_(1)  # rank 1's result is wrong
-
-    broken.nccl.all_reduce, broken.nccl.group_end = off_by_one, corrupting_group_end
+    broken.nccl.all_reduce = off_by_one
     rows = selftest.check(fake_gpus(3, broken), threads(3), 3, [4096], 0)
     verdicts = {r[0]: r[2] for r in rows}
     assert verdicts["all_reduce"] == "rank 1: FAIL (max |diff| 1.0)"

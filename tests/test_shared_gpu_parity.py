@@ -64,7 +64,6 @@ def test_ranks_on_one_fake_gpu_share_its_index_and_stream_pools_but_not_their_st
     assert len({id(default) for _, _, default in results}) == 4  # each rank on a stream of its own
 
 
-@pytest.mark.usefixtures("fake_mode")
 @pytest.mark.parametrize("path", ["one_thread", "split"])
 def test_collectives_order_every_peers_earlier_work_before_each_ranks_later_work(path, gpus, monkeypatch):
     monkeypatch.setattr(threads_backend, "SMALL_BYTES", 1 << 40 if path == "one_thread" else -1)

@@ -15,9 +15,6 @@ from threadpar.comm.common.cuda_seam import CudaApi, NcclRuntime
 from threadpar.comm.threads.stream_order import StreamOrder
 from threadpar.runtime.world import World
 
-# Each test runs with the double computing collectives at launch and lazily (conftest.fake_mode).
-pytestmark = pytest.mark.usefixtures("fake_mode")
-
 
 @pytest.mark.parametrize("path", ["one_thread", "split"])
 def test_collectives_order_every_peers_earlier_work_before_each_ranks_later_work(path, monkeypatch):

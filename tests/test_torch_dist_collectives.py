@@ -3,6 +3,8 @@ what one thread computes from all ranks' inputs, on the threads backend and on t
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -286,34 +288,34 @@ def test_new_group_shares_threadpar_groups():
 
 def test_nccl_wait_orders_the_callers_stream_and_keeps_tensors_alive():
     """c10d's contract on CUDA: Work.wait() makes the caller's current stream wait for the collective (the
-    host does not wait for the device), and the tensors are protected until the comm stream is done."""
+    host does not wait for the device, nor for the peers), and the tensors are protected until the comm
+    stream is done."""
     fake = FakeCuda()
+    late = threading.Event()
 
     def body():
         device = torch.device("cpu")  # the double's GPUs hold CPU tensors
         mine = fake.current_stream(device)
+        dist.all_reduce(torch.ones(1))  # the communicators exist from here on
         t = torch.ones(3)
+        if dist.get_rank() == 1:
+            assert late.wait(30)  # rank 1's part comes once rank 0 checked what follows
         work = dist.all_reduce(t, async_op=True)
-        dist.barrier()  # every member has posted: launched, but the device hangs
+        if dist.get_rank() == 1:
+            work.wait()
+            return None
         before = fake.mark(mine, "before wait")
         assert not work.is_completed()
         work.wait()  # returns at once: only the stream waits
         after = fake.mark(mine, "after wait")
-        node = next(c for c in fake.calls_named("all_reduce")).nodes[dist.get_rank()]
-        call = next(c for c in fake.calls_named("all_reduce"))
-        protected = any(
-            x.data_ptr() == t.data_ptr() and s is call.streams[dist.get_rank()] for x, s in fake.recorded
-        )
-        dist.barrier()
-        if dist.get_rank() == 0:
-            fake.resume()
-        dist.barrier()
-        return fake.ordered(node, before), fake.ordered(node, after), protected, t
+        call = fake.calls_of("all_reduce", 0)[-1]
+        protected = any(x.data_ptr() == t.data_ptr() and s is call.stream for x, s in fake.recorded)
+        late.set()
+        return fake.ordered(call.node, before), fake.ordered(call.node, after), protected, t
 
-    fake.hang()
-    for before, after, protected, t in run_fake_gpus(body, P, fake, timeout=20):
-        assert (before, after, protected) == (False, True, True)
-        torch.testing.assert_close(t, torch.full((3,), 2.0))
+    before, after, protected, t = run_fake_gpus(body, P, fake, timeout=20)[0]
+    assert (before, after, protected) == (False, True, True)
+    torch.testing.assert_close(t, torch.full((3,), 2.0))
 
 
 @pytest.mark.parametrize("run", RUNNERS)

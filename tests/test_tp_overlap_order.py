@@ -77,23 +77,23 @@ def test_on_nccl_the_collective_runs_on_the_comm_stream_beside_the_weight_gradie
     name = "reduce_scatter" if sp else "all_reduce"
     for events, marks, rank in run_fake_gpus(lambda: body(True), 2, fake, tp=2):
         assert events == OVERLAPPED[sp]
-        (call,) = fake.calls_named(name)
-        node = call.nodes[rank]
-        assert call.streams[rank] in fake.comm_streams
+        (call,) = fake.calls_of(name, rank)
+        node = call.node
+        assert call.stream in fake.comm_streams
         assert fake.ordered(marks["after dgrad"], node)
         assert not fake.ordered(marks["after wgrad"], node)
         assert not fake.ordered(node, marks["before wgrad"])
         assert fake.ordered(node, marks["after backward"])
         if sp:  # the backward's gather of the input: beside the dX GEMM, before the dW GEMM
-            gather = fake.calls_named("all_gather")[-1].nodes[rank]
+            gather = fake.calls_of("all_gather", rank)[-1].node
             assert not fake.ordered(gather, marks["before dgrad"])
             assert not fake.ordered(marks["after dgrad"], gather)
             assert fake.ordered(gather, marks["before wgrad"])
 
     fake.calls.clear()
     for _, marks, rank in run_fake_gpus(lambda: body(False), 2, fake, tp=2):  # no overlap: after dW
-        (call,) = fake.calls_named(name)
-        assert fake.ordered(marks["after wgrad"], call.nodes[rank])
+        (call,) = fake.calls_of(name, rank)
+        assert fake.ordered(marks["after wgrad"], call.node)
 
 
 SPLIT = {  # the events of the B half (input gradient) and the W half (weight gradients)

@@ -6,8 +6,8 @@ thread per device, `thread_main` runs the graph tasks' ready queue of its device
 the work to the device's queue and the calling thread waits on the graph task's future). So on a GPU,
 gradient hooks (post-accumulate-grad hooks: DDP's reducer, ZeRO-2's staging) and callbacks queued with
 `queue_callback` run on that device thread, which carries the graph task's ThreadLocalState (grad mode,
-autocast: engine.cpp, `at::ThreadLocalStateGuard tls_guard(graph_task->thread_locals_)`) but not Python
-thread-locals: not threadpar's rank context.
+autocast, the Python dispatch modes: engine.cpp, `at::ThreadLocalStateGuard tls_guard(graph_task->thread_locals_)`)
+but not Python thread-locals: not threadpar's rank context.
 
 With the double every device is the CPU, so `device_threads()` patches torch.autograd's entry to the engine
 (torch/autograd/graph.py, `_engine_run_backward`, which backward() and grad() call) to run the backward on a
@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.autograd
 
-from .fake_device_index import bound_to, fake_device_index
+from .fake_device import active_touch
+from .fake_device_index import all_current_streams, bound_to, fake_device_index
 
 _PATCH_LOCK = threading.Lock()
 _active = [0]  # how many device_threads() contexts are open (nested launches share one patch)
@@ -53,6 +54,8 @@ class _DeviceThread:
         grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
         dtype = torch.get_autocast_dtype("cpu")
         gpu = fake_device_index()  # the device thread of the caller's GPU (fake_device_index.py)
+        streams = all_current_streams()  # its ops run on the caller's streams (fake_device_index.py)
+        touch = active_touch()  # the double's device watches its host ops too (fake_device.DeviceTouch)
         done = threading.Event()
         outcome: list[Any] = [None, None]
 
@@ -62,7 +65,7 @@ class _DeviceThread:
                 torch.set_grad_enabled(grad)
                 torch.set_autocast_enabled("cpu", autocast)
                 torch.set_autocast_dtype("cpu", dtype)
-                with bound_to(gpu):
+                with bound_to(gpu, streams), touch.again() if touch is not None else contextlib.nullcontext():
                     outcome[0] = fn()
             except BaseException as error:
                 outcome[1] = error

@@ -1,41 +1,41 @@
-"""Test double for CUDA streams and events: `FakeCuda` stands in for threadpar's CudaApi (the double of NCCL's
-C API, `FakeNccl`, is in fake_nccl.py).
+"""Test double for CUDA streams and events: `FakeCuda` stands in for threadpar's CudaApi and NcclRuntime (the
+double of NCCL's C API, `FakeNccl`, is in fake_nccl.py; the device that runs both, in fake_device.py).
 
 A small simulation rather than a mock:
 - Streams keep what was enqueued on them; an event remembers where it was last recorded; a wait enqueues
   an edge to that point. `fake.ordered(a, b)` answers "would CUDA run a before b?" from stream order and
   event edges, so tests check ordering semantics rather than call sequences.
-- `FakeNccl` is NCCL's C API with NCCL's rules (fake_nccl.py); it computes the results on the CPU tensors
-  and logs every launched operation here (`calls`, one per clique and collective, with the thread and
-  whether it held the launch lock).
-- The device can hang (events recorded while hung stay incomplete until `resume()`), the next call of an
-  NCCL function can fail, and an asynchronous NCCL error can be set.
+- NCCL kernels run on the streams only once every rank's matching part has reached its stream's head
+  (fake_device.py): an event recorded after one stays incomplete until then, a synchronize waits, a host op
+  on one of its buffers waits (ordered) or is a race (not ordered). `run_fake_gpus` runs every rank thread
+  under `DeviceTouch` and ends with every stream run to its end, so a hang is reported, not missed.
+- `FakeNccl` is NCCL's C API with NCCL's rules (fake_nccl.py); it logs every call here (`calls`: one per
+  rank and call, with its thread).
+- The device can hang (NCCL kernels never run until `resume()`), and every event query can raise a sticky
+  CUDA error (`device_error`). NCCL's asynchronous error is `fake.nccl.async_error_code`.
 - Several FakeCudas sharing one `FakeFabric` are the GPUs of several simulated processes
   (`run_fake_gpu_processes`): their NCCL cliques span them.
 Devices are CPU devices, and every thread has its own default stream: the general case of ranks that
 compute on their own streams (on a real GPU, threads share the device's default stream unless told not to).
-Each rank thread still has a GPU of its own, a fake index (fake_device_index.py) its streams carry: an event
-recorded on one GPU's stream cannot be recorded on another's (FakeEvent.record), as in torch.
-
-Stricter modes (issue 22): `FakeCuda(lazy=True)` runs a collective only when something waits on it and reports
-a buffer changed in between as a race (fake_device_queue.py; conftest's `fake_mode` fixture runs nccl-path
-modules in both modes); `FakeCuda(autograd_thread=True)` runs every backward on a device thread of its own
-without the rank's context (fake_autograd_thread.py). Its logs (`calls`, `copies`, `recorded`) hold tensors
-weakly (`TensorRecord`), so they never keep alive what threadpar let go of.
+A rank's autograd device thread (`autograd_thread=True`) uses its rank's streams, as the engine runs
+backward ops on their forward ops' streams. Each rank thread has a GPU of its own, a fake index
+(fake_device_index.py) its streams carry: an event recorded on one GPU's stream cannot be recorded on
+another's (FakeEvent.record), as in torch. Its logs (`calls`, `copies`, `recorded`) hold tensors weakly
+(`TensorRecord`), so they never keep alive what threadpar let go of.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.nccl.library import async_error_text
-from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceInits
+from threadpar.comm.nccl import bootstrap
+from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceLocks
+from threadpar.comm.nccl.watchdog import Watchdog
 from threadpar.errors import RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
 from threadpar.runtime.launch_config import LaunchConfig
@@ -44,9 +44,10 @@ from threadpar.runtime.world import World
 from threadpar.testing import raise_root_cause
 from threadpar.topology import Layout
 
+from . import fake_device
 from .fake_autograd_thread import device_threads
-from .fake_device_index import fake_device_index
-from .fake_device_queue import TensorRecord, flush
+from .fake_device import DeviceTouch, TensorRecord
+from .fake_device_index import current_streams, fake_device_index
 from .fake_nccl import FakeComm, FakeFabric, FakeNccl
 
 __all__ = [
@@ -54,8 +55,8 @@ __all__ = [
     "run_fake_gpu_processes", "run_fake_gpus",
 ]  # fmt: skip
 
-
-# The mode of FakeCudas made without lazy=: [False] (eager), or [True] while conftest's fixture runs a test lazily.
+# The mode of FakeCudas made without lazy=: [False] (an operation runs once its parts are all issued), or [True]
+# while conftest's `fake_mode` fixture runs a test lazily (an operation runs only when something needs it).
 LAZY_DEFAULT = [False]
 
 STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp: kStreamsPerPool = 1 << kStreamsPerPoolBits (5)
@@ -74,13 +75,15 @@ class FakeStream:
     ) -> None:
         self.fake, self.name, self.device, self.priority = fake, name, device, priority
         self.device_index = device_index  # the fake GPU it belongs to (fake_device_index.py)
-        self.ops: list[tuple] = []
-        self.pending: dict[int, Any] = {}  # lazy mode: node index -> the collective waiting there to run
-        self.flushed = -1  # lazy mode: every node up to this one has run
-        fake.streams_made.append(self)
+        self.ops: list[tuple] = []  # what was enqueued, in order (the log `ordered` reads)
+        self.done_upto = -1  # the device has run every op up to this one (fake_device.advance)
+        self.kernels: dict[int, Any] = {}  # node index -> NCCL kernel not yet run there
+        self.failed: list[tuple[int, str, type]] = []  # (node index, error, its kind) of kernels that failed
+        with fake.lock:
+            fake.streams_made.append(self)
 
     def _append(self, *op: Any) -> Node:
-        with self.fake.lock:
+        with fake_device.RUN_LOCK:
             self.ops.append(op)
             return Node(self, len(self.ops) - 1)
 
@@ -90,16 +93,11 @@ class FakeStream:
         # may be on another device than the event: c10/cuda/CUDAEvent.h, CUDAEvent::block, checks no device
         # (cudaStreamWaitEvent across devices is legal, CUDA programming guide, "Stream and Event Behavior").
         self._append("wait", event, event.node)
-        if self.fake.lazy and event.node is not None and not self.pending:
-            # A stream whose work the double runs at once (a compute stream) must find the awaited work done;
-            # a comm stream with collectives still pending just records the edge (fake_device_queue.flush).
-            flush(event.node.stream, event.node.index)
 
     def synchronize(self) -> None:
         """The host waits for everything enqueued so far (cudaStreamSynchronize)."""
-        if self.fake.lazy:
-            flush(self)
         node = self._append("host-sync")
+        fake_device.demand(self, node.index, f"synchronize of {self!r}")
         with self.fake.lock:
             self.fake.host_syncs.append(node)
 
@@ -112,7 +110,6 @@ class FakeEvent:
         self.fake = fake
         self.node: Node | None = None  # where it was last recorded (None: never: waiting on it is a no-op)
         self.device_index: int | None = None  # the fake GPU of its first recording stream (None: not yet)
-        self.complete = True
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or self.fake.current_stream(torch.device("cpu"))
@@ -130,48 +127,34 @@ class FakeEvent:
                     "recorded on (c10/cuda/CUDAEvent.h, CUDAEvent::record); record a new event per device"
                 )
         self.node = stream._append("record", self)
-        self.complete = not self.fake.hung
 
     def query(self) -> bool:
+        """cudaEventQuery: has the device run everything before the record? Never blocks."""
         if self.fake.device_error is not None:
             raise RuntimeError(f"CUDA error: {self.fake.device_error}")
-        if self.fake.hung and not self.complete:
-            return False
-        if self.fake.lazy and self.node is not None:  # the host asking makes a lazy stream progress
-            flush(self.node.stream, self.node.index)
-        return True
+        if self.node is None:
+            return True
+        return fake_device.query(self.node.stream, self.node.index)
 
-
-class OwnedLock:
-    """A lock that knows which thread holds it, so the fake can check NCCL is called under it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.owner: int | None = None
-
-    def __enter__(self) -> OwnedLock:
-        self._lock.acquire()
-        self.owner = threading.get_ident()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.owner = None
-        self._lock.release()
-
-    def held_by_me(self) -> bool:
-        return self.owner == threading.get_ident()
+    def synchronize(self) -> None:
+        """cudaEventSynchronize: the host waits until the device has run everything before the record."""
+        if self.node is not None:
+            fake_device.demand(
+                self.node.stream, self.node.index, f"synchronize of an event on {self.node.stream!r}"
+            )
 
 
 @dataclass
 class FakeCall:
+    """One rank's NCCL call, as the double's log keeps it."""
+
     name: str
     inputs: list[TensorRecord]  # weak: the log keeps no buffer alive
     outputs: list[TensorRecord]
-    streams: list[FakeStream]
-    comms: list[FakeComm]
-    nodes: list[Node]  # where it sits on each rank's stream
+    stream: FakeStream
+    comm: FakeComm
+    node: Node  # where it sits on its stream
     thread: str
-    lock_held: bool
     extra: dict = field(default_factory=dict)
 
 
@@ -182,14 +165,13 @@ class FakeCopy:
     src_stream: FakeStream
     dst_stream: FakeStream
     node: Node
-    lock_held: bool
 
 
 class FakeCuda:
-    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (the CudaApi) and TorchNcclRuntime (the NcclRuntime)
-    at once (pass it as World(cuda=...)): its fake NCCL enqueues on its fake streams, as the real library
-    does on CUDA's, so one object models the GPUs and the library of one process. Each Protocol's members
-    are in their own section below; `cuda` is the runtime's view of the primitives (itself)."""
+    """Stands in for threadpar.comm.nccl.cuda_api.TorchCuda (the CudaApi) and LibraryNcclRuntime (the
+    NcclRuntime) at once (pass it as World(cuda=...)): its fake NCCL enqueues on its fake streams, as the
+    real library does on CUDA's, so one object models the GPUs and the library of one process. Each
+    Protocol's members are in their own section below; `cuda` is the runtime's view of the primitives (itself)."""
 
     def __init__(
         self,
@@ -198,21 +180,24 @@ class FakeCuda:
         *,
         lazy: bool | None = None,
         autograd_thread: bool = False,
+        watchdog_interval: float = 0.02,
     ) -> None:
-        """lazy: collectives run only when something waits on them, and a buffer changed between launch and
-        run is a race (fake_device_queue.py); None: the suite's mode (LAZY_DEFAULT, set by conftest's
-        fixture). autograd_thread: run_fake_gpus runs every backward on a thread of its own per rank, without
-        the rank's context, as CUDA's autograd engine does (fake_autograd_thread.py)."""
+        """lazy: an NCCL operation runs only when something needs its result (fake_device.py), the latest
+        schedule a GPU may pick, which reports a buffer touched out of order as a race even after every rank
+        issued its part; else once every part is issued (None: the suite's mode, LAZY_DEFAULT, set by
+        conftest's fixture). autograd_thread: run_fake_gpus runs every backward on a thread of its own per
+        rank, without the rank's context, as CUDA's autograd engine does (fake_autograd_thread.py).
+        watchdog_interval: the watchdog's period (tests look more often than torch's 100 ms)."""
         self.lock = threading.RLock()  # guards the fake's own records
         self.lazy = LAZY_DEFAULT[0] if lazy is None else lazy
         self.autograd_thread = autograd_thread
-        self.races: list[str] = []  # lazy mode: buffers changed between a collective's launch and its run
+        self.races: list[str] = []  # host ops that touched a pending NCCL operation's buffer unordered
         self.streams_made: list[FakeStream] = []
         self.nccl = FakeNccl(self, nccl_version, fabric)
-        self.launch_lock = OwnedLock()
-        self.cliques = CliquePool()  # threadpar's own pool: plain Python, nothing to fake
-        self.inits = DeviceInits()  # threadpar's own bookkeeping, likewise
-        self.streams = CommStreams()  # likewise
+        self.device_locks = DeviceLocks()  # threadpar's own process-wide bookkeeping: nothing to fake
+        self.cliques = CliquePool()
+        self.streams = CommStreams()
+        self.watchdog = Watchdog(watchdog_interval)
         # (device, fake GPU index, priority level) -> that pool (fake_device_index.py)
         self._pools: dict[tuple[torch.device, int, int], list[FakeStream]] = {}
         self._pool_counters: dict[tuple[torch.device, int, int], int] = {}
@@ -223,9 +208,6 @@ class FakeCuda:
         self.host_syncs: list[Node] = []  # where the host waited for a stream (FakeStream.synchronize)
         self.hung = False
         self.device_error: str | None = None  # raised by every event query (a sticky CUDA error)
-        self.async_error_message: str | None = None  # what ncclCommGetAsyncError reports
-        self._local = threading.local()
-        self._ids = itertools.count()
 
     # the CudaApi ------------------------------------------------------------------------------------------------
     def pool_stream(self, device: torch.device, priority: int) -> FakeStream:
@@ -250,13 +232,8 @@ class FakeCuda:
             self.comm_streams.append(stream)
         return stream
 
-    def _current(self) -> dict:
-        if not hasattr(self._local, "current"):
-            self._local.current = {}
-        return self._local.current
-
     def current_stream(self, device: torch.device) -> FakeStream:
-        current = self._current()
+        current = current_streams(self)
         if device not in current:
             name = f"default[{threading.current_thread().name}]"
             current[device] = FakeStream(self, name, device, device_index=fake_device_index())
@@ -267,11 +244,9 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def on_streams(self, *streams: FakeStream):
-        current = self._current()
+        current = current_streams(self)
         saved = dict(current)
         for stream in streams:
-            if self.lazy:  # host-issued work on a stream follows what waits there: that must run first
-                flush(stream)
             current[stream.device] = stream
         try:
             yield
@@ -281,16 +256,7 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def device_guard(self, device: torch.device):
-        saved = getattr(self._local, "device", None)
-        self._local.device = device
-        try:
-            yield
-        finally:
-            self._local.device = saved
-
-    def guarded_device(self) -> torch.device | None:
-        """The device a device_guard made current in this thread (None: none; CUDA's would be device 0)."""
-        return getattr(self._local, "device", None)
+        yield
 
     def copy_(
         self, dst: torch.Tensor, src: torch.Tensor, src_stream: FakeStream, dst_stream: FakeStream
@@ -299,9 +265,6 @@ class FakeCuda:
         # runs on the source device's current stream, which first waits for an event recorded on the
         # destination device's current stream; then the destination's stream waits for the copy. (The
         # double's devices are all one device: distinct streams stand for distinct devices here.)
-        if self.lazy:  # the double copies at once: what the copy follows on either stream runs first
-            flush(src_stream)
-            flush(dst_stream)
         if src_stream is not dst_stream:
             before = FakeEvent(self)
             before.record(dst_stream)
@@ -311,34 +274,28 @@ class FakeCuda:
             after = FakeEvent(self)
             after.record(src_stream)
             dst_stream.wait_event(after)
-        dst.copy_(src)
+        with self.on_streams(src_stream):
+            dst.copy_(src)
         with self.lock:
-            self.copies.append(
-                FakeCopy(
-                    TensorRecord(dst),
-                    TensorRecord(src),
-                    src_stream,
-                    dst_stream,
-                    node,
-                    self.launch_lock.held_by_me(),
-                )
-            )
+            self.copies.append(FakeCopy(TensorRecord(dst), TensorRecord(src), src_stream, dst_stream, node))
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         with self.lock:
             self.recorded.append((TensorRecord(tensor), stream))
 
     def synchronize(self, device: torch.device) -> None:
-        """cudaDeviceSynchronize: every stream runs what it holds."""
-        if self.lazy:
-            for stream in list(self.streams_made):
-                flush(stream)
+        """cudaDeviceSynchronize: the host waits until every stream of this process has run what it holds
+        (the double's GPUs are one device: every stream)."""
+        with self.lock:
+            streams = list(self.streams_made)
+        for stream in streams:
+            fake_device.demand(stream, len(stream.ops) - 1, f"device synchronize ({stream!r})")
 
     def report_race(self, message: str) -> None:
         with self.lock:
             self.races.append(message)
 
-    # the NcclRuntime (nccl, launch_lock, cliques, inits, streams are set in __init__) ---------------------------
+    # the NcclRuntime (nccl, device_locks, cliques, streams, watchdog are set in __init__) -----------------------
     @property
     def cuda(self) -> FakeCuda:
         return self
@@ -346,34 +303,19 @@ class FakeCuda:
     def nccl_available(self) -> bool:
         return True
 
-    def async_error(self, comm: FakeComm) -> str | None:
-        """As LibraryNcclRuntime.async_error, through the double's ncclCommGetAsyncError; a test may also
-        set `async_error_message` (what that query's error string would say)."""
-        return async_error_text(self.nccl, comm) or self.async_error_message
+    def prepare_environment(self) -> None:
+        bootstrap.prepare_environment()  # threadpar's own code: it sets what the double's NCCL reads
 
     # for FakeNccl -----------------------------------------------------------------------------------------------
-    def log_nccl(self, name, inputs, outputs, streams, comms, extra) -> list[Node]:
-        nodes = [s._append("nccl", name) for s in streams]
+    def log_nccl(self, name, inputs, outputs, stream, comm, extra) -> Node:
+        node = stream._append("nccl", name)
         call = FakeCall(
             name, [TensorRecord(t) for t in inputs], [TensorRecord(o) for o in outputs if o is not None],
-            list(streams), list(comms), nodes, threading.current_thread().name, self.launch_lock.held_by_me(),
-            extra,
+            stream, comm, node, threading.current_thread().name, extra,
         )  # fmt: skip
         with self.lock:
             self.calls.append(call)
-        return nodes
-
-    @contextlib.contextmanager
-    def released_launch_lock(self):
-        """While an NCCL part waits for the other processes' parts: let other launches in this process go on."""
-        held = self.launch_lock.held_by_me()
-        if held:
-            self.launch_lock.__exit__()
-        try:
-            yield
-        finally:
-            if held:
-                self.launch_lock.__enter__()
+        return node
 
     # for tests --------------------------------------------------------------------------------------------------
     def mark(self, stream: FakeStream, label: str) -> Node:
@@ -382,29 +324,45 @@ class FakeCuda:
 
     def ordered(self, a: Node, b: Node) -> bool:
         """Would CUDA finish a before starting b? (stream order, plus waits on recorded events)."""
-        stack, seen = [b], set()
-        while stack:
-            stream, index = stack.pop()
-            if stream is a.stream and index >= a.index:
-                return True
-            if (id(stream), index) in seen:
-                continue
-            seen.add((id(stream), index))
-            if index > 0:
-                stack.append(Node(stream, index - 1))
-            op = stream.ops[index]
-            if op[0] == "wait" and op[2] is not None:
-                stack.append(op[2])
-        return False
+        with fake_device.RUN_LOCK:
+            return fake_device.ordered(a, b)
 
     def hang(self) -> None:
+        """From now on, no NCCL kernel of this process runs (until resume)."""
         self.hung = True
 
     def resume(self) -> None:
-        self.hung = False
+        with fake_device.RUN_LOCK:
+            self.hung = False
+            fake_device.CHANGED.notify_all()
 
     def calls_named(self, name: str) -> list[FakeCall]:
         return [c for c in self.calls if c.name == name]
+
+    def calls_of(self, name: str, rank: int) -> list[FakeCall]:
+        """The calls named `name` by NCCL rank `rank` of their communicators, in order."""
+        return [c for c in self.calls if c.name == name and c.comm.rank == rank]
+
+    def touch_mode(self) -> DeviceTouch:
+        """The DeviceTouch of a rank thread of this process (its current streams, its races)."""
+        streams = current_streams(self)
+        return DeviceTouch(
+            self, lambda: streams.get(torch.device("cpu")) or self.current_stream(torch.device("cpu"))
+        )
+
+    def run_everything(self) -> None:
+        """The end of a launch: every stream runs to its end (a hang there is reported)."""
+        self.synchronize(torch.device("cpu"))
+
+
+def _on_device(fake: FakeCuda, fn):
+    """`fn` on a rank thread of a double's launch: under DeviceTouch (fake_device.py)."""
+
+    def body() -> Any:
+        with fake.touch_mode():
+            return fn()
+
+    return body
 
 
 def run_fake_gpus(
@@ -418,7 +376,9 @@ def run_fake_gpus(
     **layout,
 ):
     """Run `fn` on `world_size` rank threads whose GPUs are `fake` (CPU tensors); re-raise a rank's own error.
-    `rank_cpus`: the cores the rank threads run on (World.rank_cpus; None: unpinned, as GPU ranks are)."""
+    `rank_cpus`: the cores the rank threads run on (World.rank_cpus; None: unpinned, as GPU ranks are).
+    After the launch every stream runs to its end: an NCCL operation a rank issued that can never run fails
+    the run, as it would hang a GPU."""
     world = World(
         layout=Layout.build(world_size, **layout),
         backend=backend,
@@ -429,12 +389,19 @@ def run_fake_gpus(
         cuda=fake,
         rank_cpus=rank_cpus,
     )
+    nccl = backend == "nccl"  # (the threads backend on the double's streams issues no NCCL operation)
     try:
-        with device_threads() if fake.autograd_thread else contextlib.nullcontext():
-            return _Launch(world, fn, (), {}).run()
+        with (
+            device_threads() if fake.autograd_thread else contextlib.nullcontext(),
+            fake_device.watch_host_reads(),
+        ):
+            results = _Launch(world, _on_device(fake, fn) if nccl else fn, (), {}).run()
     except RankFailedError as failed:
         failed.error.add_note(f"(raised on rank {failed.rank})")
         raise failed.error from None
+    if nccl:
+        fake.run_everything()
+    return results
 
 
 def fake_gpu_processes(processes: int, fabric: FakeFabric | None = None, **options: Any) -> list[FakeCuda]:
@@ -477,8 +444,12 @@ def launch_fake_gpu_processes(
                 1,
                 cuda=fakes[p],
             )
-            with device_threads() if fakes[p].autograd_thread else contextlib.nullcontext():
-                outcomes[p] = _Launch(world, fn, (), {}).run()
+            with (
+                device_threads() if fakes[p].autograd_thread else contextlib.nullcontext(),
+                fake_device.watch_host_reads(),
+            ):
+                outcomes[p] = _Launch(world, _on_device(fakes[p], fn), (), {}).run()
+            fakes[p].run_everything()
         except BaseException as error:
             outcomes[p] = error
 

@@ -30,6 +30,24 @@ _gpus_of: weakref.WeakKeyDictionary[World, int] = weakref.WeakKeyDictionary()
 _gpus_lock = threading.Lock()
 
 
+def current_streams(fake: object) -> dict:
+    """The calling thread's current streams of `fake` (device -> stream): its own, or those it is bound to."""
+    bound = getattr(_local, "streams", None)
+    if bound is not None and id(fake) in bound:
+        return bound[id(fake)]
+    own = getattr(_local, "own_streams", None)
+    if own is None:
+        own = _local.own_streams = {}
+    return own.setdefault(id(fake), {})
+
+
+def all_current_streams() -> dict:
+    """Every FakeCuda's current streams of the calling thread (to bind a device thread to them)."""
+    merged = dict(getattr(_local, "own_streams", {}))
+    merged.update(getattr(_local, "streams", None) or {})
+    return merged
+
+
 def fake_device_index() -> int:
     """The calling thread's fake GPU: a binding (`bound_to`), else its rank within its process (modulo the
     shared mode's GPUs), else 0."""
@@ -59,11 +77,13 @@ def sharing_gpus(world: World, gpus: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def bound_to(index: int) -> Iterator[None]:
-    """Make `index` the calling thread's fake GPU while open."""
-    saved = getattr(_local, "index", None)
+def bound_to(index: int, streams: dict | None = None) -> Iterator[None]:
+    """Make `index` the calling thread's fake GPU while open, and `streams` (all_current_streams() of
+    another thread) its current streams."""
+    saved, saved_streams = getattr(_local, "index", None), getattr(_local, "streams", None)
     _local.index = index
+    _local.streams = streams
     try:
         yield
     finally:
-        _local.index = saved
+        _local.index, _local.streams = saved, saved_streams

@@ -1,69 +1,76 @@
 """Test double of NCCL's C API (nccl.h): `FakeNccl` (one per simulated process) over a shared `FakeFabric`.
 
 It stands where threadpar.comm.nccl.library.NcclLibrary stands (the NcclApi seam: one method per C function,
-tensors for buffers), so every line of the backend above the binding runs against it. What it enforces, each
-rule with the NCCL source or document it mirrors:
-- Communicators: ncclCommInitRank blocks until every rank of the unique id has joined (nccl.h); one rank per
-  device in a communicator ("Duplicate GPU detected", ncclInvalidUsage: src/init.cc); a freed or aborted
-  communicator is refused (src/misc/argcheck.cc, CommCheck: ncclInvalidArgument).
+tensors for buffers), so every line of the backend above the binding runs against it. Its operations run on
+the double's device (fake_device.py): a call returns at once, and the *stream* waits for the peers' matching
+calls. What it enforces, each rule with the NCCL (or CUDA) source it mirrors:
+- Communicators: ncclCommInitRank blocks until every rank of the unique id has joined, with no timeout
+  (nccl.h; the double gives up after fake_device.WAIT_TIMEOUT_S with a HangError: "would wait for ever"); one
+  rank per device in a communicator ("Duplicate GPU detected", ncclInvalidUsage: src/init.cc); rank in range.
+- A freed communicator (ncclCommAbort, ncclCommDestroy: src/init.cc, commReclaim frees it) is undefined
+  behaviour to touch: any call on one is a violation, raised and recorded (`violations`), never an NCCL error
+  a caller could mistake for a normal failure.
+- Threads (user guide, usage/threadsafety.html): one thread at a time may issue operations on the
+  communicators of a device ("it is not safe to issue NCCL operations in parallel to independent
+  communicators located on the same device with multiple threads"; NCCL 2.26+ reports "host threads racing
+  to launch NCCL on same device": src/misc/strongstream.cc, NCCL_LAUNCH_RACE_FATAL); a group's operations
+  hold the device until its end (all of a group's calls from one thread); ncclCommAbort only while no other
+  thread is inside NCCL on it (usage/communicators.html, "Fault Tolerance"). A call from a second thread
+  while the first is inside one is a violation.
+- Streams: a kernel launched to a stream of another device than the current one fails (CUDA C Programming
+  Guide, "Stream and Event Behavior"); NCCL launches with its communicator's device current, so a stream of
+  another fake GPU is ncclUnhandledCudaError.
 - Groups: ncclGroupStart/End nest per thread (src/group.cc: ncclGroupDepth is thread-local), an end without a
-  start is ncclInvalidUsage (group.cc, ncclGroupEndInternal), and the operations of a group are launched at
-  its outermost end, not before (usage/groups.html); an operation outside a group is a group of its own.
-- Threads: operations on one device's communicators must not be issued from two threads at the same time,
-  creating a communicator included (usage/threadsafety.html; usage/communicators.html, "Using multiple NCCL
-  communicators concurrently").
+  start is ncclInvalidUsage (ncclGroupEndInternal), the operations of a group are launched at its outermost
+  end (usage/groups.html); an operation outside a group is a group of its own.
 - Collectives: every rank of a communicator issues the same collective with the same count, type, op and
-  root, in the same order (else NCCL hangs or corrupts: the double says so); the buffers are large enough
-  for the communicator's size (ncclAllGather's recvbuff holds nranks x sendcount, ncclReduceScatter's
-  sendbuff nranks x recvcount: nccl.h); the root of ncclReduce has a recvbuff; in-place only as
-  usage/inplace.html defines it; ncclRedOp_t without bitwise ops; ncclAvg computed as NCCL computes it.
+  root, in the same order (else NCCL hangs or corrupts: the double fails the operation, which every
+  stream that ran it surfaces, and records it in `fabric.mismatches`); buffers large enough for the communicator's size (nccl.h); the root of ncclReduce
+  has a recvbuff; in-place only as usage/inplace.html defines it; ncclRedOp_t without bitwise ops; ncclAvg
+  as NCCL computes it (fake_nccl_math.py).
 - Point to point: ncclSend/ncclRecv match per (communicator, peer) in issue order, with the same count and
-  type (usage/p2p.html); a rank may send to itself inside a group.
-- Failures: ncclCommAbort ends the communicator's pending operations with an error (nccl.h); an
-  asynchronous error is what ncclCommGetAsyncError reports (`async_error_code`).
+  type (usage/p2p.html); a send blocks its stream until the receive runs ("blocking for the GPU", nccl.h).
+- Connections: point-to-point connections are made on first use, whatever NCCL_RUNTIME_CONNECT says, and with
+  NCCL_RUNTIME_CONNECT=1 (the default since 2.22; read once per process, at its first communicator:
+  src/init.cc, src/include/param.h) a collective algorithm's are too: such a first use blocks the HOST inside
+  the group end until the peers' parts are issued (src/enqueue.cc, src/transport.cc). (The double keys
+  "algorithm" by collective: NCCL picks ring/tree/NVLS per call.)
+- Failures: ncclCommAbort ends the communicator's kernels on its streams (their streams go on; a stream's
+  later synchronization sees the failure) and frees it; the peers' parts keep waiting, as on a GPU, until
+  they abort too. ncclCommDestroy waits for the communicator's launched operations (src/init.cc,
+  commDestroySync): with one whose peer never comes, it would hang (HangError). An asynchronous error is
+  what ncclCommGetAsyncError reports (`async_error_code`).
 It also models the one torch.cuda.nccl fact threadpar must never meet again: `init_rank` raises SystemError
 on CPython 3.10-3.12 (pytorch#38019; tests/conftest.py installs `broken_torch_init_rank`).
 
-Cliques span simulated processes (threadpar.testing runs several in one interpreter): a collective is
-computed once every rank of the clique has issued it. The thread that issues a part waits until then (a real
-launch returns at once and the device waits); it lets go of its process's launch lock while it waits, so
-that other groups' launches in that process go on, as they would on a GPU.
+Cliques span simulated processes (threadpar.testing runs several in one interpreter).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
-from threadpar.comm.nccl.library import RESULT_NAMES
 from threadpar.errors import NcclError
 
-from .fake_device_queue import PendingOp, attach
+from . import fake_device
+from .fake_device import DeviceOp, HangError, Kernel, Part
+from .fake_nccl_math import INVALID_ARGUMENT, INVALID_USAGE, check_op, compute, nccl_error
 
 # The dtypes that have an ncclDataType_t (nccl.h); bool travels as uint8 (library.data_type), for data
 # movement only (threadpar never reduces bool through NCCL: nccl/reduction.py gathers it).
 NCCL_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
 }  # fmt: skip
-INIT_TIMEOUT_S = 5.0
-# How long an issued part waits for the rest of its clique (a real device would wait for ever).
-OP_TIMEOUT_S = 10.0
-# ncclResult_t (nccl.h)
-INVALID_ARGUMENT, INVALID_USAGE, REMOTE_ERROR = 4, 5, 6
-
-
-def nccl_error(function: str, code: int, message: str) -> NcclError:
-    """The error the binding raises for a failed call (threadpar.comm.nccl.library.NcclLibrary._error)."""
-    return NcclError(f"{function} failed: {RESULT_NAMES[code]} ({message})")
+UNHANDLED_CUDA_ERROR = 1
+SUCCESS, IN_PROGRESS = 0, 7
 
 
 class FakeComm(NamedTuple):
@@ -72,67 +79,54 @@ class FakeComm(NamedTuple):
     size: int
     thread: str
     process: int  # which FakeNccl (simulated process) created it
-    lazy: bool = False  # NCCL >= 2.22 with NCCL_RUNTIME_CONNECT=1: connects peers on first use (see FakeNccl)
+    lazy: bool = False  # NCCL >= 2.22 with NCCL_RUNTIME_CONNECT=1: connects collectives on first use
     device: int = 0  # the (fake) CUDA device it is bound to
+    blocking: bool = True  # config.blocking (ncclCommInitRankConfig)
 
 
-class Part(NamedTuple):
-    """One rank's share of a collective: its input, and where NCCL writes its result (None: nowhere);
-    the comm stream it was launched on and its node there (for lazy mode)."""
+class CollectiveOp(DeviceOp):
+    """The k-th collective of one clique."""
 
-    input: torch.Tensor
-    output: torch.Tensor | None
-    stream: Any = None
-    node: int = -1
-
-
-@dataclass
-class CliqueOp:
-    """The k-th collective of one clique: the parts issued so far, by NCCL rank."""
-
-    name: str
-    args: tuple  # what every rank must agree on: (count, dtype, op, root)
-    size: int
-    parts: dict[int, Part] = field(default_factory=dict)
-    done: bool = False
-    error: str | None = None
-    index: int = 0
-    uid: bytes = b""
+    def __init__(self, kind: str, args: tuple, size: int, uid: bytes, index: int) -> None:
+        super().__init__(f"{kind} #{index} of clique {uid[:8]!r}", size, compute)
+        self.kind = kind
+        self.args = args  # what every rank must agree on: (count, dtype, op, root)
 
 
-@dataclass
-class P2pOp:
-    """One ncclSend matched (or waiting to be matched) with one ncclRecv of the same peer pair."""
+class P2pOp(DeviceOp):
+    """One ncclSend matched with one ncclRecv (parts 0: the send, 1: the receive)."""
 
-    src: int
-    dst: int
-    send: torch.Tensor | None = None
-    recv: torch.Tensor | None = None
-    done: bool = False
-    error: str | None = None
-    uid: bytes = b""
-    name: str = "send/recv"
+    def __init__(self, uid: bytes, src: int, dst: int) -> None:
+        super().__init__(f"send/recv {src} -> {dst} on clique {uid[:8]!r}", 2, _transfer)
+
+
+def _transfer(op: DeviceOp) -> str | None:
+    send, recv = op.parts[0].input, op.parts[1].output
+    assert send is not None and recv is not None
+    recv.copy_(send)
+    return None
 
 
 class FakeFabric:
-    """What the NCCLs of all simulated processes share: unique ids, cliques joining, collectives in flight."""
+    """What the NCCLs of all simulated processes share: unique ids, cliques joining, operations matching."""
 
-    def __init__(self, op_timeout: float = OP_TIMEOUT_S) -> None:
-        self.op_timeout = op_timeout
-        self.cond = threading.Condition()
+    def __init__(self) -> None:
+        self.cond = threading.Condition()  # joins
         self._ids = itertools.count()
         self._processes = itertools.count()
         self._joining: dict[bytes, set[int]] = {}
         self._failed: set[bytes] = set()  # cliques whose init failed
         self._devices: dict[tuple[bytes, int, int], int] = {}  # (clique, process, device) -> its rank
         self.owner: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> process holding that communicator
-        self._issued: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> collectives issued so far
-        self._ops: dict[tuple[bytes, int], CliqueOp] = {}
-        # (clique, src, dst) -> sends and receives not yet matched, in issue order
+        # Under fake_device.RUN_LOCK: the collectives each rank issued, the operations not yet complete,
+        # the unmatched sends and receives of each (clique, src, dst), the communicators freed.
+        self._issued: dict[tuple[bytes, int], int] = {}
+        self._ops: dict[tuple[bytes, int], CollectiveOp] = {}
         self._sends: dict[tuple[bytes, int, int], deque[P2pOp]] = {}
         self._recvs: dict[tuple[bytes, int, int], deque[P2pOp]] = {}
-        self.freed: set[tuple[bytes, int]] = set()  # (clique, rank) destroyed or aborted
+        self.freed: dict[tuple[bytes, int], str] = {}  # (clique, rank) -> "aborted" / "destroyed"
         self.id_makers: dict[bytes, str] = {}  # unique id -> the thread that made it
+        self.mismatches: list[str] = []  # operations whose ranks called different collectives (or sizes)
 
     def new_process(self) -> int:
         return next(self._processes)
@@ -161,287 +155,93 @@ class FakeFabric:
             joined.add(rank)
             self.owner[uid, rank] = process
             self.cond.notify_all()
-            if not self.cond.wait_for(
-                lambda: len(joined) == num_ranks or uid in self._failed, INIT_TIMEOUT_S
-            ):
-                raise nccl_error(
-                    "ncclCommInitRank", REMOTE_ERROR,
-                    f"init of rank {rank}: ranks {sorted(joined)} of {num_ranks} joined within {INIT_TIMEOUT_S:g} s "
-                    "(the double's bound; NCCL waits for ever)",
-                )  # fmt: skip
+            timeout = fake_device.WAIT_TIMEOUT_S
+            if not self.cond.wait_for(lambda: len(joined) == num_ranks or uid in self._failed, timeout):
+                raise HangError(
+                    f"ncclCommInitRank of rank {rank}: ranks {sorted(joined)} of {num_ranks} joined within "
+                    f"{timeout:g} s (NCCL waits for ever: a blocking init has no timeout)"
+                )
             if uid in self._failed:
                 raise nccl_error(
                     "ncclCommInitRank", INVALID_USAGE, "Duplicate GPU detected (another rank's init)"
                 )
 
+    # matching parts to operations (the caller holds fake_device.RUN_LOCK) ---------------------------------------
+    def collective(self, comm: FakeComm, kind: str, args: tuple) -> tuple[CollectiveOp, str | None]:
+        """The operation this rank's next collective on the clique is part of; and an error if it differs
+        from what the ranks that issued it first called."""
+        uid = comm.uid
+        index = self._issued.get((uid, comm.rank), 0)
+        self._issued[uid, comm.rank] = index + 1
+        op = self._ops.get((uid, index))
+        if op is None:
+            op = self._ops[uid, index] = CollectiveOp(kind, args, comm.size, uid, index)
+        if len(op.parts) + 1 == comm.size:
+            del self._ops[uid, index]  # (complete once this part is added)
+        if (op.kind, op.args) != (kind, args):
+            return op, (
+                f"NCCL collectives differ on clique {uid[:8]!r} at its collective #{index}: {op.kind}{op.args} "
+                f"and {kind}{args} (NCCL would hang or corrupt data)"
+            )
+        return op, None
+
+    def point_to_point(self, comm: FakeComm, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None):
+        """The P2pOp this send (or receive) is part of: usage/p2p.html, each ncclRecv from a peer matches the
+        oldest unmatched ncclSend of that peer to this rank on this communicator; and an error if their counts
+        or types differ."""
+        src, dst = (comm.rank, peer) if send is not None else (peer, comm.rank)
+        key = (comm.uid, src, dst)
+        mine, theirs = (self._sends, self._recvs) if send is not None else (self._recvs, self._sends)
+        waiting = theirs.get(key)
+        if waiting:
+            op = waiting.popleft()
+            other = op.parts.get(1 if send is not None else 0)
+            assert other is not None
+            sent, received = (send, other.output) if send is not None else (other.input, recv)
+            assert sent is not None and received is not None
+            if (sent.numel(), sent.dtype) != (received.numel(), received.dtype):
+                return op, (
+                    f"NCCL send/recv {src} -> {dst}: the send has {sent.numel()} x {sent.dtype}, the receive "
+                    f"{received.numel()} x {received.dtype} (usage/p2p.html: they must match)"
+                )
+            return op, None
+        op = P2pOp(comm.uid, src, dst)
+        mine.setdefault(key, deque()).append(op)
+        return op, None
+
+    def abort(self, comm: FakeComm, how: str, pending: list[Part]) -> None:
+        """ncclCommAbort (or Destroy): the communicator is freed; its `pending` parts end (their streams go
+        on, failed); the peers' parts wait on, as on a GPU, until they abort too (nccl.h: abort ends the
+        communicator's uncompleted operations)."""
+        with fake_device.RUN_LOCK:
+            self.freed[comm.uid, comm.rank] = how
+            message = f"NCCL communicator of rank {comm.rank} was aborted (ncclCommAbort) with this operation pending"
+            for part in pending:
+                if part.aborted is None:
+                    part.aborted = message
+                    fake_device.unregister(part)
+                    part.input = part.output = None  # (its kernel ended: the device holds them no more)
+            fake_device.CHANGED.notify_all()
+
+    def join_later(self, num_ranks: int, uid: bytes, rank: int, process: int, device: int) -> None:
+        """A nonblocking init's join: recorded at once; the communicator is ready once all have joined."""
+        with self.cond:
+            if (uid, process, device) in self._devices:
+                raise nccl_error(
+                    "ncclCommInitRankConfig", INVALID_USAGE, f"Duplicate GPU detected on device {device}"
+                )
+            self._devices[uid, process, device] = rank
+            self._joining.setdefault(uid, set()).add(rank)
+            self.owner[uid, rank] = process
+            self.cond.notify_all()
+
+    def joined(self, uid: bytes, num_ranks: int) -> bool:
+        with self.cond:
+            return len(self._joining.get(uid, ())) == num_ranks
+
     def ranks_held_by(self, uid: bytes, process: int) -> list[int]:
         with self.cond:
             return sorted(r for (u, r), p in self.owner.items() if u == uid and p == process)
-
-    # collectives: post every part of a group, then wait for all ---------------------------------------------
-    def post(
-        self, name: str, args: tuple, comms: list[FakeComm], parts: list[Part], lazy: bool = False
-    ) -> CliqueOp:
-        """Add these parts (this process's, of one collective of one clique); compute it once every rank
-        has. `lazy`: once complete, the collective waits on its comm streams until something waits on it."""
-        uid, size = comms[0].uid, comms[0].size
-        with self.cond:
-            indices = {self._issued.get((uid, c.rank), 0) for c in comms}
-            assert len(indices) == 1, f"{name}: the communicators of one call are at different collectives"
-            index = indices.pop()
-            for c in comms:
-                self._issued[uid, c.rank] = index + 1
-            op = self._ops.setdefault((uid, index), CliqueOp(name, args, size, index=index, uid=uid))
-            if (op.name, op.args) != (name, args):
-                op.error = (
-                    f"NCCL collectives differ on clique {uid[:8]!r} at its collective #{index}: "
-                    f"{op.name}{op.args} and {name}{args} (NCCL would hang or corrupt data)"
-                )
-            for c, part in zip(comms, parts):
-                op.parts[c.rank] = part
-            if op.error is None and len(op.parts) == size:
-                op.error = _compute(op, run=not lazy)
-                if op.error is None and lazy:
-                    _defer(op)
-            if len(op.parts) == size or op.error is not None:
-                self._finish(op)
-        return op
-
-    def _finish(self, op: CliqueOp | P2pOp) -> None:
-        op.done = True
-        if isinstance(op, CliqueOp):
-            self._ops.pop((op.uid, op.index), None)
-        self.cond.notify_all()
-
-    # point to point ---------------------------------------------------------------------------------------------
-    def post_send(self, comm: FakeComm, peer: int, tensor: torch.Tensor) -> P2pOp:
-        return self._post_p2p(comm.uid, comm.rank, peer, send=tensor)
-
-    def post_recv(self, comm: FakeComm, peer: int, tensor: torch.Tensor) -> P2pOp:
-        return self._post_p2p(comm.uid, peer, comm.rank, recv=tensor)
-
-    def _post_p2p(self, uid: bytes, src: int, dst: int, send=None, recv=None) -> P2pOp:
-        """usage/p2p.html: each ncclRecv from `src` matches the oldest unmatched ncclSend of `src` to this
-        rank on this communicator, and the two must agree on count and type."""
-        key = (uid, src, dst)
-        with self.cond:
-            mine, theirs = (self._sends, self._recvs) if send is not None else (self._recvs, self._sends)
-            waiting = theirs.get(key)
-            if waiting:
-                op = waiting.popleft()
-                if send is not None:
-                    op.send = send
-                else:
-                    op.recv = recv
-                assert op.send is not None and op.recv is not None
-                if (op.send.numel(), op.send.dtype) != (op.recv.numel(), op.recv.dtype):
-                    op.error = (
-                        f"NCCL send/recv {src} -> {dst}: the send has {op.send.numel()} x {op.send.dtype}, the "
-                        f"receive {op.recv.numel()} x {op.recv.dtype} (usage/p2p.html: they must match)"
-                    )
-                else:
-                    op.recv.copy_(op.send)
-                self._finish(op)
-                return op
-            op = P2pOp(src, dst, send, recv, uid=uid)
-            mine.setdefault(key, deque()).append(op)
-            return op
-
-    # waiting, aborting ------------------------------------------------------------------------------------------
-    def wait(self, ops: Sequence[CliqueOp | P2pOp], release: Any) -> None:
-        """Until every op is done (`release`: lets go of the caller's launch lock meanwhile, or None)."""
-        if all(op.done for op in ops):
-            self._raise_errors(ops)
-            return
-        # (the launch lock is let go of outside the fabric's lock: launches take them in the other order)
-        with release() if release is not None else contextlib.nullcontext(), self.cond:
-            finished = self.cond.wait_for(lambda: all(op.done for op in ops), self.op_timeout)
-        if not finished:
-            late = next(op for op in ops if not op.done)
-            if isinstance(late, CliqueOp):
-                missing = sorted(set(range(late.size)) - set(late.parts))
-                what = f"{late.name} #{late.index}: ranks {missing} never issued it"
-            else:
-                what = f"send/recv {late.src} -> {late.dst}: the {'recv' if late.recv is None else 'send'} never came"
-            raise RuntimeError(
-                f"fake NCCL: {what} within {self.op_timeout:g} s (on a GPU the kernel would hang)"
-            )
-        self._raise_errors(ops)
-
-    @staticmethod
-    def _raise_errors(ops: Sequence[CliqueOp | P2pOp]) -> None:
-        for op in ops:
-            if op.error is not None:
-                raise RuntimeError(op.error)
-
-    def abort(self, comm: FakeComm) -> None:
-        """ncclCommAbort: the communicator's pending operations end with an error (nccl.h), it is freed."""
-        with self.cond:
-            self.freed.add((comm.uid, comm.rank))
-            message = f"NCCL communicator of rank {comm.rank} was aborted (ncclCommAbort) with this operation pending"
-            for op in list(self._ops.values()):
-                if op.uid == comm.uid and not op.done:
-                    op.error = op.error or message
-                    self._finish(op)
-            for queues in (self._sends, self._recvs):
-                for (uid, src, dst), waiting in queues.items():
-                    if uid == comm.uid and comm.rank in (src, dst):
-                        for op in waiting:
-                            op.error = message
-                            self._finish(op)
-                        waiting.clear()
-
-    def check_usable(self, comm: FakeComm, function: str) -> None:
-        with self.cond:
-            freed = (comm.uid, comm.rank) in self.freed
-        if freed:
-            # src/misc/argcheck.cc, CommCheck: a freed communicator's magic no longer matches
-            raise nccl_error(function, INVALID_ARGUMENT, "the communicator was destroyed or aborted")
-
-
-def _check_op(name: str, op: int) -> None:
-    """NCCL's built-in reductions are ncclRedOp_t's ncclSum=0, ncclProd=1, ncclMax=2, ncclMin=3, ncclAvg=4
-    (nccl.h); there is no bitwise op. Any other value (short of a ncclRedOpCreatePreMulSum handle, which
-    threadpar never makes) fails with ncclInvalidArgument (src/enqueue.cc, hostToDevRedOp / ArgsCheck)."""
-    if op not in range(5):
-        raise nccl_error(name, INVALID_ARGUMENT, f"ncclRedOp_t {op} is not a reduction NCCL has")
-
-
-def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
-    if op == 4 and inputs[0].dtype.is_floating_point:
-        return _pre_mul_sum(inputs)
-    result = inputs[0].clone()
-    for t in inputs[1:]:
-        if op in (0, 4):
-            result.add_(t)
-        elif op == 1:
-            result.mul_(t)
-        else:
-            (torch.maximum if op == 2 else torch.minimum)(result, t, out=result)
-    if op == 4:
-        # ncclAvg on integers: hostToDevRedOp (src/enqueue.cc) picks ncclDevSumPostDiv, FuncSumPostDiv
-        # (src/device/reduce_kernel.h) divides the sum by nRanks with C's integer division (towards zero).
-        return result.div_(len(inputs), rounding_mode="trunc")
-    return result
-
-
-def _pre_mul_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
-    """ncclAvg on floating types, as NCCL computes it: hostToDevRedOp (src/enqueue.cc) turns it into
-    ncclDevPreMulSum with the scalar 1/nRanks held IN THE DATA TYPE (f16 = __float2half(float(1.0/n)),
-    bf16 = __float2bfloat16(float(1.0/n)), f32 = float(1.0/n), f64 = 1.0/n), and FuncPreMulSum
-    (src/device/reduce_kernel.h) multiplies every input by it (rounded to the type) before the sum, which
-    adds in the type. So for n not a power of two the fp16/bf16 average carries the rounding of 1/n: a
-    bias of the same sign on every element (1/3 in bf16 is 0.333984375, +0.2%). (The sum runs in rank order
-    here; NCCL's ring adds in ring order per chunk: a rounding-level difference the double does not model.)"""
-    dtype, n = inputs[0].dtype, len(inputs)
-    exact = 1.0 / n
-    single = float(torch.tensor(exact, dtype=torch.float32))  # float(1.0/n)
-    scale = torch.tensor(exact if dtype == torch.float64 else single, dtype=torch.float64)
-    scale = scale.to(dtype)  # float -> half/bfloat16 rounds to nearest, as __float2half/__float2bfloat16
-    result = inputs[0] * scale
-    for t in inputs[1:]:
-        result.add_(t * scale)
-    return result
-
-
-def _defer(op: CliqueOp) -> None:
-    """Lazy mode: leave the checked collective on its comm streams, to run when something waits on it."""
-    parts = [op.parts[r] for r in range(op.size)]
-    pending = PendingOp(
-        op.name,
-        lambda: _compute(op),
-        reads=[p.input for p in parts],
-        writes=[p.output for p in parts if p.output is not None and p.output is not p.input],
-    )
-    attach(pending, [(p.stream, p.node) for p in parts])
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _in_place_offset(op: CliqueOp, parts: list[Part], count: int) -> str | None:
-    """NCCL's in-place rule for the two collectives whose buffers differ in size (docs, usage/inplace.html,
-    "In-place Operations"): ncclAllGather(data + rank * sendcount, data, ...) and ncclReduceScatter(data,
-    data + rank * recvcount, ...) are in place; any other overlap of the send and receive buffers is not
-    an operation NCCL defines (it reads bytes it has already overwritten, or the reverse)."""
-    for rank, p in enumerate(parts):
-        if p.output is None or not _overlap(p.input, p.output):
-            continue
-        whole, piece = (p.output, p.input) if op.name == "all_gather" else (p.input, p.output)
-        want = whole.data_ptr() + rank * count * whole.element_size()
-        if piece.data_ptr() != want:
-            offset = (piece.data_ptr() - whole.data_ptr()) // whole.element_size()
-            return (
-                f"NCCL {op.name}: rank {rank}'s send and receive buffers overlap, but its "
-                f"{'input' if op.name == 'all_gather' else 'output'} starts at element {offset} of the "
-                f"{'output' if op.name == 'all_gather' else 'input'}, not at rank * count = {rank * count} (NCCL's "
-                "in-place rule, usage/inplace.html): NCCL would read data it already overwrote"
-            )
-    return None
-
-
-def _compute(op: CliqueOp, run: bool = True) -> str | None:
-    """Check a collective whose parts have all been issued and (`run`) compute it; returns what NCCL would
-    get wrong, if anything."""
-    parts = [op.parts[r] for r in range(op.size)]  # by NCCL rank
-    count, _dtype, reduce_op, root = op.args
-    if op.name in ("all_gather", "reduce_scatter"):
-        error = _in_place_offset(op, parts, count)
-        if error is not None:
-            return error
-    if not run:
-        return _sizes(op, parts, count, root)
-    return _sizes(op, parts, count, root) or _execute(op, parts, count, reduce_op, root)
-
-
-def _sizes(op: CliqueOp, parts: list[Part], count: int, root: Any) -> str | None:
-    if op.name == "reduce" and parts[root].output is None:
-        return (
-            f"NCCL reduce: rank {root} is the root, but passed no recvbuff: NCCL would write through a null "
-            "pointer (nccl.h: the root's recvbuff receives the result)"
-        )
-    if op.name == "all_gather":
-        short = [r for r, p in enumerate(parts) if p.output.numel() < op.size * count]
-        if short:
-            return (
-                f"NCCL all_gather over {op.size} ranks writes {op.size * count} elements, but ranks {short} "
-                "passed smaller outputs (nccl.h: recvbuff holds nranks x sendcount): buffer overrun"
-            )
-    if op.name == "reduce_scatter":
-        short = [r for r, p in enumerate(parts) if p.input.numel() < op.size * count]
-        if short:
-            return (
-                f"NCCL reduce_scatter over {op.size} ranks reads {op.size * count} elements, but ranks {short} "
-                "passed smaller inputs (nccl.h: sendbuff holds nranks x recvcount): buffer overrun"
-            )
-    return None
-
-
-def _execute(op: CliqueOp, parts: list[Part], count: int, reduce_op: Any, root: Any) -> str | None:
-    inputs = [p.input for p in parts]
-    if op.name == "all_reduce":
-        result = _reduce(inputs, reduce_op)
-        for p in parts:
-            p.output.copy_(result)
-    elif op.name == "reduce":
-        parts[root].output.copy_(_reduce(inputs, reduce_op))
-    elif op.name == "broadcast":
-        source = inputs[root].clone()
-        for p in parts:
-            p.output.copy_(source)
-    elif op.name == "all_gather":
-        gathered = torch.cat([t.view(-1) for t in inputs])
-        for p in parts:
-            p.output.copy_(gathered)
-    elif op.name == "reduce_scatter":
-        result = _reduce([t.view(-1)[: op.size * count] for t in inputs], reduce_op).view(op.size, -1)
-        for r, p in enumerate(parts):
-            p.output.copy_(result[r])
-    return None
 
 
 class _Queued(NamedTuple):
@@ -451,7 +251,8 @@ class _Queued(NamedTuple):
     args: tuple  # for collectives: (count, dtype, op, root); for p2p: (peer,)
     comm: FakeComm
     stream: Any
-    part: Part
+    input: torch.Tensor | None
+    output: torch.Tensor | None
     extra: dict
 
 
@@ -469,22 +270,28 @@ class FakeNccl:
         self.destroyed: list[FakeComm] = []
         self.aborted: list[FakeComm] = []
         # How long ncclCommInitRank works after the clique has joined (a real one takes 0.1-1 s: topology,
-        # buffers, connections); tests raise it to widen the window in which the init rule can be broken.
+        # buffers, connections); tests raise it to widen windows.
         self.init_seconds = 0.0
-        self._initialising: dict[int, set[bytes]] = {}  # device -> cliques being created on it, this process
-        self._driving: dict[int, int] = {}  # device -> the thread whose open group holds operations on it
+        # How long ncclCommInitRank stalls before it joins (a process that never comes to the init: its peers'
+        # inits wait for it).
+        self.init_stall = 0.0
+        self._lock = threading.Lock()
+        self._active: dict[int, tuple[int, int]] = {}  # device -> (thread inside NCCL on it, depth)
         self._runtime_connect: bool | None = None  # NCCL_RUNTIME_CONNECT as NCCL read it (once per process)
-        self._connected: set[tuple[bytes, str]] = set()  # (clique, collective) this process has connected
+        self._connected: set[tuple[Any, ...]] = set()  # connections this process made (lazy ones)
         self._local = threading.local()  # this thread's group: depth and queued operations
-        self.violations: list[str] = []  # NCCL thread-safety rules broken (also raised to the caller)
+        self.violations: list[str] = []  # rules broken (also raised to the caller)
+        # A nonblocking communicator's call still going on: (clique, rank) -> what it waits for (its init:
+        # None; a connecting operation: that DeviceOp), until comm_get_async_error says it is done.
+        self._in_progress: dict[tuple[bytes, int], DeviceOp | None] = {}
 
     # version, errors, communicators -----------------------------------------------------------------------------
     def version(self) -> tuple[int, int, int]:
         return self._version  # type: ignore[return-value]
 
     def error_string(self, code: int) -> str:
-        return {0: "no error", 4: "invalid argument", 5: "invalid usage", 6: "remote process exited or there "
-                "was a network error"}.get(code, "unhandled error")  # fmt: skip
+        return {0: "no error", 1: "unhandled cuda error", 4: "invalid argument", 5: "invalid usage",
+                6: "remote process exited or there was a network error"}.get(code, "unhandled error")  # fmt: skip
 
     def get_unique_id(self) -> bytes:
         self._fail_if_told("ncclGetUniqueId")
@@ -496,60 +303,140 @@ class FakeNccl:
             not 0 <= rank < nranks
         ):  # src/init.cc, ncclCommInitRankDev: "rank %d nranks %d" -> ncclInvalidArgument
             raise nccl_error("ncclCommInitRank", INVALID_ARGUMENT, f"rank {rank} is not in [0, {nranks})")
-        with self.fake.lock:
-            self._initialising.setdefault(device, set()).add(unique_id)
-        try:
+        lazy = self._lazy()
+        with self._on_device(device, "ncclCommInitRank"):
+            if self.init_stall:
+                time.sleep(self.init_stall)
             self.fabric.join(nranks, unique_id, rank, self.process, device)
             if self.init_seconds:
                 time.sleep(self.init_seconds)
-        finally:
-            with self.fake.lock:
-                self._initialising[device].discard(unique_id)
-        comm = FakeComm(
-            unique_id, rank, nranks, threading.current_thread().name, self.process, self._lazy(), device
-        )
-        with self.fake.lock:
+        comm = FakeComm(unique_id, rank, nranks, threading.current_thread().name, self.process, lazy, device)
+        with self._lock:
             self.init_calls.append(comm)
         return comm
 
+    def comm_init_rank_config(
+        self, nranks: int, unique_id: bytes, rank: int, device: int, blocking: bool
+    ) -> FakeComm:
+        """ncclCommInitRankConfig (NCCL >= 2.14): blocking as comm_init_rank; nonblocking returns at once
+        (ncclInProgress) and the communicator is ready once every rank joined (src/init.cc, ncclCommInitRankDev
+        runs the init as an async job; ncclCommGetAsyncError reports ncclInProgress until it ends)."""
+        if blocking:
+            return self.comm_init_rank(nranks, unique_id, rank, device)
+        self._fail_if_told("ncclCommInitRankConfig")
+        if self._version[:2] < (2, 14):
+            raise nccl_error(
+                "ncclCommInitRankConfig", INVALID_USAGE, "no nonblocking communicators before 2.14"
+            )
+        if not 0 <= rank < nranks:
+            raise nccl_error(
+                "ncclCommInitRankConfig", INVALID_ARGUMENT, f"rank {rank} is not in [0, {nranks})"
+            )
+        lazy = self._lazy()
+        with self._on_device(device, "ncclCommInitRankConfig"):
+            self.fabric.join_later(nranks, unique_id, rank, self.process, device)
+        comm = FakeComm(
+            unique_id,
+            rank,
+            nranks,
+            threading.current_thread().name,
+            self.process,
+            lazy,
+            device,
+            blocking=False,
+        )
+        with self._lock:
+            self.init_calls.append(comm)
+            self._in_progress[unique_id, rank] = None
+        return comm
+
     def comm_init_all(self, devices: Sequence[int]) -> list[FakeComm]:
-        """ncclCommInitAll (src/init.cc): a unique id of its own, then every rank joined from this one thread
-        (NCCL runs the inits inside a group); duplicate devices fail as in comm_init_rank."""
+        """ncclCommInitAll (src/init.cc): a unique id of its own, then every rank initialised from this one
+        thread inside a group (so none waits for the others); duplicate devices fail as in comm_init_rank."""
         self._fail_if_told("ncclCommInitAll")
-        uid, n = self.fabric.unique_id(), len(devices)
+        uid, n, lazy = self.fabric.unique_id(), len(devices), self._lazy()
         comms: list[Any] = [None] * n
         errors: list[BaseException] = []
 
         def join(i: int) -> None:
             try:
-                comms[i] = self.comm_init_rank(n, uid, i, devices[i])
+                self.fabric.join(n, uid, i, self.process, devices[i])
+                comms[i] = FakeComm(
+                    uid, i, n, threading.current_thread().name, self.process, lazy, devices[i]
+                )
             except BaseException as error:
                 errors.append(error)
 
-        joiners = [threading.Thread(target=join, args=(i,)) for i in range(n)]
-        for t in joiners:
-            t.start()
-        for t in joiners:
-            t.join()
+        for device in sorted(set(devices)):
+            self._enter_device(device, "ncclCommInitAll")
+        try:
+            joiners = [threading.Thread(target=join, args=(i,)) for i in range(n)]
+            for t in joiners:
+                t.start()
+            for t in joiners:
+                t.join()
+        finally:
+            for device in sorted(set(devices)):
+                self._leave_device(device)
         if errors:
             raise errors[0]
+        with self._lock:
+            self.init_calls.extend(comms)
         return comms
 
     def comm_destroy(self, comm: FakeComm) -> None:
-        self.fabric.check_usable(comm, "ncclCommDestroy")
-        self.fabric.abort(comm)  # (nothing may be pending on a communicator that is destroyed: freed alike)
-        with self.fake.lock:
+        """ncclCommDestroy waits for the communicator's launched operations (src/init.cc, commDestroySync),
+        then frees it."""
+        self._check_usable(comm, "ncclCommDestroy")
+        with self._on_device(comm.device, "ncclCommDestroy"):
+            for part in self._pending(comm):
+                assert part.kernel is not None
+                fake_device.demand(
+                    part.kernel.stream, part.kernel.index, f"ncclCommDestroy waiting for {part.op.name}"
+                )
+            self.fabric.abort(comm, "destroyed", [])
+        with self._lock:
             self.destroyed.append(comm)
 
     def comm_abort(self, comm: FakeComm) -> None:
-        self.fabric.check_usable(comm, "ncclCommAbort")
-        self.fabric.abort(comm)
-        with self.fake.lock:
+        self._check_usable(comm, "ncclCommAbort")
+        with self._on_device(comm.device, "ncclCommAbort"):
+            self.fabric.abort(comm, "aborted", self._pending(comm))
+        with self._lock:
             self.aborted.append(comm)
 
     def comm_get_async_error(self, comm: FakeComm) -> int:
-        self.fabric.check_usable(comm, "ncclCommGetAsyncError")
-        return self.async_error_code
+        self._check_usable(comm, "ncclCommGetAsyncError")
+        with self._on_device(comm.device, "ncclCommGetAsyncError"):
+            if self._busy(comm):
+                return IN_PROGRESS
+            return self.async_error_code
+
+    def _busy(self, comm: FakeComm) -> bool:
+        """A nonblocking communicator's last call (its init, or a connecting operation) still goes on."""
+        key = (comm.uid, comm.rank)
+        with self._lock:
+            if key not in self._in_progress:
+                return False
+            waiting = self._in_progress[key]
+        done = (
+            self.fabric.joined(comm.uid, comm.size) if waiting is None else len(waiting.parts) == waiting.size
+        )
+        if done:
+            with self._lock:
+                self._in_progress.pop(key, None)
+        return not done
+
+    def _pending(self, comm: FakeComm) -> list[Part]:
+        """The communicator's parts not yet run (on this process's streams, where its kernels are)."""
+        with fake_device.RUN_LOCK:
+            return [
+                part
+                for stream in list(self.fake.streams_made)
+                for kernel in stream.kernels.values()
+                for part in kernel.parts
+                if part.comm_key == (comm.uid, comm.rank) and not part.op.done and part.aborted is None
+            ]
 
     # groups -----------------------------------------------------------------------------------------------------
     def _group(self) -> tuple[int, list[_Queued]]:
@@ -559,73 +446,63 @@ class FakeNccl:
         return local.depth, local.queued
 
     def group_start(self) -> None:
-        self._enter_group()
-
-    def group_end(self) -> None:
-        self._leave_group()
-
-    def _enter_group(self) -> None:
         depth, _ = self._group()
         self._local.depth = depth + 1
 
-    def _leave_group(self) -> None:
+    def group_end(self) -> int:
         depth, queued = self._group()
         if depth == 0:  # src/group.cc, ncclGroupEndInternal: "ncclGroupEnd: not in a group call."
             raise nccl_error("ncclGroupEnd", INVALID_USAGE, "not in a group call (no ncclGroupStart)")
         self._local.depth = depth - 1
         if depth > 1:
-            return
+            return SUCCESS
         self._local.queued = []
         try:
-            posted, connecting = self._post(queued)
+            return self._launch(queued)
         finally:
-            self._stop_driving(queued)  # (the host's part is done: a real group end returns here)
-        # Unless connecting, the launch returns at once (the device waits), so the double's wait for the
-        # other processes lets go of the launch lock, as a real launch would not be holding it.
-        self.fabric.wait(posted, None if connecting else self.fake.released_launch_lock)
+            for q in queued:  # (the host's part is done: the group's calls let go of their devices)
+                self._leave_device(q.comm.device)
 
     # collectives and point to point (the C functions' arguments, tensors for buffers) ---------------------------
     def all_reduce(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any
     ) -> None:
-        _check_op("ncclAllReduce", op)
-        self._queue("all_reduce", (send.numel(), send.dtype, op, None), comm, stream, Part(send, recv), recv=recv,
-                    reduces=True, op=op)  # fmt: skip
+        check_op("ncclAllReduce", op)
+        self._queue(
+            "all_reduce", (send.numel(), send.dtype, op, None), comm, stream, send, recv, reduces=True, op=op
+        )
 
     def broadcast(
         self, send: torch.Tensor, recv: torch.Tensor, root: int, comm: FakeComm, stream: Any
     ) -> None:
         self._check_root("ncclBroadcast", root, comm)
-        self._queue("broadcast", (recv.numel(), recv.dtype, None, root), comm, stream, Part(send, recv), recv=recv,
-                    root=root)  # fmt: skip
+        self._queue("broadcast", (recv.numel(), recv.dtype, None, root), comm, stream, send, recv, root=root)
 
     def reduce(
         self, send: torch.Tensor, recv: torch.Tensor | None, root: int, op: int, comm: FakeComm, stream: Any
     ) -> None:
-        _check_op("ncclReduce", op)
+        check_op("ncclReduce", op)
         self._check_root("ncclReduce", root, comm)
-        self._queue("reduce", (send.numel(), send.dtype, op, root), comm, stream, Part(send, recv), recv=recv,
-                    reduces=True, op=op, root=root)  # fmt: skip
+        self._queue("reduce", (send.numel(), send.dtype, op, root), comm, stream, send, recv, reduces=True, op=op,
+                    root=root)  # fmt: skip
 
     def all_gather(self, send: torch.Tensor, recv: torch.Tensor, comm: FakeComm, stream: Any) -> None:
-        self._queue(
-            "all_gather", (send.numel(), send.dtype, None, None), comm, stream, Part(send, recv), recv=recv
-        )
+        self._queue("all_gather", (send.numel(), send.dtype, None, None), comm, stream, send, recv)
 
     def reduce_scatter(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any
     ) -> None:
-        _check_op("ncclReduceScatter", op)
-        self._queue("reduce_scatter", (recv.numel(), recv.dtype, op, None), comm, stream, Part(send, recv),
-                    recv=recv, reduces=True, op=op)  # fmt: skip
+        check_op("ncclReduceScatter", op)
+        self._queue("reduce_scatter", (recv.numel(), recv.dtype, op, None), comm, stream, send, recv,
+                    reduces=True, op=op)  # fmt: skip
 
     def send(self, tensor: torch.Tensor, peer: int, comm: FakeComm, stream: Any) -> None:
         self._check_root("ncclSend", peer, comm)
-        self._queue("send", (peer,), comm, stream, Part(tensor, None), peer=peer)
+        self._queue("send", (peer,), comm, stream, tensor, None, peer=peer)
 
     def recv(self, tensor: torch.Tensor, peer: int, comm: FakeComm, stream: Any) -> None:
         self._check_root("ncclRecv", peer, comm)
-        self._queue("recv", (peer,), comm, stream, Part(tensor, tensor), recv=tensor, peer=peer)
+        self._queue("recv", (peer,), comm, stream, None, tensor, peer=peer)
 
     # what NCCL checks -------------------------------------------------------------------------------------------
     def _fail_if_told(self, function: str) -> None:
@@ -639,19 +516,20 @@ class FakeNccl:
             # 0..%d range)" -> ncclInvalidArgument (peers of send/recv alike: "invalid peer")
             raise nccl_error(function, INVALID_ARGUMENT, f"root/peer {root} is not in [0, {comm.size})")
 
-    def _queue(self, name, args, comm, stream, part, *, recv=None, reduces=False, **extra) -> None:
+    def _queue(self, name, args, comm, stream, send, recv, *, reduces=False, **extra) -> None:
         function = _C_NAMES[name]
+        self._check_usable(comm, function)
+        self._check_ready(comm, function)
         self._fail_if_told(function)
-        self.fabric.check_usable(comm, function)
         assert isinstance(comm, FakeComm), f"{function}: not a communicator: {comm!r}"
         assert stream is not None, f"{function}: no stream"
-        self._check_buffers(function, part.input, recv, reduces)
-        self._check_not_during_init(function, comm)
-        self._drive(function, comm.device)
-        self._enter_group()  # (an operation outside a group is a group of its own: src/collectives.cc)
+        self._check_buffers(function, send if send is not None else recv, recv, reduces)
+        self._check_stream(function, comm, stream)
+        self._enter_device(comm.device, function)  # held until the group's end
+        self.group_start()  # (an operation outside a group is a group of its own: src/collectives.cc)
         _, queued = self._group()
-        queued.append(_Queued(name, args, comm, stream, part, extra))
-        self._leave_group()
+        queued.append(_Queued(name, args, comm, stream, send, recv, extra))
+        self.group_end()
 
     def _check_buffers(
         self, function: str, send: torch.Tensor, recv: torch.Tensor | None, reduces: bool
@@ -668,111 +546,156 @@ class FakeNccl:
                     f"{function}: buffers must be contiguous {dtype}"
                 )
 
+    def _check_stream(self, function: str, comm: FakeComm, stream: Any) -> None:
+        """CUDA C Programming Guide, "Stream and Event Behavior": a kernel launch fails if it is issued to a
+        stream that is not associated to the current device; NCCL makes its communicator's device current to
+        launch (src/enqueue.cc), so a stream of another device fails the call."""
+        if stream.device_index != comm.device:
+            raise nccl_error(
+                function, UNHANDLED_CUDA_ERROR,
+                f"CUDA error: invalid resource handle: {stream!r} belongs to fake GPU {stream.device_index}, the "
+                f"communicator to GPU {comm.device} (a kernel cannot be launched to another device's stream)",
+            )  # fmt: skip
+
     def _lazy(self) -> bool:
-        """Whether a communicator made now connects its peers lazily: src/init.cc sets comm->runtimeConn from
+        """Whether a communicator made now connects collectives lazily: src/init.cc sets comm->runtimeConn from
         ncclParamRuntimeConnect() (NCCL_PARAM(RuntimeConnect, "RUNTIME_CONNECT", 1), NCCL >= 2.22), a value
-        NCCL reads from the environment once per process and caches, hence read once here."""
-        with self.fake.lock:
+        NCCL reads from the environment once per process and caches (src/include/param.h), hence once here."""
+        with self._lock:
             if self._runtime_connect is None:
                 self._runtime_connect = self._version[:2] >= (2, 22) and os.environ.get(
                     "NCCL_RUNTIME_CONNECT", "1"
                 ).strip() not in ("0", "")
             return self._runtime_connect
 
-    def _violation(self, message: str) -> None:
-        with self.fake.lock:
+    def _violation(self, message: str) -> RuntimeError:
+        with self._lock:
             self.violations.append(message)
-        raise RuntimeError(message)
+        return RuntimeError(message)
 
-    def _check_not_during_init(self, function: str, comm: FakeComm) -> None:
-        """NCCL's thread-safety rule (docs: usage/threadsafety.html, "Thread Safety"; usage/communicators.html,
-        "Using multiple NCCL communicators concurrently"): operations on independent communicators of one
-        device must not be issued in parallel from several threads, and creating a communicator is such an
-        operation: no operation on a device while another thread of this process creates a communicator of
-        another clique there. (Concurrent inits of the SAME clique from its members' threads are how
-        ncclCommInitRank is meant to be used.)"""
-        with self.fake.lock:
-            busy = [u for u in self._initialising.get(comm.device, ()) if u != comm.uid]
-        if busy:
-            self._violation(
-                f"NCCL thread-safety: {function} issued on clique {comm.uid[:8]!r} while another thread of this "
-                f"process is creating a communicator of clique {busy[0][:8]!r} on device {comm.device}"
+    def _check_ready(self, comm: FakeComm, function: str) -> None:
+        """src/init.cc, ncclCommEnsureReady (from ncclEnqueueCheck): a call on a nonblocking communicator whose
+        previous call has not returned ncclSuccess yet fails with ncclInvalidArgument ("Attempt to use
+        communicator before the previous operation returned ncclSuccess"); the user guide says to poll
+        ncclCommGetAsyncError until ncclSuccess before calling another NCCL function."""
+        if self._busy(comm):
+            self._violation(f"{function} on a nonblocking communicator still in progress (rank {comm.rank})")
+            raise nccl_error(
+                function,
+                INVALID_ARGUMENT,
+                "Attempt to use communicator before the previous operation returned ncclSuccess",
             )
 
-    def _drive(self, function: str, device: int) -> None:
-        """The same rule for operations: a device's communicators are driven by one thread at a time; this
-        thread holds the device from its first operation there until its group ends."""
-        me = threading.get_ident()
-        with self.fake.lock:
-            holder = self._driving.setdefault(device, me)
-        if holder != me:
-            self._violation(
-                f"NCCL thread-safety: {function} on device {device} from thread {threading.current_thread().name} "
-                "while another thread's group holds operations on that device (usage/threadsafety.html)"
+    def _check_usable(self, comm: FakeComm, function: str) -> None:
+        how = self.fabric.freed.get((comm.uid, comm.rank))
+        if how is not None:
+            raise self._violation(
+                f"use after free: {function} on the communicator of rank {comm.rank} (clique {comm.uid[:8]!r}), "
+                f"which ncclComm{'Abort' if how == 'aborted' else 'Destroy'} freed (src/init.cc, commReclaim): "
+                "undefined behaviour in NCCL"
             )
 
-    def _stop_driving(self, queued: list[_Queued]) -> None:
+    # one thread at a time per device ----------------------------------------------------------------------------
+    def _enter_device(self, device: int, function: str) -> None:
         me = threading.get_ident()
-        with self.fake.lock:
-            for q in queued:
-                if self._driving.get(q.comm.device) == me:
-                    del self._driving[q.comm.device]
+        with self._lock:
+            holder = self._active.get(device)
+            if holder is None or holder[0] == me:
+                self._active[device] = (me, (0 if holder is None else holder[1]) + 1)
+                return
+        raise self._violation(
+            f"host threads racing to launch NCCL on same device: {function} on fake GPU {device} from thread "
+            f"{threading.current_thread().name} while another thread is inside NCCL there (usage/threadsafety.html; "
+            "NCCL 2.26+: src/misc/strongstream.cc, NCCL_LAUNCH_RACE_FATAL)"
+        )
+
+    def _leave_device(self, device: int) -> None:
+        with self._lock:
+            holder = self._active.get(device)
+            if holder is not None and holder[0] == threading.get_ident():
+                if holder[1] <= 1:
+                    del self._active[device]
+                else:
+                    self._active[device] = (holder[0], holder[1] - 1)
+
+    def _on_device(self, device: int, function: str):
+        fake_nccl = self
+
+        class _Guard:
+            def __enter__(self) -> None:
+                fake_nccl._enter_device(device, function)
+
+            def __exit__(self, *exc: object) -> None:
+                fake_nccl._leave_device(device)
+
+        return _Guard()
 
     # the launch at the group's end ------------------------------------------------------------------------------
-    def _post(self, queued: list[_Queued]) -> tuple[list[Any], bool]:
-        """Enqueue every queued operation on its stream and post it to the fabric (the caller waits for all):
-        the k-th collective of each communicator in the group forms one call per clique (its local parts).
-        Returns the posted operations, and whether the group connects peers (it then blocks)."""
-        collectives: dict[tuple[bytes, int], list[_Queued]] = {}
-        counts: dict[tuple[bytes, int], int] = {}
-        p2p: list[_Queued] = []
-        for q in queued:
-            if q.name in ("send", "recv"):
-                p2p.append(q)
-                continue
-            k = counts.get((q.comm.uid, q.comm.rank), 0)
-            counts[q.comm.uid, q.comm.rank] = k + 1
-            collectives.setdefault((q.comm.uid, k), []).append(q)
-        posted: list[Any] = []
-        connecting = False
-        for group in collectives.values():
-            group.sort(key=lambda q: q.comm.rank)
-            first = group[0]
-            different = [q for q in group if (q.name, q.args) != (first.name, first.args)]
-            if different:
-                raise RuntimeError(
-                    f"NCCL collectives differ within one group on clique {first.comm.uid[:8]!r}: {first.name}"
-                    f"{first.args} and {different[0].name}{different[0].args} (NCCL would hang or corrupt data)"
-                )
-            parts, comms = self._log([q.part for q in group], group)
-            # With runtime connection, the first use of an algorithm connects the peers inside ncclGroupEnd
-            # (src/enqueue.cc marks algoNeedConnect when !comm->initAlgoChannels[algorithm]; the group's end
-            # sets the connections up, a handshake with the peer processes): the calling thread blocks there,
-            # holding whatever it holds. The double keys "algorithm" by collective (an approximation: NCCL
-            # picks ring/tree/NVLS per call).
-            key = (first.comm.uid, first.name)
-            with self.fake.lock:
-                connecting |= first.comm.lazy and key not in self._connected
-                self._connected.add(key)
-            posted.append(self.fabric.post(first.name, first.args, comms, parts, lazy=self.fake.lazy))
-        for q in sorted(p2p, key=lambda q: q.name != "send"):  # sends first: a rank may send to itself
-            self._log([q.part], [q])
-            peer = q.args[0]
-            if q.name == "send":
-                posted.append(self.fabric.post_send(q.comm, peer, q.part.input))
-            else:
-                posted.append(self.fabric.post_recv(q.comm, peer, q.part.input))
-        return posted, connecting
+    def _launch(self, queued: list[_Queued]) -> int:
+        """Enqueue the group's operations: one kernel per stream holding its parts; a part joins its
+        operation (the k-th collective of its clique, or the matching send or receive). An operation that
+        needs a connection not yet made blocks here until the peers' parts are issued (module docstring)."""
+        by_stream: dict[int, list[tuple[_Queued, Part]]] = {}
+        connecting: list[tuple[FakeComm, DeviceOp]] = []
+        failed: list[tuple[DeviceOp, str]] = []
+        with fake_device.RUN_LOCK:
+            for q in queued:
+                if q.name in ("send", "recv"):
+                    peer = q.args[0]
+                    sending = q.name == "send"
+                    op, error = self.fabric.point_to_point(
+                        q.comm, peer, q.input if sending else None, None if sending else q.output
+                    )
+                    side = 0 if sending else 1
+                    connection: tuple[Any, ...] | None = ("p2p", q.comm.uid, q.comm.rank, peer)
+                else:
+                    op, error = self.fabric.collective(q.comm, q.name, q.args)
+                    side = q.comm.rank
+                    connection = ("collective", q.comm.uid, q.name) if q.comm.lazy else None
+                part = Part(op, side, self.fake, q.input, q.output)
+                part.comm_key = (q.comm.uid, q.comm.rank)
+                op.parts[side] = part
+                if connection is not None and connection not in self._connected:
+                    self._connected.add(connection)
+                    connecting.append((q.comm, op))
+                if error is not None:
+                    failed.append((op, error))
+                by_stream.setdefault(id(q.stream), []).append((q, part))
+            kernels = []
+            for items in by_stream.values():
+                first, stream = items[0][0], items[0][0].stream
+                node = self.fake.log_nccl(
+                    "+".join(q.name for q, _ in items), [q.input for q, _ in items if q.input is not None],
+                    [q.output for q, _ in items], stream, first.comm, first.extra,
+                )  # fmt: skip
+                kernels.append(Kernel(stream, node.index, [part for _, part in items]))
+            for op, error in failed:  # a difference fails the operation: its kernels' streams surface it
+                op.fail(error)
+                self.fabric.mismatches.append(error)
+            fake_device.enqueue(kernels, self.fake.lazy)
+        code = SUCCESS
+        for comm, op in connecting:
+            if comm.blocking:
+                self._wait_connected(op)
+            elif len(op.parts) < op.size:  # nonblocking: it goes on; comm_get_async_error says when done
+                with self._lock:
+                    self._in_progress[comm.uid, comm.rank] = op
+                code = IN_PROGRESS
+        return code
 
-    def _log(self, parts: list[Part], group: list[_Queued]) -> tuple[list[Part], list[FakeComm]]:
-        first = group[0]
-        outputs = [p.output for p in parts]
-        nodes = self.fake.log_nccl(
-            first.name, [p.input for p in parts], outputs, [q.stream for q in group], [q.comm for q in group],
-            first.extra,
-        )  # fmt: skip
-        placed = [p._replace(stream=node.stream, node=node.index) for p, node in zip(parts, nodes)]
-        return placed, [q.comm for q in group]
+    def _wait_connected(self, op: DeviceOp) -> None:
+        """A lazy connection: the group end returns once every peer's part is issued (they connect too)."""
+        deadline = time.monotonic() + fake_device.WAIT_TIMEOUT_S
+        with fake_device.RUN_LOCK:
+            while len(op.parts) < op.size and not op.done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise HangError(
+                        f"the group end connecting {op.name} waited {fake_device.WAIT_TIMEOUT_S:g} s on the host "
+                        f"for its peers ({op.describe_missing()}): NCCL connects on first use, blocking until the "
+                        "peers do (src/transport.cc); a GPU would wait for ever"
+                    )
+                fake_device.CHANGED.wait(min(remaining, 0.05))
 
 
 _C_NAMES = {

@@ -19,26 +19,50 @@ class Backend(Protocol):
 
     Every member thread calls the operations with its index `member` in the group; `seq` counts that member's
     collectives on the group and `call` describes the collective (the checks that all members called the same
-    one use both). Ranks given here (src, dst) are member indices. A stream-ordered backend enqueues the op on
-    its own streams and returns its Work; the others complete the op (on the member's comm worker) and return
-    None. ProcessGroup (group.py, point_to_point.py) checks the arguments before it calls any of these.
+    one use both). Ranks given here (src, dst) are member indices. A stream-ordered backend issues the op on
+    device streams: synchronous (`async_op=False`) on the caller's current stream, returning None (the stream
+    orders what follows; a barrier waits on the host, a send snapshots its tensor), asynchronous on a comm
+    stream, returning its Work. The others complete the op (on the member's comm worker for an asynchronous
+    one: ProcessGroup decides) and return None, whatever `async_op` says. ProcessGroup (group.py,
+    point_to_point.py) checks the arguments before it calls any of these.
     """
 
-    stream_ordered: bool  # a class attribute: True when ops return their own Work (ordered on device streams)
+    stream_ordered: bool  # a class attribute: True when ops run on device streams (their own Works, if async)
     backend_name: str  # a class attribute: what threadpar.get_backend(group) says ("threads", "nccl", ...)
 
     def all_reduce(
-        self, member: int, seq: int, call: Call, tensors: list[torch.Tensor], op: ReduceOp
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        tensors: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool = False,
     ) -> Work | None: ...
 
     def reduce(
-        self, member: int, seq: int, call: Call, tensor: torch.Tensor, dst: int, op: ReduceOp
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        tensor: torch.Tensor,
+        dst: int,
+        op: ReduceOp,
+        async_op: bool = False,
     ) -> Work | None: ...
 
-    def broadcast(self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int) -> Work | None: ...
+    def broadcast(
+        self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int, async_op: bool = False
+    ) -> Work | None: ...
 
     def all_gather(
-        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], tensor: torch.Tensor
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool = False,
     ) -> Work | None: ...
 
     def reduce_scatter(
@@ -49,6 +73,7 @@ class Backend(Protocol):
         output: torch.Tensor,
         inputs: list[torch.Tensor],
         op: ReduceOp,
+        async_op: bool = False,
     ) -> Work | None: ...
 
     def scatter(
@@ -59,6 +84,7 @@ class Backend(Protocol):
         tensor: torch.Tensor,
         chunks: list[torch.Tensor] | None,
         src: int,
+        async_op: bool = False,
     ) -> Work | None: ...
 
     def gather(
@@ -69,23 +95,38 @@ class Backend(Protocol):
         tensor: torch.Tensor,
         outputs: list[torch.Tensor] | None,
         dst: int,
+        async_op: bool = False,
     ) -> Work | None: ...
 
     def all_to_all(
-        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        async_op: bool = False,
     ) -> Work | None: ...
 
-    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> Work | None:
+    def barrier(
+        self, member: int, seq: int, call: Call, timeout: float | None = None, async_op: bool = False
+    ) -> Work | None:
         """`timeout`: how long a member waits for the others (seconds; None: the group's)."""
         ...
 
-    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> Work | None: ...
+    def send(
+        self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False
+    ) -> Work | None: ...
 
     def recv_message(
         self, member: int, src: int | None, tag: int, timeout: float | None = None
     ) -> tuple[int, torch.Tensor]: ...
 
     def has_message(self, member: int, src: int | None, tag: int) -> bool: ...
+
+    def close(self, failed: bool) -> None:
+        """The launch has ended (every rank thread finished): let go of what the group holds (`failed`: the
+        launch failed or was stopped)."""
 
 
 class BackendSite(Protocol):
@@ -101,6 +142,10 @@ class BackendSite(Protocol):
 
     @property
     def local_ranks(self) -> range: ...
+
+    def fail(self, rank: int, error: BaseException) -> None:
+        """Report `error` as global rank `rank`'s failure from a thread other than the rank's (the nccl
+        watchdog): the launch stops and reports it as that rank's, as if the rank had raised it."""
 
     def cuda_api(self) -> CudaApi:
         """The CUDA primitives (what the threads backend orders its work on CUDA tensors with)."""

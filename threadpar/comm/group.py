@@ -60,7 +60,7 @@ class ProcessGroup(PointToPoint):
 
         def run() -> Any:
             staged = [_contiguous(t) for t in tensors]
-            result = backend.all_reduce(member, seq, call, [c for c, _ in staged], op)
+            result = backend.all_reduce(member, seq, call, [c for c, _ in staged], op, async_op)
             _write_back(result, [writeback for _, writeback in staged])
             # A stream-ordered backend returns its Work; otherwise the Work's result is the tensors, as in
             # torch (work.get_future().value()[0] is tensors[0]).
@@ -81,7 +81,7 @@ class ProcessGroup(PointToPoint):
 
         def run() -> Any:
             flat, writeback = _contiguous(tensor)
-            result = backend.reduce(member, seq, call, flat, dst_m, op)
+            result = backend.reduce(member, seq, call, flat, dst_m, op, async_op)
             _write_back(result, [writeback if member == dst_m else None])
             return result
 
@@ -96,7 +96,7 @@ class ProcessGroup(PointToPoint):
 
         def run() -> Any:
             staged, writeback = _contiguous(tensor)
-            result = backend.broadcast(member, seq, call, staged, src_m)
+            result = backend.broadcast(member, seq, call, staged, src_m, async_op)
             _write_back(result, [writeback if member != src_m else None])
             return result
 
@@ -113,7 +113,7 @@ class ProcessGroup(PointToPoint):
         return self._run(
             "all_gather",
             seq,
-            lambda: backend.all_gather(member, seq, call, outputs, tensor),
+            lambda: backend.all_gather(member, seq, call, outputs, tensor, async_op),
             async_op,
         )
 
@@ -140,7 +140,7 @@ class ProcessGroup(PointToPoint):
         return self._run(
             op,
             seq,
-            lambda: backend.all_gather(member, seq, call, outputs, input_tensor),
+            lambda: backend.all_gather(member, seq, call, outputs, input_tensor, async_op),
             async_op,
         )
 
@@ -161,7 +161,7 @@ class ProcessGroup(PointToPoint):
         return self._run(
             "reduce_scatter",
             seq,
-            lambda: backend.reduce_scatter(member, seq, call, output, inputs, op),
+            lambda: backend.reduce_scatter(member, seq, call, output, inputs, op, async_op),
             async_op,
         )
 
@@ -187,7 +187,7 @@ class ProcessGroup(PointToPoint):
         return self._run(
             name,
             seq,
-            lambda: backend.reduce_scatter(member, seq, call, output, inputs, op),
+            lambda: backend.reduce_scatter(member, seq, call, output, inputs, op, async_op),
             async_op,
         )
 
@@ -214,7 +214,7 @@ class ProcessGroup(PointToPoint):
         return self._run(
             "scatter",
             seq,
-            lambda: backend.scatter(member, seq, call, tensor, chunks, src_m),
+            lambda: backend.scatter(member, seq, call, tensor, chunks, src_m, async_op),
             async_op,
         )
 
@@ -241,7 +241,7 @@ class ProcessGroup(PointToPoint):
         return self._run(
             "gather",
             seq,
-            lambda: backend.gather(member, seq, call, tensor, outputs, dst_m),
+            lambda: backend.gather(member, seq, call, tensor, outputs, dst_m, async_op),
             async_op,
         )
 
@@ -267,7 +267,7 @@ class ProcessGroup(PointToPoint):
         return self._run(
             "all_to_all",
             seq,
-            lambda: backend.all_to_all(member, seq, call, outputs, inputs),
+            lambda: backend.all_to_all(member, seq, call, outputs, inputs, async_op),
             async_op,
         )
 
@@ -295,7 +295,7 @@ class ProcessGroup(PointToPoint):
         return self._run(
             name,
             seq,
-            lambda: backend.all_to_all(member, seq, call, outputs, inputs),
+            lambda: backend.all_to_all(member, seq, call, outputs, inputs, async_op),
             async_op,
         )
 
@@ -325,4 +325,6 @@ class ProcessGroup(PointToPoint):
         seq = self._next("barrier")
         call = Call("barrier")
         member, backend = self._member, self._backend
-        return self._run("barrier", seq, lambda: backend.barrier(member, seq, call, timeout), async_op)
+        return self._run(
+            "barrier", seq, lambda: backend.barrier(member, seq, call, timeout, async_op), async_op
+        )

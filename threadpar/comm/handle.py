@@ -103,8 +103,9 @@ class GroupHandle:
 
     @property
     def stream_ordered(self) -> bool:
-        """True when async ops are ordered on device streams (nccl): their Work finishes on the device, so
-        `wait()` orders the caller's stream instead of blocking, and `get_future()` does not complete."""
+        """True when ops run on device streams (nccl): a synchronous one on the caller's current stream; an
+        asynchronous one's Work finishes on the device, so `wait()` orders the caller's stream instead of
+        blocking, and `get_future()` does not complete."""
         return self._stream_ordered
 
     def group_rank(self, global_rank: int) -> int:
@@ -169,11 +170,10 @@ class GroupHandle:
         autograd (`_below_autograd`)."""
         fn = functools.partial(_below_autograd, fn)
         if self._stream_ordered:
-            work = fn()  # enqueued on the backend's comm stream: its Work orders the caller's stream
-            if async_op:
-                return work
-            work.wait()
-            return None
+            # Issued on device streams: an asynchronous op's Work orders the caller's stream when waited on;
+            # a synchronous one ran on the caller's current stream, which orders what follows by itself.
+            work = fn()
+            return work if async_op else None
         worker = self._worker
         if not async_op:
             if worker is not None:

@@ -48,14 +48,12 @@ class PointToPoint(GroupHandle):
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Buffered: returns as soon as the message is posted; `tensor` may be reused at once."""
         dst_m = self._p2p_check("send", tensor, dst, "dst", tag)
-        result = self._backend.send(self._member, dst_m, tag, tensor)
-        if isinstance(result, Work):
-            result.wait()  # stream-ordered: the caller's stream may reuse `tensor` once the copy has read it
+        self._backend.send(self._member, dst_m, tag, tensor, False)  # (a snapshot when stream-ordered)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """On a stream-ordered backend, wait on the Work before overwriting `tensor`."""
         dst_m = self._p2p_check("isend", tensor, dst, "dst", tag)
-        result = self._backend.send(self._member, dst_m, tag, tensor)
+        result = self._backend.send(self._member, dst_m, tag, tensor, True)
         if isinstance(result, Work):
             return result
         return CompletedWork(LazyText("isend to rank {} (tag {}, group '{}')", dst, tag, self.name))

@@ -50,6 +50,12 @@ class GroupRegistry:
             self._by_name[state.name] = state
             return state
 
+    def backends(self) -> list[Backend]:
+        """Every group's backend object, once each (a launch's end closes them)."""
+        with self._lock:
+            states = list(self._by_ranks.values())
+        return [state.backend for state in states]
+
     def get(self, name: str) -> GroupState:
         with self._lock:
             state = self._by_name.get(name)

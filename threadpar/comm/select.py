@@ -32,7 +32,7 @@ def select_backend(
         site = _TimedSite(site, timeout)
     here = len(ranks) if site.processes is None else sum(r in site.local_ranks for r in ranks)
     if 0 < here < len(ranks):
-        return _spanning_backend(site, name, ranks)
+        return _spanning_backend(site, name, ranks, timeout)
     if site.backend == "threads" or here == 0:  # (no member here: a stand-in that is never used)
         from threadpar.comm.threads.group import ThreadsGroup
 
@@ -49,12 +49,14 @@ def select_backend(
     raise ConfigError(f"unknown backend {site.backend!r}")
 
 
-def _spanning_backend(site: BackendSite, name: str, ranks: tuple[int, ...]) -> Backend:
-    """A group with members in this process and in others."""
+def _spanning_backend(site: BackendSite, name: str, ranks: tuple[int, ...], timeout: float | None) -> Backend:
+    """A group with members in this process and in others; its key (the same in every process) tells it
+    from another group of the same ranks with a timeout of its own."""
+    from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
+
+    key = group_key(ranks, timeout)
     if site.backend == "nccl":
         from threadpar.comm.nccl.spanning import NcclSpanningGroup
 
-        return NcclSpanningGroup(name, ranks, site)
-    from threadpar.comm.hierarchical.group import HierarchicalGroup
-
-    return HierarchicalGroup(name, ranks, site.processes, site.abort, site.timeout)
+        return NcclSpanningGroup(name, ranks, site, key)
+    return HierarchicalGroup(name, ranks, site.processes, site.abort, site.timeout, key=key)

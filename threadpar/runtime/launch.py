@@ -110,6 +110,7 @@ class _Launch:
             )
             for i, r in enumerate(ranks)
         ]
+        world.failure_sink = self._reported
 
     def _rank_main(self, i: int) -> None:
         # A rank sharing its GPU runs its backward itself, not on the device's one autograd thread, which
@@ -153,15 +154,27 @@ class _Launch:
                 if self.finished == len(self.threads):
                     self.all_done.set()
 
-    def _record(self, rank: int, error: BaseException) -> None:
+    def _record(self, rank: int, error: BaseException, text: str | None = None) -> None:
         consequence = isinstance(error, RankAborted) and self.world.abort.is_set
         if not consequence:
-            text = traceback.format_exc()
+            text = traceback.format_exc() if text is None else text
             with self.lock:
                 self.failures.append(_Failure(rank, error, text, time.monotonic()))
             if self.world.processes is not None:
                 self.world.processes.publish_rank_failure(rank, error, text)
             self.world.abort.trigger(f"rank {rank} failed with {type(error).__name__}: {error}")
+
+    def _reported(self, rank: int, error: BaseException) -> None:
+        """A rank's failure found by another thread (the nccl watchdog: an asynchronous NCCL error, a call a
+        peer never issued): recorded as if the rank had raised it, with where the rank's thread was then."""
+        thread = self.threads[rank - self.world.local_ranks[0]]
+        frame = sys._current_frames().get(thread.ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (not running)\n"
+        text = (
+            f"{type(error).__name__}: {error}\n(found by threadpar's NCCL watchdog while rank {rank}'s thread was "
+            f"at:)\n{stack}"
+        )
+        self._record(rank, error, text)
 
     def run(self) -> list[Any]:
         try:
@@ -197,13 +210,21 @@ class _Launch:
             raise
         finally:
             self._join_left()
+            failed = bool(self.failures) or self.world.abort.is_set
+            closing: Exception | None = None
+            try:
+                self.world.close(failed)
+            except Exception as problem:  # (raised below, once everything else is let go of too)
+                closing = problem
             if self.torch_world is not None:
                 self.torch_world.uninstall()
             for ctx in self.contexts:
                 ctx.worker.stop()
             torch.set_num_threads(saved_threads)
             if processes is not None:
-                processes.finish(failed=bool(self.failures) or self.world.abort.is_set)
+                processes.finish(failed=failed or closing is not None)
+            if closing is not None and not failed:  # (after a failure, the failure is what the caller sees)
+                raise closing
         root = None if processes is None else processes.failure
         if root is not None and (root.process != processes.rank or not self.failures):
             # The root cause is in another process (or is not a rank's exception): report it here too.

@@ -8,6 +8,7 @@ groups, mailboxes and stop signal. In a multi-process job each process has a Wor
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,16 +67,37 @@ class World:
         self.torch_distributed = torch_distributed
         # Implements threadpar.comm.backend.BackendSite: the backends take what they need from this World.
         self.groups = GroupRegistry(self.world_size, functools.partial(select_backend, self))
-        if processes is not None and backend == "nccl":
-            from threadpar.comm.nccl.bootstrap import connect_eagerly
-
-            connect_eagerly()  # before any communicator exists (NCCL reads it once per process)
+        # Where a failure another thread finds for a rank goes (the nccl watchdog): the launch's record, set
+        # by _Launch; until then (a World used without a launch) the stop signal alone.
+        self.failure_sink: Callable[[int, BaseException], None] | None = None
 
     @property
     def local_ranks(self) -> range:
         """The global ranks whose threads run in this process."""
         start = self.process_rank * self.threads_per_process
         return range(start, start + self.threads_per_process)
+
+    def fail(self, rank: int, error: BaseException) -> None:
+        """BackendSite.fail: `error` is global rank `rank`'s failure, found by another thread."""
+        sink = self.failure_sink
+        if sink is not None:
+            sink(rank, error)
+        else:
+            self.abort.trigger(f"rank {rank} failed with {type(error).__name__}: {error}")
+
+    def close(self, failed: bool) -> None:
+        """The launch has ended: every group lets go of what it holds (the nccl backend destroys, pools or,
+        `failed`, aborts its communicators); then the process's NCCL watchdog ends if nothing is watched."""
+        errors = []
+        for backend in self.groups.backends():
+            try:
+                backend.close(failed)
+            except Exception as error:  # close the others all the same
+                errors.append(error)
+        if self.backend == "nccl":
+            self.nccl_runtime().watchdog.join_if_idle()
+        if errors:
+            raise errors[0]
 
     def cuda_api(self) -> CudaApi:
         if self.cuda is not None:

@@ -3,11 +3,10 @@
 `CudaApi`: CUDA primitives (streams from torch's pool, the current stream, events, stream-ordered copies,
 the device guard, synchronisation); what the `threads` backend needs to order its work on CUDA tensors
 with the callers' streams. `NcclRuntime`: the NCCL library and the process's NCCL state on top of them
-(the NCCL C API, the launch lock, the pool of communicator cliques, the comm streams live groups hold, the
-devices inside communicator creation, the async-error query), with the `CudaApi` it runs on; only the
-`nccl` backend uses it. `NcclApi`: NCCL's C API itself (nccl.h), one method per C function, tensors for
+(the NCCL C API, each device's launch lock, the pool of communicator cliques, the comm streams live groups
+hold, the watchdog, NCCL's environment), with the `CudaApi` it runs on; only the `nccl` backend uses it. `NcclApi`: NCCL's C API itself (nccl.h), one method per C function, tensors for
 buffers: the real one is `threadpar.comm.nccl.library.NcclLibrary`, the double's `FakeNccl`
-(tests/fakes/fake_nccl.py); a contract suite (tests/test_nccl_contract.py) runs the same assertions on both. The real ones are `threadpar.comm.nccl.cuda_api.TorchCuda` and `TorchNcclRuntime`;
+(tests/fakes/fake_nccl.py); a contract suite (tests/test_nccl_contract.py) runs the same assertions on both. The real ones are `threadpar.comm.nccl.cuda_api.TorchCuda` and `LibraryNcclRuntime`;
 tests pass `tests.fakes.fake_cuda_nccl.FakeCuda`, which models the GPUs and the library of one process
 together and implements both, as `World(cuda=...)`. A test checks that the real ones and the double
 implement every member here with the same parameters, so they cannot drift apart.
@@ -69,6 +68,12 @@ class NcclApi(Protocol):
     def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int, device: int) -> Communicator:
         """ncclCommInitRank on CUDA device `device`; blocks until all `nranks` ranks have joined."""
 
+    def comm_init_rank_config(
+        self, nranks: int, unique_id: bytes, rank: int, device: int, blocking: bool
+    ) -> Communicator:
+        """ncclCommInitRankConfig: a nonblocking one (`blocking=False`) returns at once and is ready once
+        comm_get_async_error says 0; its calls may return while they go on (ncclInProgress: poll again)."""
+
     def comm_init_all(self, devices: Sequence[int]) -> list[Communicator]:
         """ncclCommInitAll: one communicator per listed device of this process, rank i on devices[i]."""
 
@@ -82,8 +87,9 @@ class NcclApi(Protocol):
 
     def group_start(self) -> None: ...
 
-    def group_end(self) -> None:
-        """Launches every operation the calling thread issued since its outermost group_start."""
+    def group_end(self) -> int:
+        """Launches every operation the calling thread issued since its outermost group_start; returns
+        ncclSuccess (0), or ncclInProgress (7) if a nonblocking communicator's launch goes on."""
 
     def all_reduce(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: Communicator, stream: Stream
@@ -129,21 +135,22 @@ class NcclRuntime(Protocol):
         """NCCL's C API: the binding of the library torch loaded, or the double's FakeNccl."""
 
     @property
-    def launch_lock(self) -> contextlib.AbstractContextManager[Any]:
-        """Held while a group enqueues NCCL calls on its devices, so calls of different groups never interleave."""
+    def device_locks(self) -> Any:
+        """One launch lock per device, held around every NCCL call on it (resources.DeviceLocks)."""
 
     @property
     def cliques(self) -> Any:
         """The process's pool of communicator cliques (threadpar.comm.nccl.resources.CliquePool)."""
 
     @property
-    def inits(self) -> Any:
-        """The devices whose communicators are being created (threadpar.comm.nccl.resources.DeviceInits)."""
-
-    @property
     def streams(self) -> Any:
         """The comm streams live groups hold (threadpar.comm.nccl.resources.CommStreams)."""
 
+    @property
+    def watchdog(self) -> Any:
+        """The process's NCCL watchdog (threadpar.comm.nccl.watchdog.Watchdog)."""
+
     def nccl_available(self) -> bool: ...
 
-    def async_error(self, comm: Any) -> str | None: ...
+    def prepare_environment(self) -> None:
+        """NCCL's environment variables, set before the process's first communicator."""

@@ -80,7 +80,9 @@ class HierarchicalByteCollectives:
         return slot.result
 
     # copies -----------------------------------------------------------------------------------------------------
-    def broadcast(self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int) -> None:
+    def broadcast(
+        self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int, async_op: bool = False
+    ) -> None:
         li, slot = self._arrive(member, seq, call, tensor)
         src_li = self.local_index.get(src)
         flats = [t.view(-1) for t in slot.payloads]
@@ -108,7 +110,13 @@ class HierarchicalByteCollectives:
         self._step(slot, li, seq, call, lanes, work)
 
     def all_gather(
-        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], tensor: torch.Tensor
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool = False,
     ) -> None:
         li, slot = self._arrive(member, seq, call, (outputs, tensor))
         rows = self._exchange(slot, li, seq, call, lambda p: p[1])
@@ -123,6 +131,7 @@ class HierarchicalByteCollectives:
         tensor: torch.Tensor,
         outputs: list[torch.Tensor] | None,
         dst: int,
+        async_op: bool = False,
     ) -> None:
         li, slot = self._arrive(member, seq, call, (tensor, outputs))
         rows = self._exchange(slot, li, seq, call, lambda p: p[0])
@@ -139,6 +148,7 @@ class HierarchicalByteCollectives:
         tensor: torch.Tensor,
         chunks: list[torch.Tensor] | None,
         src: int,
+        async_op: bool = False,
     ) -> None:
         li, slot = self._arrive(member, seq, call, (tensor, chunks))
         n = tensor.nbytes
@@ -156,7 +166,13 @@ class HierarchicalByteCollectives:
         copy_into(tensor, typed(slot.result[member * n : (member + 1) * n], tensor))
 
     def all_to_all(
-        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        async_op: bool = False,
     ) -> None:
         """outputs[s] on member m receives inputs[m] of member s. Between processes the bytes go
         sender-major, receiver-minor, both in member order; each side sizes them from its own tensors, and

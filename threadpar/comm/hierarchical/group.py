@@ -46,9 +46,11 @@ INLINE_BYTES = call_check.INLINE_BYTES
 Work = Callable[[gloo_ops.Wait, int], None]  # (wait, lane): a lane leader's share of a collective
 
 
-def group_key(ranks: Sequence[int]) -> int:
-    """A stable 63-bit id of a group (its global ranks), the same in every process."""
-    digest = hashlib.blake2b(",".join(map(str, ranks)).encode(), digest_size=8).digest()
+def group_key(ranks: Sequence[int], timeout: float | None = None) -> int:
+    """A stable 63-bit id of a group, the same in every process: its global ranks, and its own timeout (a
+    group made by new_group(ranks, timeout=...) is another group of the same ranks, GroupRegistry)."""
+    text = ",".join(map(str, ranks)) + ("" if timeout is None else f"@{timeout!r}")
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -97,6 +99,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         abort: AbortSignal,
         timeout: float,
         *,
+        key: int | None = None,
         route_messages: bool = True,
     ) -> None:
         """`route_messages=False`: another object receives this group's messages from other processes
@@ -116,7 +119,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         self.local_index = {m: i for i, m in enumerate(self.local)}
         self.max_local = max(len(ms) for ms in self.members_by_proc)
         self.lanes = min(len(ms) for ms in self.members_by_proc)
-        self.key = group_key(self.ranks)
+        self.key = group_key(self.ranks) if key is None else key
         self.rendezvous = Rendezvous(
             name, [self.ranks[m] for m in self.local], abort, timeout, group_ranks=self.ranks
         )
@@ -225,7 +228,13 @@ class HierarchicalGroup(HierarchicalByteCollectives):
 
     # reductions -------------------------------------------------------------------------------------------------
     def all_reduce(
-        self, member: int, seq: int, call: Call, tensors: list[torch.Tensor], op: ReduceOp
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        tensors: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool = False,
     ) -> None:
         li, slot = self._arrive(member, seq, call, tensors)
         numels = [t.numel() for t in tensors]
@@ -269,7 +278,16 @@ class HierarchicalGroup(HierarchicalByteCollectives):
 
         self._step(slot, li, seq, call, lanes, work)
 
-    def reduce(self, member: int, seq: int, call: Call, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+    def reduce(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        tensor: torch.Tensor,
+        dst: int,
+        op: ReduceOp,
+        async_op: bool = False,
+    ) -> None:
         li, slot = self._arrive(member, seq, call, tensor)
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op
         dst_li = self.local_index.get(dst)
@@ -310,6 +328,7 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         output: torch.Tensor,
         inputs: list[torch.Tensor],
         op: ReduceOp,
+        async_op: bool = False,
     ) -> None:
         li, slot = self._arrive(member, seq, call, (output, inputs))
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op
@@ -329,12 +348,14 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         self._step(slot, li, seq, call, 1, work)
         copy_into(output, slot.result[member * n : (member + 1) * n].view(output.shape))
 
-    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> None:
+    def barrier(
+        self, member: int, seq: int, call: Call, timeout: float | None = None, async_op: bool = False
+    ) -> None:
         li, slot = self._arrive(member, seq, call, None, timeout)
         self._step(slot, li, seq, call, 0, timeout=timeout)  # the control message is the barrier
 
     # point to point ---------------------------------------------------------------------------------------------
-    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
+    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False) -> None:
         if dst in self.local_index:
             self.mailboxes.put(member, dst, tag, tensor.detach().clone(memory_format=torch.contiguous_format))
         else:
@@ -348,3 +369,6 @@ class HierarchicalGroup(HierarchicalByteCollectives):
 
     def has_message(self, member: int, src: int | None, tag: int) -> bool:
         return self.mailboxes.has_message(member, src, tag)
+
+    def close(self, failed: bool) -> None:
+        """Nothing to let go of: the group's state is Python objects (the launch's, dropped with it)."""

@@ -83,7 +83,8 @@ class MessageRouter:
         self._device_of = device_of
         self._on_lost = on_lost
         self._lock = threading.Lock()
-        self._targets: dict[int, tuple[Mailboxes, tuple[int, ...]]] = {}
+        # group key -> (where its messages go, its ranks, whether a message moves to its receiver's device)
+        self._targets: dict[int, tuple[Mailboxes, tuple[int, ...], bool]] = {}
         self._pending: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
         self._send_locks = [threading.Lock() for _ in range(process_count)]
         self._closing = False
@@ -95,13 +96,16 @@ class MessageRouter:
     def start(self) -> None:
         self._pump.start()
 
-    def register(self, group_key: int, mailboxes: Mailboxes, ranks: Sequence[int]) -> None:
-        """Deliver the messages of group `group_key` into `mailboxes` (including those already here)."""
+    def register(
+        self, group_key: int, mailboxes: Mailboxes, ranks: Sequence[int], *, on_device: bool = True
+    ) -> None:
+        """Deliver the messages of group `group_key` into `mailboxes` (including those already here), moved
+        to the receiver's device (`on_device`), or left in host memory (the nccl backend's announcements)."""
         with self._lock:
-            self._targets[group_key] = (mailboxes, tuple(ranks))
+            self._targets[group_key] = (mailboxes, tuple(ranks), on_device)
             waiting = self._pending.pop(group_key, [])
         for src, dst, tag, message in waiting:
-            mailboxes.put(src, dst, tag, self._place(message, ranks[dst]))
+            mailboxes.put(src, dst, tag, self._place(message, ranks[dst]) if on_device else message)
 
     # sending ----------------------------------------------------------------------------------------------------
     def send(self, process: int, group_key: int, src: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
@@ -177,8 +181,8 @@ class MessageRouter:
             if target is None:  # the group does not exist here yet: keep the message for it
                 self._pending.setdefault(key, []).append((src, dst, tag, message))
                 return
-        mailboxes, ranks = target
-        mailboxes.put(src, dst, tag, self._place(message, ranks[dst]))
+        mailboxes, ranks, on_device = target
+        mailboxes.put(src, dst, tag, self._place(message, ranks[dst]) if on_device else message)
 
     def _place(self, message: torch.Tensor, rank: int) -> torch.Tensor:
         device = self._device_of(rank)

@@ -1,15 +1,22 @@
-"""NCCL communicators for a group whose member threads live in several processes.
+"""What NCCL needs before threadpar's first communicator in a process, and unique ids shared across processes.
 
-In one process every member thread joins at once (ncclCommInitRank from each, concurrently). Across processes every
-member joins with ncclCommInitRank and the group's unique id, which must reach every process: member 0
-creates it and writes it to torch.distributed's store (InfiniTrain writes it to a file; the store is
-already shared by every process of the job), the others wait for it there.
+The environment (`prepare_environment`, once per process, before the first communicator):
+- NCCL_RUNTIME_CONNECT=0. Since NCCL 2.22 (default 1) the first use of each collective algorithm connects the
+  peers inside the group end, which then blocks the host until the peers do the same (src/enqueue.cc marks
+  algoNeedConnect; src/transport.cc connects). threadpar's rank threads never wait for each other inside an
+  operation, so every algorithm's connections are made when the communicator is created, where the members
+  meet anyway. NCCL reads the variable once per process, at its first communicator, and caches it
+  (src/include/param.h: NCCL_PARAM), so it is set before threadpar's first; a process in which another
+  library made communicators earlier keeps what NCCL read then (the group's first operation still runs on a
+  connector, connector.py, so a lazy connection there does not hang a rank). A value the user set is kept
+  if it is 0; any other is refused.
+- NCCL_COMM_BLOCKING must not be 0: it makes every communicator nonblocking (src/init.cc, envConfigOverride;
+  since 2.17), whose operations then return ncclInProgress and are launched by a new thread each (connector.py
+  says why threadpar's are blocking).
 
-ncclCommInitRank blocks until all members have joined, so each member thread calls `join_nccl_group` for
-itself, on its own device (after torch.cuda.set_device), at the same time as the others: the rank threads
-of a launch do exactly that when they first use the group. The nccl backend keeps one communicator per
-member and launches grouped calls for the local members as it does within one process. Peers are
-connected at creation (`connect_eagerly`), so that no grouped call ever waits for another process.
+Unique ids across processes: member 0 of a group creates the id and writes it to torch.distributed's store
+(InfiniTrain writes it to a file; the store is already shared by every process of the job); the others wait
+for it there, bounded by the launch's timeout and its stop signal.
 """
 
 from __future__ import annotations
@@ -17,37 +24,37 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-from threadpar.comm.common.cuda_seam import NcclApi
+from threadpar.comm.common.abort import AbortSignal
 from threadpar.errors import CollectiveTimeoutError, ConfigError
 
 RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
+COMM_BLOCKING = "NCCL_COMM_BLOCKING"
 _environment_lock = threading.Lock()
+POLL = datetime.timedelta(milliseconds=100)  # how often a store wait looks at the stop signal
 
 
-def connect_eagerly() -> None:
-    """Make NCCL connect a communicator's peers when it is created, not on first use (NCCL_RUNTIME_CONNECT=0).
-
-    Since NCCL 2.22 (NCCL_RUNTIME_CONNECT=1 by default) the first collective of each algorithm connects the
-    peers inside ncclGroupEnd, blocking until the other processes do the same. threadpar issues every
-    grouped call under its process's launch lock, so two processes that launch the first collectives of two
-    groups in opposite orders would each hold their lock while waiting for the other: a deadlock. Connected
-    at creation (where each member thread blocks for itself, no lock held), a grouped call never waits for
-    another process. The cost: every algorithm's connections and buffers are set up at creation.
-
-    NCCL reads the variable once per process, at its first communicator (src/init.cc, comm->runtimeConn), so
-    this runs when a launch that spans processes is set up, before any communicator exists. A value the user
-    set is kept if it is 0; any other is refused (it can deadlock, see above)."""
+def prepare_environment() -> None:
+    """Set NCCL's environment for threadpar's communicators (see the module docstring); idempotent."""
     with _environment_lock:
+        blocking = os.environ.get(COMM_BLOCKING)
+        if blocking is not None and blocking.strip() == "0":
+            raise ConfigError(
+                f"{COMM_BLOCKING}=0 makes every NCCL communicator nonblocking: each operation would return "
+                "ncclInProgress and be launched by a thread of its own; threadpar's communicators are blocking "
+                f"(it bounds their creation itself): unset {COMM_BLOCKING} or set it to 1"
+            )
         value = os.environ.get(RUNTIME_CONNECT)
         if value is None:
             os.environ[RUNTIME_CONNECT] = "0"
         elif value.strip() != "0":
             raise ConfigError(
-                f"{RUNTIME_CONNECT}={value!r}: with NCCL groups that span processes threadpar needs NCCL to connect "
-                f"peers when communicators are created (a first collective that connects lazily can deadlock two "
-                f"processes' launches); unset {RUNTIME_CONNECT} or set it to 0"
+                f"{RUNTIME_CONNECT}={value!r}: threadpar needs NCCL to connect peers when communicators are "
+                "created (a first collective that connects lazily blocks the host until the peers come, inside "
+                f"an operation no rank should wait in); unset {RUNTIME_CONNECT} or set it to 0"
             )
 
 
@@ -55,22 +62,27 @@ def unique_id_key(group_key: str) -> str:
     return f"nccl/{group_key}/unique_id"
 
 
-def join_nccl_group(
-    store: Any, group_key: str, member: int, size: int, timeout: float, nccl: NcclApi, device: int
-) -> Any:
-    """This member's communicator of the group `group_key` (the same string in every process, e.g. the
-    hex of threadpar.comm.hierarchical.group.group_key(ranks)) with `size` members, on CUDA device `device`;
-    `store` is a client of the launch's store (Processes.store_client()), `nccl` NCCL's C API."""
-    key = unique_id_key(group_key)
-    if member == 0:
-        store.set(key, nccl.get_unique_id())
+def shared_unique_id(
+    store: Any,
+    key: str,
+    creator: bool,
+    make: Callable[[], bytes],
+    abort: AbortSignal,
+    timeout: float,
+    describe_timeout: Callable[[], str],
+) -> bytes:
+    """The bytes under `key` in the launch's store: `make()` and written there by the `creator`, read by
+    everyone else once it is (a wait bounded by `timeout`, ended by a stop)."""
+    if creator:
+        store.set(key, make())
     else:
-        try:
-            store.wait([key], datetime.timedelta(seconds=timeout))
-        except RuntimeError:
-            raise CollectiveTimeoutError(
-                f"member {member} of NCCL group {group_key} waited {timeout:g} s for member 0 to publish the "
-                "group's unique id; member 0's process did not create the group (does it call the same "
-                "collectives?)"
-            ) from None
-    return nccl.comm_init_rank(size, store.get(key), member, device)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                store.wait([key], POLL)
+                break
+            except RuntimeError:  # DistStoreError: not there yet
+                abort.raise_if_set()
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(describe_timeout()) from None
+    return store.get(key)

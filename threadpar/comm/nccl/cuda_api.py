@@ -6,11 +6,11 @@ The nccl backend and the `threads` backend on CUDA tensors never call torch.cuda
 without a GPU can pass tests/fakes/fake_cuda_nccl.py, which records the calls and computes the collectives
 on CPU tensors.
 
-The process's instances of what must be process-wide live here (`nccl_runtime()`): the launch lock (NCCL
-calls are not thread-safe across communicators that share a device, whichever launch they belong to) and
-the bookkeeping in resources.py: the pool of cliques (a finished launch hands its healthy cliques back for
-the next launch on the same devices: creating one costs 0.1-1 s, and a test suite launches hundreds of
-times), the comm streams live groups hold, the devices whose communicators are being created.
+The process's instances of what must be process-wide live here (`nccl_runtime()`): the launch lock of each
+device (NCCL calls on communicators that share a device must come from one thread at a time, whichever
+launch they belong to: resources.DeviceLocks), the comm streams live groups hold, the pool of cliques (a
+finished launch hands its healthy cliques back for the next launch on the same devices), and the watchdog
+(watchdog.py).
 """
 
 from __future__ import annotations
@@ -21,21 +21,13 @@ from collections.abc import Iterator
 
 import torch
 
-from threadpar.comm.nccl.library import Communicator, NcclLibrary, async_error_text, nccl_library
-from threadpar.comm.nccl.resources import CliqueHealth, CliquePool, CommStreams, DeviceInits
+from threadpar.comm.nccl import bootstrap
+from threadpar.comm.nccl.library import NcclLibrary, nccl_library
+from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceLocks
+from threadpar.comm.nccl.watchdog import Watchdog
 from threadpar.errors import ConfigError
 
-# The process-wide bookkeeping (re-exported: the double and the tests import them from here too).
-__all__ = [
-    "CliqueHealth",
-    "CliquePool",
-    "CommStreams",
-    "DeviceInits",
-    "LibraryNcclRuntime",
-    "TorchCuda",
-    "nccl_runtime",
-    "torch_cuda",
-]
+__all__ = ["LibraryNcclRuntime", "TorchCuda", "nccl_runtime", "torch_cuda"]
 
 
 class TorchCuda:
@@ -82,22 +74,23 @@ class LibraryNcclRuntime:
     def __init__(
         self,
         cuda: TorchCuda,
-        launch_lock: threading.Lock,
+        device_locks: DeviceLocks,
         cliques: CliquePool,
-        inits: DeviceInits,
         streams: CommStreams,
+        watchdog: Watchdog,
     ) -> None:
         self.cuda = cuda
-        self.launch_lock = launch_lock
+        self.device_locks = device_locks
         self.cliques = cliques
-        self.inits = inits
         self.streams = streams
+        self.watchdog = watchdog
         self._library: NcclLibrary | None = None
 
     @property
     def nccl(self) -> NcclLibrary:
         """The binding, loaded on first use (raises ConfigError naming the paths tried if none loads). Read
-        on every launch: kept after the first load (a write-once value, DESIGN.md rule 10's allowed case)."""
+        on every group's creation: kept after the first load (a write-once value, DESIGN.md rule 10's
+        allowed case)."""
         library = self._library
         if library is None:
             library = self._library = nccl_library()
@@ -113,16 +106,12 @@ class LibraryNcclRuntime:
             return False
         return True
 
-    def async_error(self, comm: Communicator) -> str | None:
-        """NCCL's asynchronous error of a communicator (ncclCommGetAsyncError), or None if all is well."""
-        return async_error_text(self.nccl, comm)
+    def prepare_environment(self) -> None:
+        """NCCL's environment before the process's first communicator (bootstrap.prepare_environment)."""
+        bootstrap.prepare_environment()
 
 
 _CUDA = TorchCuda()
-_LAUNCH_LOCK = threading.Lock()
-_CLIQUES = CliquePool()
-_INITS = DeviceInits()
-_STREAMS = CommStreams()
 _default: list[LibraryNcclRuntime] = []
 _default_lock = threading.Lock()
 
@@ -136,5 +125,5 @@ def nccl_runtime() -> LibraryNcclRuntime:
     """The process's real NcclRuntime (the library itself loads on its first use)."""
     with _default_lock:
         if not _default:
-            _default.append(LibraryNcclRuntime(_CUDA, _LAUNCH_LOCK, _CLIQUES, _INITS, _STREAMS))
+            _default.append(LibraryNcclRuntime(_CUDA, DeviceLocks(), CliquePool(), CommStreams(), Watchdog()))
         return _default[0]

@@ -1,194 +1,226 @@
-"""The `nccl` backend: one thread launches each collective for all members, on their comm streams.
+"""The `nccl` backend: every rank thread issues its own NCCL calls on its own communicator, as a process per
+GPU does.
 
-NCCL is reached through its C API (library.py; torch.cuda.nccl cannot create communicators on CPython
-3.10-3.12). NCCL calls are not thread-safe across communicators that share a device, so rank threads never
-call NCCL themselves. A member that calls a collective records a *ready* event on its current stream and posts its
-tensors at the group's rendezvous (without waiting). The last member to post, the leader, then under the
-process-wide launch lock makes each member's comm stream wait for that member's ready event, issues ONE
-NCCL group (ncclGroupStart, one operation per member with its tensor, comm stream and communicator, in
-group-rank order, ncclGroupEnd), and records each member's *done* event on its comm stream. Each member gets an `NcclWork` on its done event.
+A member's collective is its own NCCL call on its own communicator (one per member and group), made from
+its own thread in its program order: on the caller's current stream for a synchronous op (no events, as
+vLLM's pynccl does), on the member's comm stream ordered by events for an asynchronous one (as torch's
+ProcessGroupNCCL does). The call returns at once; the device waits for the peers' calls. No member waits
+for another on the host, so a rank can run ahead of its peers by as many calls as it likes.
 
-Communicators: one clique per group (sub-groups get their own), made on the group's first collective by
-every member thread calling ncclCommInitRank concurrently on its own device, as nccl.h allows (the
-ncclCommInitAll of one process, without one thread setting every device), then reused. Comm streams: one per member and group, never shared with another live group
-(resources.CommStreams: torch's pool would hand the same stream to every 32nd group).
+What the members still do together, each once: making the communicators (on a group's first NCCL
+operation: they meet, then each creates its own on a connector, connector.py) and connecting NCCL's point
+to point (the first operation that sends between members: scatter, gather, all_to_all). Collectives are
+checked without a meeting (the CallLedger: whoever completes a call compares it). The process's watchdog
+(watchdog.py) notices hangs and asynchronous errors and aborts the communicators when the launch stops.
 
-A group whose members live in several processes (spanning.py) is this class with `local` = the
-members in this process: its rendezvous, launch and grouped calls cover those members only (NCCL ranks are
-group indices, so one grouped call per process joins the processes' parts into one collective).
-
-Every collective is NCCL's own (broadcast and reduce from any root, all_gather and reduce_scatter at their
-own bytes, also across processes). Within one process send/recv, scatter, gather and all_to_all are copies
-between devices on the comm streams, ordered by events (copies.py): one copy engine transfer each. dtypes and ops NCCL lacks are mapped as
-reduction.py describes. Inputs reach this module validated by ProcessGroup.
+A group whose members live in several processes (spanning.py) is this class over the members in THIS
+process (`local`); NCCL ranks are group indices, so each process's calls are parts of one NCCL operation.
+Operations are in ops.py (collectives) and p2p.py (send and receive); dtypes and ops NCCL lacks are
+mapped as reduction.py says. Inputs reach this module validated by ProcessGroup.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from threadpar.comm.backend import BackendSite
-from threadpar.comm.common.mailbox import Mailboxes
-from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
+from threadpar.comm.common.call_ledger import CallLedger
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
-from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.common.work import LazyText
-from threadpar.comm.nccl.copies import NcclCopyCollectives
-from threadpar.comm.nccl.library import nccl_group
-from threadpar.comm.nccl.reduction import (
-    NcclReduction,
-    contiguous_span,
-    flat,
-    has_native_avg,
-    nccl_reduction,
-    wire,
-)
+from threadpar.comm.nccl.comm import NcclComm
+from threadpar.comm.nccl.connector import connect
+from threadpar.comm.nccl.ops import NcclCollectives, all_to_all_sizes
+from threadpar.comm.nccl.p2p import NcclPointToPoint
+from threadpar.comm.nccl.reduction import has_native_avg
 from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.nccl.work import NcclWork
-from threadpar.errors import ConfigError, NcclError
+from threadpar.errors import CollectiveTimeoutError, ConfigError, NcclError
 
-# Launch = what the leader enqueues: f(payloads in group-rank order, comm streams in group-rank order).
-Launch = Callable[[list[Any], list[Any]], None]
-# Issue = one local member's NCCL operation: f(local position, its communicator, its comm stream).
-Issue = Callable[[int, Any, Any], None]
-
-
-class _Posted(NamedTuple):
-    payload: Any  # the member's tensors, as its op passes them
-    tensors: tuple[torch.Tensor, ...]  # all of them, to protect from the caching allocator
-    ready: Any  # recorded on the member's current stream when it called
-    done: Any  # recorded by the leader on the member's comm stream after the operation
+# Issue = one member's NCCL calls of one operation, given its communicator's handle.
+Issue = Callable[[Any], None]
+# How long the watchdog waits for a device's launch lock before it leaves that device's communicators
+# unaborted (a connector stuck in a blocking NCCL call holds it; aborting meanwhile is unsafe: comm.py).
+ABORT_LOCK_WAIT_S = 5.0
 
 
-def _tensors(payload: Any) -> tuple[torch.Tensor, ...]:
-    if isinstance(payload, torch.Tensor):
-        return (payload,)
-    if type(payload) is list and all(type(t) is torch.Tensor for t in payload):
-        return tuple(payload)  # an all-reduce's tensors: the common case, without the recursion
-    if isinstance(payload, (list, tuple)):
-        return tuple(t for part in payload for t in _tensors(part))
-    return ()
+class _Probe:
+    """An event the watchdog recorded on a stream a member's NCCL calls went to: done once the device has
+    run everything the member enqueued there before it."""
+
+    __slots__ = ("event", "issued", "since", "stream")
+
+    def __init__(self, event: Any, stream: Any, issued: int, since: float) -> None:
+        self.event, self.stream, self.issued, self.since = event, stream, issued, since
 
 
-class NcclGroup(NcclCopyCollectives):
+class NcclGroup(NcclCollectives, NcclPointToPoint):
     """The shared state of one group on the `nccl` backend; methods are called by each member."""
 
     stream_ordered = True  # ProcessGroup: ops return their own Work; no comm worker thread
     backend_name = "nccl"
 
     def __init__(
-        self, name: str, ranks: Sequence[int], world: BackendSite, local: Sequence[int] | None = None
+        self,
+        name: str,
+        ranks: Sequence[int],
+        world: BackendSite,
+        local: Sequence[int] | None = None,
+        key: int | None = None,
     ) -> None:
-        """`local`: the indices of the members whose threads run in this process (default: all of them)."""
+        """`local`: the indices of the members whose threads run in this process (default: all of them);
+        `key`: the group's id, the same in every process (spanning groups)."""
         self.name = name
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.devices = tuple(world.devices[r] for r in self.ranks)
         self.local = tuple(range(self.size)) if local is None else tuple(local)
         self.local_index = {m: i for i, m in enumerate(self.local)}
-        self.local_devices = tuple(self.devices[m] for m in self.local)
         self._device_ids = tuple(
             _device_id(d, r, world.local_ranks) for d, r in zip(self.devices, self.ranks)
         )
         self._runtime = world.nccl_runtime()
-        self._cuda = self._runtime.cuda
         if not self._runtime.nccl_available():
             raise ConfigError(
                 f"backend='nccl' (group '{name}'): NCCL cannot run here (no CUDA device, or no NCCL library "
                 f"loads; torch {torch.__version__}); install a CUDA build of torch, set THREADPAR_NCCL_LIBRARY "
                 "to a libnccl.so.2, or use backend='threads'"
             )
+        self._cuda = self._runtime.cuda
+        self._nccl = self._runtime.nccl
+        self._site = world
         self._abort = world.abort
         self._timeout = world.timeout
-        self.rendezvous = Rendezvous(name, [self.ranks[m] for m in self.local], world.abort, world.timeout)
-        self.mailboxes = Mailboxes(name, ranks, world.abort, world.timeout)
-        self._lock = threading.Lock()
-        self._streams: list[Any] = [None] * self.size
-        self._comms: list[Any] = [None] * self.size
-        # The leaders' caches of the two lists above in local order (made once: _make_local_streams, _nccl).
-        self._local_streams: list[Any] | None = None
-        self._local_comms: list[Any] | None = None
-        self._clique_key = tuple(str(d) for d in self.devices)
-        self._native_avg = has_native_avg(self._runtime.nccl.version())
-        self._aborted = False  # set once the launch stopped and this group's communicators were aborted
-        world.abort.register_waker(_weak_call(self._abort_communicators))  # (weak: the abort outlives groups)
+        local_ranks = [self.ranks[m] for m in self.local]
+        # Calls matched in order without waiting (rule 6); meetings for creating and connecting only.
+        self.ledger = CallLedger(name, local_ranks, self.ranks)
+        for op in ("all_to_all", "all_to_all_single"):  # (their sizes may differ between members)
+            self.ledger.compare_with(op, all_to_all_sizes)
+        self.meetings = Rendezvous(name, local_ranks, world.abort, world.timeout, group_ranks=self.ranks)
+        self._lock = threading.Lock()  # guards the write-once slots below and the failure flag
+        self._comms: list[NcclComm | None] = [None] * self.size
+        self._streams: list[Any] = [None] * self.size  # each member's comm stream (asynchronous ops)
+        # The pairs of members between which point-to-point is connected on the group's communicators, as
+        # each member knows it (the same sequence of collectives gives every member the same set).
+        self._connected: list[set[tuple[int, int]]] = [set() for _ in range(self.size)]
+        self._probes: dict[int, deque[_Probe]] = {m: deque() for m in self.local}
+        self._probed: dict[int, int] = dict.fromkeys(self.local, 0)  # operations issued at the last probe
+        # The pool's key: the CUDA device of each member (the double's fake GPUs are all "cpu" devices).
+        self._clique_key = tuple(str(d) for d in self._device_ids)
+        self._native_avg = has_native_avg(self._nccl.version())
+        self._health = CliqueHealth()  # spoiled by any failure: its clique is then never pooled
+        self._failed = False  # the watchdog reported a failure of this group (once)
+        self._closed = False
+        self._init_p2p(world, key)
+        self._runtime.prepare_environment()
         weakref.finalize(self, self._runtime.streams.release, self.devices, self._streams)
-        # Spoiled by any failure of this group's operations: its clique is then never pooled.
-        self._health = CliqueHealth()
+        self._runtime.watchdog.watch(self)
+        world.abort.register_waker(self._runtime.watchdog.wake)  # a stop: the watchdog aborts (watch_tick)
 
-    # setup ------------------------------------------------------------------------------------------------------
-    def _make_local_streams(self) -> list[Any]:
-        """The local members' comm streams in order, kept for the launches after the first. Leaders of two
-        collectives may both make it at first: each builds the same list (`_stream` makes each stream once,
-        under `_lock`), so either write is right (a write-once value: DESIGN.md rule 10's allowed case)."""
-        streams = [self._stream(m) for m in self.local]
-        self._local_streams = streams
-        return streams
-
-    def _stream(self, member: int) -> Any:
+    # the path of every operation --------------------------------------------------------------------------------
+    def _op_stream(self, member: int, async_op: bool) -> Any:
+        """Where a member's operation runs: its current stream (synchronous), or its comm stream after the
+        work enqueued so far on the current one (asynchronous)."""
+        current = self._cuda.current_stream(self.devices[member])
+        if not async_op:
+            return current
         stream = self._streams[member]
         if stream is None:
-            with self._lock:
-                if self._streams[member] is None:  # (one no other live group holds: CommStreams)
+            with self._lock:  # (one no other live group holds: CommStreams)
+                if self._streams[member] is None:
                     self._streams[member] = self._runtime.streams.acquire(self._cuda, self.devices[member])
                 stream = self._streams[member]
+        ready = self._cuda.event()
+        ready.record(current)
+        stream.wait_event(ready)
         return stream
 
-    def _communicator(self, member: int, seq: int, call: Call) -> Any:
-        """This member's communicator; on first use every member joins the group's clique (blocking)."""
+    def _on(self, stream: Any, async_op: bool) -> contextlib.AbstractContextManager[Any]:
+        """Make `stream` current for torch ops (nothing to do for a synchronous op: it is current)."""
+        return self._cuda.on_streams(stream) if async_op else contextlib.nullcontext()
+
+    def _issue(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        stream: Any,
+        issue: Issue,
+        pairs: frozenset[tuple[int, int]] = frozenset(),
+        checked: Call | None = None,
+    ) -> None:
+        """Check call #seq against the other members' (without waiting) and issue it on the member's
+        communicator. The group's first NCCL operation makes the communicators; one that sends between
+        members not yet connected (`pairs`) connects them: both after a meeting, on a connector. `checked`:
+        what the ledger compares, when it says more than the call (all_to_all's sizes, which may differ)."""
+        checked = call if checked is None else checked
         comm = self._comms[member]
-        if comm is not None:
-            return comm
-        runtime = self._runtime
-
-        def choose(slot: Slot) -> bool:
-            # A clique a finished launch left on these devices, or a fresh unique id for a new one. The
-            # clique goes back to the pool when this group is dropped (the members fill self._comms).
-            slot.result = runtime.cliques.take(self._clique_key) or runtime.nccl.get_unique_id()
-            weakref.finalize(
-                self, runtime.cliques.give_back, self._clique_key, self._comms, self._health, self._abort
-            )
-            return False
-
-        # Sequence number 0 is never a collective's (ProcessGroup counts from 1): the members meet there
-        # once, with the call that needs the communicators (so a mismatch shows already), so that all of
-        # them are present before any blocks inside NCCL's own initialisation, which has no timeout.
-        joining = call._replace(extra=(*call.extra, ("creating", "NCCL communicators")))
-        slot = self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=choose, final=True)
-        if isinstance(slot.result, bytes):
-            try:
-                with self._initialising(member):
-                    comm = runtime.nccl.comm_init_rank(
-                        self.size, slot.result, member, self._device_ids[member]
-                    )
-            except RuntimeError as error:
-                raise NcclError(
-                    f"creating the NCCL communicator of rank {self.ranks[member]} in group '{self.name}' "
-                    f"(devices {list(self._clique_key)}) failed: {error}"
-                ) from error
-        else:
-            comm = slot.result[member]
-        self._comms[member] = comm
-        return comm
-
-    @contextlib.contextmanager
-    def _initialising(self, member: int) -> Iterator[None]:
-        """Around this member's ncclCommInitRank: its device is marked (taken under the launch lock, so that
-        no launch is issuing then), and launches on it wait until the init returns (DeviceInits)."""
-        runtime, device = self._runtime, self.devices[member]
-        with runtime.launch_lock:
-            runtime.inits.enter(device)
         try:
-            with self._cuda.device_guard(device):
-                yield
-        finally:
-            runtime.inits.leave(device)
+            if comm is None:
+                self._create(member, seq, call, checked, stream, issue)
+            elif not pairs <= self._connected[member]:
+                self._enter(member, seq, checked)
+                self._connect(member, seq, call, stream, issue)
+            else:
+                self._enter(member, seq, checked)
+                comm.launch(issue, stream)
+        except NcclError as error:
+            self._health.spoil(f"{call} #{seq}: {error}")
+            raise NcclError(
+                f"{call} #{seq} on group '{self.name}' (rank {self.ranks[member]}) failed: {error}"
+            ) from error
+        self._connected[member] |= pairs
+
+    def _enter(self, member: int, seq: int, call: Call) -> None:
+        """The ledger's check (spanning.py adds the processes')."""
+        self.ledger.enter(self.local_index[member], seq, call)
+
+    def _finish(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        stream: Any,
+        tensors: Sequence[torch.Tensor],
+        async_op: bool,
+        *,
+        blocking: bool = False,
+    ) -> NcclWork | None:
+        """A synchronous op is done (its stream orders what follows); an asynchronous one gets a Work on a
+        done event, and its tensors are kept from the caching allocator until its stream is past them."""
+        if not async_op:
+            return None
+        done = self._cuda.event()
+        done.record(stream)
+        for t in tensors:
+            self._cuda.record_stream(t, stream)
+        return self._work(member, seq, call, done, blocking=blocking)
+
+    def _work(self, member: int, seq: int, call: Call, done: Any, *, blocking: bool = False) -> NcclWork:
+        return NcclWork(
+            LazyText("{} #{} on group '{}' (rank {})", call, seq, self.name, self.ranks[member]),
+            cuda=self._cuda,
+            device=self.devices[member],
+            abort=self._abort,
+            timeout=self._timeout,
+            done=done,
+            comm=self._comms[member],
+            health=self._health,
+            blocking=blocking,
+            late=lambda: self._late(seq),
+        )
+
+    def _late(self, seq: int) -> str:
+        """Who has not issued call #seq yet (in this process), for a timeout's message."""
+        missing = self.ledger.missing(seq)
+        return f"ranks {missing} did not arrive (they have not issued it)" if missing else ""
 
     def _check_devices(self, member: int, op: str, tensors: Sequence[torch.Tensor]) -> None:
         device = self.devices[member]
@@ -199,277 +231,254 @@ class NcclGroup(NcclCopyCollectives):
                     f"on {t.device}; move it with tensor.to(threadpar.get_device())"
                 )
 
-    # the common path --------------------------------------------------------------------------------------------
-    def _post(
-        self, member: int, seq: int, call: Call, payload: Any, launch: Launch, *, nccl: bool = True
-    ) -> NcclWork:
-        """Record this member's ready event, post its tensors, and return its Work; the last member to
-        post launches the operation for all (`nccl`: it needs the communicators)."""
-        tensors = _tensors(payload)
-        self._check_devices(member, call.op, tensors)
-        comm = self._communicator(member, seq, call) if nccl else None
-        cuda, device = self._cuda, self.devices[member]
-        ready, done = cuda.event(), cuda.event()
-        ready.record(cuda.current_stream(device))
-        arrival = self.rendezvous.post(
-            self.local_index[member],
-            seq,
-            call,
-            _Posted(payload, tensors, ready, done),
-            leader=lambda slot: self._launch(slot, seq, launch),
-        )
-        return self._work(member, seq, call, arrival=arrival, done=done, comm=comm)
+    # making and connecting the communicators --------------------------------------------------------------------
+    def _meet(self, member: int, seq: int, call: Call, leader: Callable[[Slot], bool] | None = None) -> Slot:
+        """Every member (in this process) arrives before any enters a blocking NCCL call; spanning.py also
+        asks the other processes."""
+        return self.meetings.arrive(self.local_index[member], seq, call, None, leader=leader, final=True)
 
-    def _work(self, member: int, seq: int, call: Call, **state: Any) -> NcclWork:
-        """The Work of `member`'s call; `state`: what it waits for (arrival, done event, communicator)."""
-        return NcclWork(
-            LazyText("{} #{} on group '{}' (rank {})", call, seq, self.name, self.ranks[member]),
-            runtime=self._runtime,
-            device=self.devices[member],
+    def _choose_clique(self, slot: Slot) -> bool:
+        """The meeting's leader: a clique a finished launch left on these devices, or a new unique id."""
+        slot.result = self._runtime.cliques.take(self._clique_key) or self._nccl.get_unique_id()
+        return False
+
+    def _unique_id(self, member: int, slot: Slot) -> bytes:
+        return slot.result
+
+    def _create(self, member: int, seq: int, call: Call, checked: Call, stream: Any, issue: Issue) -> None:
+        """The members meet; each makes its communicator (ncclCommInitRank blocks until all have joined)
+        and issues its first operation on it, on a connector (the first use of an algorithm may connect
+        peers, blocking too)."""
+        joining = call._replace(extra=(*call.extra, ("creating", "NCCL communicators")))
+        slot = self._meet(member, seq, joining, self._choose_clique)
+        self._enter(member, seq, checked)
+        label = f"rank {self.ranks[member]} in group '{self.name}'"
+        if isinstance(slot.result, list):  # a pooled clique: made and connected already
+            comm: NcclComm = slot.result[member]
+            comm.label = label
+            comm.launch(issue, stream)
+        else:
+            comm = self._make_comm(member, seq, call, self._unique_id(member, slot), stream, issue, label)
+        with self._lock:
+            self._comms[member] = comm
+
+    def _make_comm(
+        self, member: int, seq: int, call: Call, uid: bytes, stream: Any, issue: Issue, label: str
+    ) -> NcclComm:
+        nccl, device = self._nccl, self._device_ids[member]
+        lock = self._runtime.device_locks.lock(device)
+
+        def create() -> NcclComm:
+            with lock:
+                try:
+                    raw = nccl.comm_init_rank(self.size, uid, member, device)
+                except NcclError as error:
+                    raise NcclError(
+                        f"creating the NCCL communicator of {label} (devices {list(self._clique_key)}) failed: "
+                        f"{error}"
+                    ) from error
+                comm = NcclComm(raw, nccl, device, lock, label)
+                comm.launch_locked(issue, (stream,))
+            return comm
+
+        return connect(
+            label,
+            create,
             abort=self._abort,
             timeout=self._timeout,
-            health=self._health,
-            **state,
+            describe_timeout=lambda: self._creation_timeout(member, seq, call),
+            undo=_abort_given_up,
         )
 
-    def _before_launch(self, seq: int, call: Call) -> str | None:
-        """Run by the leader before it launches collective `seq`; a message stops the launch as a mismatch
-        (spanning.py asks the other processes here)."""
+    def _connect(self, member: int, seq: int, call: Call, stream: Any, issue: Issue) -> None:
+        """The first operation that sends between some members on the group's communicators: NCCL connects
+        them inside it, blocking until the peers do the same (point-to-point connections are made on first
+        use, whatever NCCL_RUNTIME_CONNECT says: src/transport.cc)."""
+        connecting = call._replace(extra=(*call.extra, ("connecting", "NCCL point-to-point")))
+        self._meet(member, seq, connecting)
+        comm = self._comms[member]
+        assert comm is not None  # (made by the group's first operation)
+        connect(
+            comm.label,
+            lambda: comm.launch(issue, stream),
+            abort=self._abort,
+            timeout=self._timeout,
+            describe_timeout=lambda: self._creation_timeout(member, seq, call),
+        )
+
+    def _creation_timeout(self, member: int, seq: int, call: Call) -> str:
+        return (
+            f"{call} #{seq} on group '{self.name}' (global ranks {list(self.ranks)}): rank {self.ranks[member]} "
+            f"waited {self._timeout:g} s inside NCCL for its peers to create or connect their communicators, after "
+            "all of them had arrived; a peer process may have died (NCCL_DEBUG=INFO shows what NCCL waits for)"
+        )
+
+    # the watchdog -----------------------------------------------------------------------------------------------
+    def watch_tick(self, now: float) -> None:
+        """Run by the process's watchdog every interval (watchdog.py)."""
+        if self._abort.is_set:
+            self._abort_communicators(self._abort.reason or "the launch stopped")
+            self._runtime.watchdog.unwatch(self)
+            return
+        if self._failed or self._closed:
+            return
+        try:
+            self._watch_errors()
+            self._watch_late(now)
+            self._watch_device(now)
+        except Exception as error:  # a query that failed: a failure of the group too
+            self._fail(self.local[0], NcclError(f"the NCCL watchdog of group '{self.name}' failed: {error}"))
+
+    def _watch_errors(self) -> None:
+        for member in self.local:
+            comm = self._comms[member]
+            message = None if comm is None else comm.async_error()
+            if message is not None:
+                self._fail(
+                    member,
+                    NcclError(
+                        f"NCCL reported an asynchronous error on the communicator of rank {self.ranks[member]} in "
+                        f"group '{self.name}': {message}"
+                    ),
+                )
+                return
+
+    def _watch_late(self, now: float) -> None:
+        """A call some members issued more than the timeout ago that others have not: name them."""
+        late = self.ledger.overdue(self._timeout, now)
+        if not late:
+            return
+        first = late[0]
+        waiting = self.local[self.ledger.ranks.index(first.issued[0])]
+        self._fail(
+            waiting,
+            CollectiveTimeoutError(
+                f"{first.call} #{first.seq} on group '{self.name}' (global ranks {list(self.ranks)}) timed out "
+                f"after {self._timeout:g} s: ranks {first.missing} did not issue it (issued by {first.issued}). "
+                "A rank that skips a collective, calls them in another order, or is stuck in a long computation "
+                "causes this; raise the timeout (the launch's timeout=) if the computation is legitimately slow."
+            ),
+        )
+
+    def _watch_device(self, now: float) -> None:
+        """Probe events after each member's NCCL calls: one still pending after the timeout means the device
+        has not finished those calls (a peer's part never ran: a peer process lost, a peer's stream stuck
+        behind another group's kernel in another order, a hung kernel)."""
+        for member in self.local:
+            comm, probes = self._comms[member], self._probes[member]
+            if comm is None:
+                continue
+            while probes and probes[0].event.query():
+                probes.popleft()
+            if probes and now - probes[0].since > self._timeout:
+                probe = probes[0]
+                self._fail(
+                    member,
+                    CollectiveTimeoutError(
+                        f"the device has not finished the NCCL operations rank {self.ranks[member]} issued on group "
+                        f"'{self.name}' (its first {probe.issued} of them) within {self._timeout:g} s: a peer's "
+                        "matching call never ran (a peer process lost, its stream stuck behind work that waits for "
+                        "this one, operations of several groups ordered differently on two ranks), or a kernel "
+                        "hangs (NCCL_DEBUG=INFO says which)"
+                    ),
+                )
+                return
+            issued, streams = comm.take_progress()
+            if issued > self._probed[member]:
+                self._probed[member] = issued
+                for stream in streams:
+                    event = self._cuda.event()
+                    event.record(stream)
+                    probes.append(_Probe(event, stream, issued, now))
+
+    def _fail(self, member: int, error: BaseException) -> None:
+        """Report `error` as this member's failure (once per group): the launch stops, and the next tick
+        aborts the communicators."""
+        with self._lock:
+            if self._failed:
+                return
+            self._failed = True
+        self._health.spoil(f"{type(error).__name__}: {error}")
+        self._site.fail(self.ranks[member], error)
+
+    # the end ------------------------------------------------------------------------------------------------------
+    def _communicators(self) -> list[NcclComm]:
+        with self._lock:
+            return [c for c in self._comms if c is not None] + self._pair_communicators()
+
+    def _abort_communicators(self, reason: str) -> None:
+        """ncclCommAbort every communicator of this group in this process: kernels waiting for peers that
+        will never come end, and every rank waiting on the device is released (nccl.h)."""
+        self._health.spoil(f"the launch stopped: {reason}")
+        for comm in self._communicators():
+            comm.abort(reason, ABORT_LOCK_WAIT_S)
+
+    def close(self, failed: bool) -> None:
+        """The end of the launch (World.close, after every rank thread has finished): give a clean clique
+        back to the pool or destroy it; abort what a failed or stopped launch leaves."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._runtime.watchdog.unwatch(self)
+        comms = self._communicators()
+        try:
+            unfinished = None if failed or self._abort.is_set else self._unfinished(comms)
+            if failed or self._abort.is_set or self._health.spoiled or unfinished is not None:
+                for comm in comms:
+                    comm.abort("the launch failed", ABORT_LOCK_WAIT_S)
+            else:
+                for comm in self._keep(comms):
+                    comm.destroy()
+        finally:
+            self._runtime.streams.release(self.devices, self._streams)
+            self._end_p2p()
+        if unfinished is not None:
+            raise CollectiveTimeoutError(unfinished)
+
+    def _unfinished(self, comms: list[NcclComm]) -> str | None:
+        """After every rank thread has finished: wait (at most the timeout) until the device has run every
+        NCCL operation issued on these communicators (ncclCommDestroy would wait for them for ever: a peer
+        may never have issued its part); what it has not run, if anything."""
+        probes = [p for member in self.local for p in self._probes[member]]
+        for comm in comms:
+            issued, streams = comm.take_progress()
+            for stream in streams:
+                event = self._cuda.event()
+                event.record(stream)
+                probes.append(_Probe(event, stream, issued, 0.0))
+        deadline = time.monotonic() + self._timeout
+        while not all(p.event.query() for p in probes):
+            if time.monotonic() > deadline:
+                late = self.ledger.overdue(0.0)
+                who = (
+                    f": ranks {late[0].missing} never issued {late[0].call} #{late[0].seq} (issued by {late[0].issued})"
+                    if late
+                    else " (a send no rank received, or a peer in another process that never issued its part)"
+                )
+                return (
+                    f"the launch ended, but the device had not finished the NCCL operations of group '{self.name}' "
+                    f"within {self._timeout:g} s{who}; its communicators were aborted"
+                )
+            time.sleep(0.001)
         return None
 
-    def _launch(self, slot: Slot, seq: int, launch: Launch) -> bool:
-        """The leader: payloads and streams of the local members, in group order."""
-        call = slot.calls[0]
-        assert call is not None  # the leader runs once every member has posted its call
-        slot.error = self._before_launch(seq, call)
-        if slot.error is not None:
-            return False
-        posted: list[_Posted] = slot.payloads
-        streams = self._local_streams or self._make_local_streams()
-        cuda, runtime = self._cuda, self._runtime
-        while True:
-            with runtime.launch_lock:
-                if not runtime.inits.busy(self.local_devices):
-                    for p, stream in zip(posted, streams):
-                        stream.wait_event(p.ready)
-                    launch([p.payload for p in posted], streams)
-                    for p, stream in zip(posted, streams):
-                        p.done.record(stream)
-                        for t in p.tensors:
-                            cuda.record_stream(t, stream)
-                    return True
-            # a communicator of another group is being created on one of these devices: wait, unlocked
-            runtime.inits.wait_idle(self.local_devices, self._abort, self._timeout)
+    def _keep(self, comms: list[NcclComm]) -> list[NcclComm]:
+        """Pool the group's clique (if every member of it is here and made its communicator); returns what is
+        left to destroy (spanning.py pools nothing)."""
+        clique = [c for c in self._comms if c is not None]
+        if len(clique) != self.size or not clique:
+            return comms
+        rest = [c for c in comms if all(c is not k for k in clique)]
+        return self._runtime.cliques.put(self._clique_key, clique) + rest
 
-    def _nccl(self, name: str, streams: Sequence[Any], issue: Issue) -> None:
-        """One NCCL group holding `issue(i, comm, stream)` for every local member i, in group order (NCCL
-        ranks are group indices); failures become NcclError naming the group."""
-        comms = self._local_comms
-        if comms is None:  # (every member has its communicator by its first launch; made once)
-            comms = self._local_comms = [self._comms[m] for m in self.local]
-        try:
-            with nccl_group(self._runtime.nccl):
-                for i, (comm, stream) in enumerate(zip(comms, streams)):
-                    issue(i, comm, stream)
-        except NcclError as error:
-            raise NcclError(f"NCCL {name} on group '{self.name}' failed: {error}") from error
+    def __repr__(self) -> str:
+        return f"<NcclGroup '{self.name}' ranks={list(self.ranks)} local={list(self.local)}>"
 
-    def _abort_communicators(self) -> None:
-        """The launch stopped (a rank failed, a timeout, Ctrl-C): ncclCommAbort this group's communicators
-        in this process, so that a kernel waiting for a peer that will never come ends (nccl.h: abort
-        ends uncompleted operations). Not under the launch lock: the stop may come from a thread that holds
-        it, and aborting from another thread while an operation hangs is what ncclCommAbort is for. An
-        aborted communicator is freed: the group's list drops it (never pooled, never used again)."""
-        with self._lock:
-            if self._aborted:
-                return
-            self._aborted = True
-            comms = [c for c in self._comms if c is not None]
-            self._comms[:] = [None] * self.size
-        for comm in comms:
-            with contextlib.suppress(Exception):  # (stopping anyway: the cause is already recorded)
-                self._runtime.nccl.comm_abort(comm)
 
-    def _on(self, stream: Any):
-        return self._cuda.on_streams(stream)
-
-    def _contiguous(self, t: torch.Tensor, stream: Any) -> torch.Tensor:
-        if t.is_contiguous():
-            return t
-        with self._on(stream):
-            return t.contiguous()
-
-    # reductions -------------------------------------------------------------------------------------------------
-    # ins, outs and streams hold one entry per LOCAL member (self.local order); `root` is a group index.
-    def _reduce(
-        self, ins: list[torch.Tensor], outs: list[torch.Tensor], op: ReduceOp, streams, kind: str, root=0
-    ):
-        """The reduction core. kind "all": outs[i] = reduce(ins); "root": the root's out = reduce(ins);
-        "scatter": outs[i] = reduce(ins)[member's 1/size]. Every tensor is contiguous and 1-D."""
-        how = nccl_reduction(ins[0].dtype, op, self._native_avg, self.size)
-        if ins[0].numel() == 0:
-            return
-        if how.gather:
-            self._gather_reduce(ins, outs, op, streams, kind, root)
-            return
-        wins, wouts = [wire(t, how) for t in ins], [wire(t, how) for t in outs]
-        if kind == "all":
-            nccl, op_ = self._runtime.nccl, how.nccl_op
-            self._nccl("all_reduce", streams, lambda i, c, s: nccl.all_reduce(wins[i], wouts[i], op_, c, s))
-        elif kind == "root":
-            self._nccl_reduce(wins, wouts, root, how, streams)
-        else:
-            self._nccl_reduce_scatter(wins, wouts, how, streams)
-        if how.divide:  # AVG as SUM: divide the receivers' outputs
-            self._divide(outs, streams, self._receivers(kind, root))
-
-    def _receivers(self, kind: str, root: int) -> Sequence[int]:
-        """The local positions whose outputs a reduction of `kind` writes."""
-        if kind != "root":
-            return range(len(self.local))
-        return [self.local_index[root]] if root in self.local_index else []
-
-    def _nccl_reduce(self, wins, wouts, root: int, how: NcclReduction, streams) -> None:
-        """ncclReduce to NCCL rank `root` (a group index); the others pass no output (NCCL reads none)."""
-        nccl, op, local = self._runtime.nccl, how.nccl_op, self.local
-
-        def issue(i: int, comm: Any, stream: Any) -> None:
-            nccl.reduce(wins[i], wouts[i] if local[i] == root else None, root, op, comm, stream)
-
-        self._nccl("reduce", streams, issue)
-
-    def _nccl_reduce_scatter(self, wins, wouts, how: NcclReduction, streams) -> None:
-        """wins[i]: [size * count], wouts[i]: [count] (ncclReduceScatter's recvcount)."""
-        nccl, op = self._runtime.nccl, how.nccl_op
-        self._nccl(
-            "reduce_scatter", streams, lambda i, c, s: nccl.reduce_scatter(wins[i], wouts[i], op, c, s)
-        )
-
-    def _all_gather_bytes(self, ins: list[torch.Tensor], outs: list[torch.Tensor], streams) -> None:
-        """outs[i] ([size * n] uint8) = every member's ins ([n] uint8), in group order (ncclAllGather)."""
-        nccl = self._runtime.nccl
-        self._nccl("all_gather", streams, lambda i, c, s: nccl.all_gather(ins[i], outs[i], c, s))
-
-    def _divide(self, outs, streams, positions) -> None:
-        for i in positions:
-            with self._on(streams[i]):
-                accumulate_(outs[i], (), ReduceOp.AVG, self.size)
-
-    def _gather_reduce(self, ins, outs, op: ReduceOp, streams, kind: str, root: int) -> None:
-        """For dtypes/ops NCCL cannot reduce: all-gather the bytes, then each member reduces in rank order."""
-        P, n = self.size, ins[0].numel()
-        stages = []
-        for i, device in enumerate(self.local_devices):
-            with self._on(streams[i]):
-                stages.append(torch.empty(P * ins[i].nbytes, dtype=torch.uint8, device=device))
-        self._all_gather_bytes([byte_view(t) for t in ins], stages, streams)
-        for i in self._receivers(kind, root):
-            rows = stages[i].view(ins[0].dtype).view(P, n)  # rows[s] = member s's input
-            if kind == "scatter":
-                step, m = n // P, self.local[i]
-                rows = rows[:, m * step : (m + 1) * step]
-            with self._on(streams[i]):
-                outs[i].copy_(rows[0])
-                accumulate_(outs[i], list(rows[1:]), op, P)
-
-    def all_reduce(
-        self, member: int, seq: int, call: Call, tensors: list[torch.Tensor], op: ReduceOp
-    ) -> NcclWork:
-        """`tensors`: this member's contiguous tensors (several for a coalesced all-reduce: one buffer)."""
-
-        def launch(payloads: list[list[torch.Tensor]], streams) -> None:
-            bufs = []
-            for ts, stream in zip(payloads, streams):
-                if len(ts) == 1:
-                    bufs.append(flat(ts[0]))
-                else:
-                    with self._on(stream):
-                        bufs.append(torch.cat([flat(t) for t in ts]))
-            self._reduce(bufs, bufs, op, streams, "all")
-            for ts, buf, stream in zip(payloads, bufs, streams):
-                if len(ts) > 1:
-                    with self._on(stream):
-                        torch._foreach_copy_([flat(t) for t in ts], list(buf.split([t.numel() for t in ts])))
-
-        return self._post(member, seq, call, tensors, launch)
-
-    def reduce(
-        self, member: int, seq: int, call: Call, tensor: torch.Tensor, dst: int, op: ReduceOp
-    ) -> NcclWork:
-        def launch(payloads: list[torch.Tensor], streams) -> None:
-            bufs = [flat(t) for t in payloads]
-            self._reduce(bufs, bufs, op, streams, "root", root=dst)
-
-        return self._post(member, seq, call, tensor, launch)
-
-    def reduce_scatter(
-        self,
-        member: int,
-        seq: int,
-        call: Call,
-        output: torch.Tensor,
-        inputs: list[torch.Tensor],
-        op: ReduceOp,
-    ) -> NcclWork:
-        def launch(payloads, streams) -> None:
-            ins, outs = [], []
-            for (out, parts), stream in zip(payloads, streams):
-                whole = contiguous_span(parts)  # reduce_scatter_tensor: the input is already one buffer
-                if whole is None:
-                    with self._on(stream):
-                        whole = torch.cat([flat(p) for p in parts])
-                ins.append(whole)
-                outs.append(self._contiguous(out, stream))
-            self._reduce(ins, [flat(o) for o in outs], op, streams, "scatter")
-            for (out, _), staged, stream in zip(payloads, outs, streams):
-                if staged is not out:
-                    with self._on(stream):
-                        out.copy_(staged)
-
-        return self._post(member, seq, call, (output, inputs), launch)
-
-    # data movement ----------------------------------------------------------------------------------------------
-    def broadcast(self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int) -> NcclWork:
-        def launch(payloads: list[torch.Tensor], streams) -> None:
-            if payloads[0].numel():
-                self._broadcast_bytes([byte_view(t) for t in payloads], src, streams)
-
-        return self._post(member, seq, call, tensor, launch)
-
-    def _broadcast_bytes(self, data: list[torch.Tensor], src: int, streams) -> None:
-        """Every local member's `data` (uint8, one per local member) <- member `src`'s: ncclBroadcast in
-        place from NCCL rank `src` (a group index), in one process and across processes alike."""
-        nccl = self._runtime.nccl
-        self._nccl("broadcast", streams, lambda i, c, s: nccl.broadcast(data[i], data[i], src, c, s))
-
-    def all_gather(
-        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], tensor: torch.Tensor
-    ) -> NcclWork:
-        def launch(payloads, streams) -> None:
-            if payloads[0][1].numel() == 0:
-                return
-            ins, bufs, staged = [], [], []
-            for (outs, t), stream, device in zip(payloads, streams, self.local_devices):
-                ins.append(byte_view(self._contiguous(t, stream)))
-                whole = contiguous_span(outs)  # all_gather_into_tensor: gather straight into the output
-                staged.append(whole is None)
-                if whole is None:
-                    with self._on(stream):
-                        whole = torch.empty(self.size * t.nbytes, dtype=torch.uint8, device=device)
-                bufs.append(byte_view(whole))
-            self._all_gather_bytes(ins, bufs, streams)
-            for (outs, t), buf, stream, copy_out in zip(payloads, bufs, streams, staged):
-                if copy_out:  # separate output tensors: copy the chunks out on the comm stream
-                    chunks = buf.view(t.dtype).view(self.size, *t.shape)
-                    with self._on(stream):
-                        torch._foreach_copy_(list(outs), list(chunks.unbind(0)))
-
-        return self._post(member, seq, call, (outputs, tensor), launch)
-
-    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> NcclWork:
-        """A host barrier: done when every member has reached it (it orders no device work)."""
-        arrival = self.rendezvous.post(self.local_index[member], seq, call, None, timeout=timeout)
-        return self._work(member, seq, call, arrival=arrival)
+def _abort_given_up(comm: NcclComm) -> None:
+    """A communicator whose creation finished after its member gave up waiting for it (connector.py)."""
+    comm.abort("its creation was given up")
 
 
 def _device_id(device: torch.device, rank: int, local_ranks: range) -> int:
@@ -479,15 +488,3 @@ def _device_id(device: torch.device, rank: int, local_ranks: range) -> int:
     if device.index is not None:
         return device.index
     return local_ranks.index(rank) if rank in local_ranks else -1
-
-
-def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
-    """A callable that runs `method` while its object lives, without keeping it alive."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
-
-    return call

@@ -46,18 +46,37 @@ RESULT_NAMES = {
     4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress",
 }  # fmt: skip
 
-# ncclDataType_t (nccl.h). fp8 (ncclFloat8e4m3 = 10, ncclFloat8e5m2 = 11) since NCCL 2.19, on sm_90+.
+# ncclDataType_t (nccl.h): ncclUint32 = 3 and ncclUint64 = 5 since NCCL 2.x; fp8 (ncclFloat8e4m3 = 10,
+# ncclFloat8e5m2 = 11) first in nccl.h of v2.24.3 (absent in v2.23.4), reductions on sm_90+ only.
 DATA_TYPES = {
-    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6, torch.float32: 7,
-    torch.float64: 8, torch.bfloat16: 9, torch.float8_e4m3fn: 10, torch.float8_e5m2: 11,
+    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.uint32: 3, torch.int64: 4, torch.uint64: 5,
+    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9, torch.float8_e4m3fn: 10,
+    torch.float8_e5m2: 11,
 }  # fmt: skip
-FP8_VERSION = (2, 19)
+FP8_VERSION = (2, 24)
 # ncclRedOp_t (nccl.h): ncclSum, ncclProd, ncclMax, ncclMin, ncclAvg (2.10+); no bitwise reductions.
 SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
 
 
 class _UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
+
+
+# ncclConfig_t (nccl.h, since 2.14): its first four fields are the same in every version since; NCCL copies
+# min(size, sizeof(its ncclConfig_t)) bytes over its defaults and resets the fields newer than `version`
+# (src/init.cc, parseCommConfig), so this prefix, version 2.14.0, sets `blocking` alone on every version.
+CONFIG_MAGIC = 0xCAFEBEEF  # nccl.h: NCCL_API_MAGIC
+CONFIG_VERSION = 21400  # NCCL_VERSION(2, 14, 0)
+NONBLOCKING_VERSION = (2, 14)
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+    ]
 
 
 @dataclass(frozen=True)
@@ -118,6 +137,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "ncclGetVersion": [ctypes.POINTER(_c_int)],
     "ncclGetUniqueId": [ctypes.POINTER(_UniqueId)],
     "ncclCommInitRank": [ctypes.POINTER(_p), _c_int, _UniqueId, _c_int],
+    "ncclCommInitRankConfig": [ctypes.POINTER(_p), _c_int, _UniqueId, _c_int, ctypes.POINTER(_Config)],
     "ncclCommInitAll": [ctypes.POINTER(_p), _c_int, ctypes.POINTER(_c_int)],
     "ncclCommDestroy": [_p],
     "ncclCommAbort": [_p],
@@ -146,7 +166,11 @@ class NcclLibrary:
         self.lib = load_library() if lib is None else lib
         self._fn: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
-            fn = getattr(self.lib, name)
+            fn = getattr(self.lib, name, None)
+            if fn is None and name == "ncclCommInitRankConfig":
+                continue  # NCCL < 2.14: no nonblocking communicators (comm_init_rank_config refuses)
+            if fn is None:
+                raise AttributeError(f"{name} is missing from the NCCL library")
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._fn[name] = fn
         self._error_string = self.lib.ncclGetErrorString
@@ -167,10 +191,13 @@ class NcclLibrary:
     def error_string(self, code: int) -> str:
         return (self._error_string(code) or b"").decode(errors="replace")
 
-    def _call(self, name: str, *args: Any, comm: int | None = None) -> None:
+    def _call(self, name: str, *args: Any, comm: int | None = None) -> int:
+        """The C call; raises NcclError on any result but ncclSuccess and ncclInProgress (a nonblocking
+        communicator's call that goes on in the background: poll ncclCommGetAsyncError, nccl.h)."""
         code = self._fn[name](*args)
-        if code != SUCCESS:
+        if code not in (SUCCESS, IN_PROGRESS):
             raise self._error(name, code, comm)
+        return code
 
     def _error(self, name: str, code: int, comm: int | None) -> NcclError:
         detail = ""
@@ -201,6 +228,25 @@ class NcclLibrary:
             self._call("ncclCommInitRank", ctypes.byref(comm), nranks, uid, rank)
         return Communicator(int(comm.value or 0), rank, nranks, device)
 
+    def comm_init_rank_config(
+        self, nranks: int, unique_id: bytes, rank: int, device: int, blocking: bool
+    ) -> Communicator:
+        """ncclCommInitRankConfig with `blocking` set: a nonblocking one returns at once (ncclInProgress) and
+        is ready once ncclCommGetAsyncError says ncclSuccess (nccl.h; NCCL >= 2.14)."""
+        if "ncclCommInitRankConfig" not in self._fn:
+            raise NcclError(
+                f"NCCL {self._version} has no ncclCommInitRankConfig (nonblocking communicators: 2.14+)"
+            )
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise NcclError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        uid = _UniqueId()
+        ctypes.memmove(uid.internal, unique_id, UNIQUE_ID_BYTES)
+        config = _Config(ctypes.sizeof(_Config), CONFIG_MAGIC, CONFIG_VERSION, 1 if blocking else 0)
+        comm = _p()
+        with torch.cuda.device(device):
+            self._call("ncclCommInitRankConfig", ctypes.byref(comm), nranks, uid, rank, ctypes.byref(config))
+        return Communicator(int(comm.value or 0), rank, nranks, device)
+
     def comm_init_all(self, devices: Sequence[int]) -> list[Communicator]:
         """ncclCommInitAll: one communicator per device of this process, in one call (rank i on devices[i])."""
         n = len(devices)
@@ -225,8 +271,9 @@ class NcclLibrary:
     def group_start(self) -> None:
         self._call("ncclGroupStart")
 
-    def group_end(self) -> None:
-        self._call("ncclGroupEnd")
+    def group_end(self) -> int:
+        """ncclGroupEnd: ncclSuccess, or ncclInProgress when a nonblocking communicator's calls go on."""
+        return self._call("ncclGroupEnd")
 
     # collectives and point to point (count and type from the tensors) -------------------------------------------
     def all_reduce(

@@ -8,14 +8,18 @@ round trip would cost more than the collective, so the nccl backend asks only (s
 - on every NCCL collective with LaunchConfig.check_collectives (or THREADPAR_CHECK_COLLECTIVES=1): a
   debugging aid, like TORCH_DISTRIBUTED_DEBUG.
 
-One thread per process (the local leader, after the local members agreed) writes "#seq call" under a key
-of its own and waits for every other process's key. A process that does not come within the timeout is
-named with its ranks; calls that differ are shown side by side, like the other mismatch messages.
+One thread per process (the local leader of a meeting, or the member that completed the local check of a
+call) writes "#seq call" under a key of its own, named by what is checked and its sequence number (the same
+in every process, whichever order the checks of different calls run in), and waits for every other
+process's key. A process that does not come within the timeout is named with its ranks; calls that differ
+are shown side by side, like the other mismatch messages. One check at a time per group (`_lock`): the
+waits are short, and it is a debugging aid where it runs per call.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -47,20 +51,21 @@ class ProcessCheck:
         self._processes = processes
         self._prefix = f"check/{group_key}"
         self._abort, self._timeout = abort, timeout
-        self._store: Any = None  # one client, used by one leader at a time (they hold the rendezvous lock)
-        self._count = 0  # checks made on this group (the same sequence in every process)
+        self._store: Any = None  # one client, made on first use
+        self._lock = threading.Lock()  # one check at a time (guards _store too)
 
-    def agree(self, seq: int, call: object) -> str | None:
-        """None if every process of the group describes call #seq the same way, else a mismatch message.
-        Raises CollectiveTimeoutError naming the processes that did not come."""
+    def agree(self, seq: int, call: object, what: str = "call") -> str | None:
+        """None if every process of the group describes `what` #seq (a call, or a meeting) the same way, else
+        a mismatch message. Raises CollectiveTimeoutError naming the processes that did not come."""
+        with self._lock:
+            return self._agree(seq, call, what)
+
+    def _agree(self, seq: int, call: object, what: str) -> str | None:
         if self._store is None:
             self._store = self._processes.store_client()
-        store, n = self._store, self._count
-        self._count += 1
-        keys = [f"{self._prefix}/{n}/{p}" for p in self.procs]
+        store = self._store
+        keys = [f"{self._prefix}/{what}{seq}/{p}" for p in self.procs]
         store.set(keys[self.me], f"#{seq} {call}")
-        if n >= 2:  # every process has read check n-2: it wrote its key of check n-1 after that
-            store.delete_key(f"{self._prefix}/{n - 2}/{self.procs[self.me]}")
         deadline = time.monotonic() + self._timeout
         while True:
             try:

@@ -1,23 +1,50 @@
-"""What the nccl backend keeps per process, because what it guards is process-wide: communicator cliques
-left by finished launches (CliquePool, CliqueHealth), the comm streams live groups hold (CommStreams), and
-the devices whose communicators are being created (DeviceInits). Plain Python: the real CudaApi and the
-test double share these classes (cuda_api.py makes the process's instances)."""
+"""What the nccl backend keeps per process, because what it guards is process-wide: one launch lock per
+device (DeviceLocks), the comm streams live groups hold (CommStreams), and communicator cliques left by
+finished launches (CliquePool, CliqueHealth). Plain Python: the real runtime and the test double share these
+classes (cuda_api.py makes the process's instances)."""
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from threadpar.errors import CollectiveTimeoutError, ConfigError
+from threadpar.errors import ConfigError
 
 # Streams of higher priority are scheduled first when compute and communication kernels compete;
 # torch maps an out-of-range value to the nearest valid priority.
 COMM_STREAM_PRIORITY = -1
+
+
+class DeviceLocks:
+    """One lock per CUDA device of this process, held around every NCCL C call on a communicator of that
+    device (DESIGN.md rule 7).
+
+    NCCL's thread-safety rules (user guide, usage/threadsafety.html): operations on one communicator must not
+    be issued from several threads at once, and issuing in parallel to independent communicators of one device
+    from several threads "is not safe"; ncclCommAbort needs no other thread inside an NCCL call on the
+    communicator (usage/communicators.html, "Fault Tolerance"). NCCL 2.26+ catches some of these races
+    ("host threads racing to launch NCCL on same device", src/misc/strongstream.cc, NCCL_LAUNCH_RACE_FATAL).
+    A device's calls come from its rank thread, and sometimes from autograd's device thread (DDP hooks), a
+    connector (communicator creation), or the watchdog (async-error queries, aborts): the lock makes them
+    take turns. It is held for the C call only (microseconds), never across a wait for peers, except by a
+    connector inside a blocking NCCL call that waits for them (creation, first connection), which the
+    members only start once every one of them is there."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locks: dict[Any, threading.Lock] = {}
+
+    def lock(self, device: Any) -> threading.Lock:
+        """The lock of `device` (a CUDA device index; the double's fake GPU index)."""
+        lock = self._locks.get(device)  # (a dict read; made once under _lock: rule 10's write-once case)
+        if lock is None:
+            with self._lock:
+                lock = self._locks.setdefault(device, threading.Lock())
+        return lock
 
 
 class CommStreams:
@@ -29,8 +56,8 @@ class CommStreams:
     one after the other in the order each process launched them; across processes those orders differ and
     two groups on shared streams can wait on each other in a cycle. So a group asks the pool until it gets a
     stream no live group holds: the high-priority pool first, then the normal one (where communication no
-    longer preempts compute); past 64 live groups on a device it is refused with a clear error. A group hands
-    its streams back when it is dropped. (Other code drawing from torch's pool may still get one of these
+    longer preempts compute); past 64 live streams on a device it is refused with a clear error. A group hands
+    its streams back when it closes. (Other code drawing from torch's pool may still get one of these
     streams: its work then waits behind ours, which delays it but closes no cycle.)"""
 
     PRIORITIES = (COMM_STREAM_PRIORITY, 0)
@@ -39,44 +66,30 @@ class CommStreams:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: set[tuple[str, Any]] = set()  # torch.cuda.Stream hashes and compares by the CUDA stream
-        self._lanes: dict[tuple[str, int], Any] = {}
-        # Streams handed back by dropped groups, not yet out of _held: release runs in a weakref finalizer,
-        # which the garbage collector may run on any thread at any allocation, also on a thread that holds
-        # _lock inside _take (which allocates): it must not take _lock. SimpleQueue.put is reentrant (made
-        # for finalizers); the next holder of _lock drains it.
+        # Streams handed back from a finalizer (a group dropped without closing), not yet out of _held: the
+        # garbage collector may run a finalizer on any thread at any allocation, also on a thread that holds
+        # _lock inside acquire (which allocates), so release must not take _lock. SimpleQueue.put is reentrant
+        # (made for finalizers); the next holder of _lock drains it.
         self._returned: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
 
     def acquire(self, cuda: Any, device: torch.device) -> Any:
         with self._lock:
-            return self._take(cuda, device)
-
-    def lane(self, cuda: Any, device: torch.device, index: int) -> Any:
-        """Copy lane `index` of `device`: a stream of its own, kept for the process, shared by every group.
-        Copies from one device to different destinations go on different lanes, so that they run at the
-        same time (nccl/copies.py); they are fenced with events at both ends of each collective."""
-        with self._lock:
-            lane = self._lanes.get((str(device), index))
-            if lane is None:
-                lane = self._lanes[str(device), index] = self._take(cuda, device)
-            return lane
-
-    def _take(self, cuda: Any, device: torch.device) -> Any:
-        self._drain_returned()
-        for priority in self.PRIORITIES:
-            for _ in range(self.STREAMS_PER_POOL):
-                stream = cuda.pool_stream(device, priority)
-                if (str(device), stream) not in self._held:
-                    self._held.add((str(device), stream))
-                    return stream
+            self._drain_returned()
+            for priority in self.PRIORITIES:
+                for _ in range(self.STREAMS_PER_POOL):
+                    stream = cuda.pool_stream(device, priority)
+                    if (str(device), stream) not in self._held:
+                        self._held.add((str(device), stream))
+                        return stream
         limit = len(self.PRIORITIES) * self.STREAMS_PER_POOL
         raise ConfigError(
             f"{device} already has {limit} communication streams held by live NCCL groups (torch's stream pool "
             f"has {self.STREAMS_PER_POOL} per priority and device): use fewer groups per device, or drop groups "
-            "no longer needed (a group's streams come back when it is garbage-collected)"
+            "no longer needed (a group's streams come back when its launch ends)"
         )
 
     def release(self, devices: Iterable[torch.device], streams: Iterable[Any]) -> None:
-        """Hand a dropped group's streams back (from its finalizer: never blocks, see _returned)."""
+        """Hand a group's streams back (never blocks: see _returned)."""
         for device, stream in zip(devices, streams):
             if stream is not None:
                 self._returned.put((str(device), stream))
@@ -92,8 +105,8 @@ class CommStreams:
 
 class CliqueHealth:
     """Whether a group's communicators may serve another launch: not once any of its operations failed,
-    timed out or saw an asynchronous NCCL error (they may hold half-done work, and torch can neither
-    abort nor destroy them). Set by the group's Works; read when the group hands its clique back."""
+    timed out or saw an asynchronous NCCL error (they may hold half-done work). Set by the group's Works and
+    the watchdog; read when the group closes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -110,57 +123,19 @@ class CliqueHealth:
             return self._spoiled
 
 
-class DeviceInits:
-    """Which devices of this process are inside ncclCommInitRank right now.
-
-    NCCL forbids issuing operations on other communicators of a device from other threads while one is
-    being created there (NCCL docs, "Thread Safety"; communicator creation counts as an operation). A member
-    marks its device under the launch lock (so no launch is issuing at that moment) and unmarks it when its
-    init returns; a launch that finds one of its devices marked lets go of the lock and waits. Nobody waits
-    while holding the launch lock: an init across processes may wait for other processes' members, which
-    must not be kept from marking their own devices (that could form a cycle through two launch locks)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._count: dict[torch.device, int] = {}  # only devices inside an init (no zero counts)
-
-    def enter(self, device: torch.device) -> None:
-        with self._cond:
-            self._count[device] = self._count.get(device, 0) + 1
-
-    def leave(self, device: torch.device) -> None:
-        with self._cond:
-            self._count[device] -= 1
-            if not self._count[device]:
-                del self._count[device]
-            self._cond.notify_all()
-
-    def busy(self, devices: Iterable[torch.device]) -> bool:
-        """Asked by every launch: a dict that is empty unless an init is under way."""
-        with self._cond:
-            return bool(self._count) and any(d in self._count for d in devices)
-
-    def wait_idle(self, devices: Iterable[torch.device], abort: Any, timeout: float) -> None:
-        """Until none of `devices` is in an init (bounded; a stop of the launch ends it)."""
-        devices = list(devices)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while any(d in self._count for d in devices):
-                abort.raise_if_set()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CollectiveTimeoutError(
-                        f"waited {timeout:g} s for NCCL communicators being created on {[str(d) for d in devices]}"
-                    )
-                self._cond.wait(min(remaining, 0.05))
-
-
 class CliquePool:
-    """NCCL communicators (one clique per group) left by finished launches, keyed by the members' devices.
-    Only cliques of groups that never saw trouble, in launches that were not stopped, come back."""
+    """Communicator cliques of one-process groups whose launches ended cleanly, kept for the next launch on
+    the same devices (keyed by the members' devices): creating one is a blocking ncclCommInitRank on every
+    member (NCCL sets up its topology, buffers and, with NCCL_RUNTIME_CONNECT=0, every algorithm's
+    connections), and a test suite launches hundreds of times. At most `per_key` cliques wait per key; `put`
+    returns the ones it does not keep, for the caller to destroy (benchmarks/nccl_comm_cost.py measures what
+    reuse saves)."""
 
-    def __init__(self) -> None:
+    PER_KEY = 4
+
+    def __init__(self, per_key: int = PER_KEY) -> None:
         self._lock = threading.Lock()
+        self._per_key = per_key
         self._free: dict[tuple[str, ...], list[list[Any]]] = {}
 
     def take(self, devices: tuple[str, ...]) -> list[Any] | None:
@@ -168,16 +143,18 @@ class CliquePool:
             free = self._free.get(devices)
             return free.pop() if free else None
 
-    def give_back(
-        self,
-        devices: tuple[str, ...],
-        comms: list[Any],
-        health: CliqueHealth | None = None,
-        abort: Any = None,
-    ) -> None:
-        if any(c is None for c in comms):
-            return  # a member never made its communicator: not a usable clique
-        if (health is not None and health.spoiled) or (abort is not None and abort.is_set):
-            return  # failed, timed out, async error, or its launch was stopped: never reused (leaked)
+    def put(self, devices: tuple[str, ...], comms: list[Any]) -> list[Any]:
+        """Keep a clique for later; returns the communicators it did not keep (the pool is full)."""
         with self._lock:
-            self._free.setdefault(devices, []).append(list(comms))
+            free = self._free.setdefault(devices, [])
+            if len(free) < self._per_key:
+                free.append(list(comms))
+                return []
+        return list(comms)
+
+    def drain(self) -> list[Any]:
+        """Every pooled communicator, the pool left empty (for the caller to destroy)."""
+        with self._lock:
+            cliques = [c for free in self._free.values() for c in free]
+            self._free.clear()
+        return [comm for clique in cliques for comm in clique]

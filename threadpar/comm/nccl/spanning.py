@@ -1,32 +1,27 @@
 """The `nccl` backend for a group whose member threads live in several processes (torchrun).
 
-It is `NcclGroup` (group.py) over the members in THIS process: they meet at a local rendezvous, and the last
-to post launches ONE NCCL group for them (their tensors, comm streams and communicators,
-in group order) under the process-wide launch lock, with ready/done events, exactly as in one process. The
-NCCL ranks are the members' indices in the whole group, so the processes' grouped calls are the parts of
-one NCCL collective. Communicators: on the group's first NCCL collective the local members meet once, the
-leader checks that every process came with the same call (process_check.py), then each member thread
-joins the group's clique with `join_nccl_group` (member 0 puts the unique id in the launch's store).
-They are not pooled across launches (every process would have to agree on reusing them).
+It is `NcclGroup` (group.py) over the members in THIS process: each issues its own NCCL calls, and the NCCL
+ranks are the members' indices in the whole group, so the processes' calls are the parts of one NCCL
+operation, at NCCL's own bytes (all_reduce, broadcast and reduce from any root, all_gather, reduce_scatter;
+scatter, gather and all_to_all as grouped ncclSend/ncclRecv; point to point on pair communicators). Nothing
+goes through host memory but what NCCL cannot carry: unique ids (the launch's store), and the
+announcements of point-to-point messages (tag, shape, dtype: the message router, comm/hierarchical/router.py).
 
-NCCL's C API takes every count and root per communicator (library.py), so all_reduce, broadcast and reduce
-from any root, all_gather and reduce_scatter are NCCL's own across processes too, at their optimal bytes
-(through torch.cuda.nccl, which sizes and indexes by the local lists, reduce, reduce_scatter and all_gather
-were all-reduces: 2x the bytes, and a broadcast from a member other than 0 too). The rest:
-- scatter, gather, all_to_all, barrier: through host memory and gloo, with the hierarchical backend's code
-  (comm/hierarchical/group.py). Each member's current stream is synchronized first (the host waits for the device);
-  the op is done when it returns, so async_op=True does not overlap it. Cost: a device-to-host and a
-  host-to-device copy of the data plus gloo's TCP transfer, instead of NCCL: fine for scatter/gather,
-  slow for a hot all_to_all (MoE expert parallelism across processes: keep EP groups inside a process).
-- send/recv: to a member in this process, a device-to-device copy on the comm streams (as in one process);
-  to another process, the message router (comm/hierarchical/router.py: a blocking device-to-host copy on the sender's
-  current stream, gloo, a host-to-device copy on arrival). Sends stay buffered; any-source receives work.
+What differs from one process:
+- Meetings (creating and connecting communicators) also check through the store that every process came
+  with the same call (process_check.py), before anyone enters a blocking NCCL call; a process that does not
+  come is named.
+- Unique ids reach the other processes through the store: member 0's process writes the group's, the lower
+  member's process a pair's.
+- With LaunchConfig.check_collectives, every collective's call is also compared across processes (a store
+  round trip, by the member that completes the local check): a debugging aid, like TORCH_DISTRIBUTED_DEBUG.
+  Without it a process that skips a later collective is named by the watchdog's timeout in the processes
+  that issued it (its ledger knows their local members issued it; the device knows it never ran).
+- Nothing is pooled: every communicator is destroyed when the launch ends (every process must agree to
+  reuse one).
 
-Checks: the local members' calls are compared at every collective (the rendezvous), the processes' calls
-on a group's first NCCL collective and, with LaunchConfig.check_collectives, on every NCCL collective (a
-store round trip per call: a debugging aid). Without it a process that skips a later collective is not
-named: the others' NCCL kernels wait, and `Work.wait(timeout)` / `synchronize()` time out. The
-host-staged ops are always checked (the hierarchical backend's control message).
+The group's key, the same in every process, tells apart two groups of the same ranks (new_group with a
+timeout of its own is another communicator): every store key and the router's messages use it.
 """
 
 from __future__ import annotations
@@ -38,119 +33,124 @@ import torch
 
 from threadpar.comm.backend import BackendSite
 from threadpar.comm.common.rendezvous import Call, Slot
-from threadpar.comm.hierarchical.group import HierarchicalGroup, group_key
-from threadpar.comm.nccl.bootstrap import join_nccl_group
-from threadpar.comm.nccl.group import NcclGroup, _tensors
+from threadpar.comm.nccl.bootstrap import shared_unique_id, unique_id_key
+from threadpar.comm.nccl.comm import NcclComm
+from threadpar.comm.nccl.group import NcclGroup
+from threadpar.comm.nccl.p2p import Header
 from threadpar.comm.nccl.process_check import ProcessCheck
-from threadpar.comm.nccl.work import NcclWork
-from threadpar.errors import NcclError
+from threadpar.errors import CollectiveMismatchError
+
+# dtypes of announced messages, by their code in an announcement (threadpar's supported dtypes)
+DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+)  # fmt: skip
+_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 
 
-class _Inbox:
-    """Where the router drops this group's messages from other processes: the group's mailboxes, as
-    (tensor, None) (no event: the router's host-to-device copy has finished when it delivers)."""
+def encode(header: Header) -> torch.Tensor:
+    """An announcement as the router carries it: int64 [index, dtype code, *shape] (the tag travels apart)."""
+    return torch.tensor([header.place, _CODE[header.dtype], *header.shape], dtype=torch.int64)
 
-    def __init__(self, mailboxes: Any) -> None:
-        self._mailboxes = mailboxes
+
+def decode(tag: int, message: torch.Tensor) -> Header:
+    place, code, *shape = message.tolist()
+    return Header(tag, tuple(shape), DTYPES[code], place)
+
+
+class _Announcements:
+    """Where the router drops this group's announcements from other processes (host memory)."""
+
+    def __init__(self, group: NcclSpanningGroup) -> None:
+        self._group = group
 
     def put(self, src: int, dst: int, tag: int, message: torch.Tensor) -> None:
-        self._mailboxes.put(src, dst, tag, (message, None))
+        self._group._inboxes[dst].announce(src, decode(tag, message))
 
 
 class NcclSpanningGroup(NcclGroup):
-    def __init__(self, name: str, ranks: Sequence[int], world: BackendSite) -> None:
+    def __init__(self, name: str, ranks: Sequence[int], world: BackendSite, key: int) -> None:
         processes = world.processes
         local = [m for m, r in enumerate(ranks) if r in world.local_ranks]
-        super().__init__(name, ranks, world, local)
+        super().__init__(name, ranks, world, local, key)
+        self.key = key
         self._processes = processes
-        self.key = group_key(self.ranks)
-        self._host = HierarchicalGroup(
-            name, ranks, processes, world.abort, world.timeout, route_messages=False
-        )
+        proc_of = [processes.process_of(r) for r in self.ranks]
+        self.procs = tuple(sorted(set(proc_of)))
+        self._process_of_member = proc_of
         self._check = ProcessCheck(
             name,
             self.ranks,
-            self._host.procs,
-            [[self.ranks[m] for m in members] for members in self._host.members_by_proc],
-            self._host.me,
+            self.procs,
+            [[r for r, p in zip(self.ranks, proc_of) if p == q] for q in self.procs],
+            self.procs.index(processes.rank),
             processes,
-            f"{self.key:x}",
+            f"{key:x}",
             world.abort,
             world.timeout,
         )
         self._check_every_call = world.check_collectives
-        processes.router.register(self.key, _Inbox(self.mailboxes), self.ranks)
+        self._store: Any = None  # a store client, made on first use
+        processes.router.register(key, _Announcements(self), self.ranks, on_device=False)
 
-    # communicators and checks -----------------------------------------------------------------------------------
-    def _communicator(self, member: int, seq: int, call: Call) -> Any:
-        """This member's communicator; on first use the local members meet, their leader checks that every
-        process came with the same call, then each member joins the clique (blocking until all have)."""
-        comm = self._comms[member]
-        if comm is not None:
-            return comm
-        joining = call._replace(extra=(*call.extra, ("creating", "NCCL communicators")))
+    def _store_client(self) -> Any:
+        if self._store is None:
+            self._store = self._processes.store_client()  # (one client per group; its calls are thread-safe)
+        return self._store
 
-        def meet(slot: Slot) -> bool:  # run by the last local member to arrive, while the others wait
-            slot.error = self._check.agree(seq, joining)
+    # meetings and ids across processes --------------------------------------------------------------------------
+    def _meet(self, member: int, seq: int, call: Call, leader: Callable[[Slot], bool] | None = None) -> Slot:
+        """The local members meet; the last of them checks that every process came with the same call."""
+
+        def agree(slot: Slot) -> bool:
+            slot.error = self._check.agree(seq, call, "meeting")
             return False
 
-        self.rendezvous.arrive(self.local_index[member], 0, joining, None, leader=meet, final=True)
-        try:
-            with self._initialising(member):
-                comm = join_nccl_group(
-                    self._processes.store_client(),
-                    f"{self.key:x}",
-                    member,
-                    self.size,
-                    self._timeout,
-                    self._runtime.nccl,
-                    self._device_ids[member],
-                )
-        except RuntimeError as error:
-            raise NcclError(
-                f"creating the NCCL communicator of rank {self.ranks[member]} in group '{self.name}' "
-                f"(global ranks {list(self.ranks)}, across processes {list(self._host.procs)}) failed: {error}"
-            ) from error
-        self._comms[member] = comm
-        return comm
+        return self.meetings.arrive(self.local_index[member], seq, call, None, leader=agree, final=True)
 
-    def _before_launch(self, seq: int, call: Call) -> str | None:
-        return self._check.agree(seq, call) if self._check_every_call else None
+    def _unique_id(self, member: int, slot: Slot) -> bytes:
+        return shared_unique_id(
+            self._store_client(),
+            unique_id_key(f"{self.key:x}"),
+            member == 0,
+            self._nccl.get_unique_id,
+            self._abort,
+            self._timeout,
+            lambda: (
+                f"rank {self.ranks[member]} of group '{self.name}' waited {self._timeout:g} s for the process of "
+                f"rank {self.ranks[0]} (member 0) to publish the group's NCCL unique id"
+            ),
+        )
 
-    # through host memory ----------------------------------------------------------------------------------------
-    def _host_staged(
-        self, member: int, seq: int, call: Call, payload: Any, run: Callable[[], None], *, sync: bool = True
-    ) -> NcclWork:
-        """Run a hierarchical-backend op after the host has waited for this member's current stream (`sync`:
-        its tensors are final); it has finished when it returns, so its Work is complete."""
-        self._check_devices(member, call.op, _tensors(payload))
-        if sync:
-            self._cuda.current_stream(self.devices[member]).synchronize()
-        run()
-        return self._work(member, seq, call)
+    def _enter(self, member: int, seq: int, call: Call) -> None:
+        complete = self.ledger.enter(self.local_index[member], seq, call)
+        if complete and self._check_every_call:
+            mismatch = self._check.agree(seq, call)
+            if mismatch is not None:
+                raise CollectiveMismatchError(mismatch)
 
-    def scatter(self, member, seq, call, tensor, chunks, src) -> NcclWork:
-        run = lambda: self._host.scatter(member, seq, call, tensor, chunks, src)  # noqa: E731
-        return self._host_staged(member, seq, call, (tensor, chunks or []), run)
+    def _pair_ids(self, member: int, peer: int) -> tuple[bytes, bytes]:
+        if self._process_of_member[peer] == self._processes.rank:
+            return super()._pair_ids(member, peer)
+        lo, hi = sorted((member, peer))
+        ids = shared_unique_id(
+            self._store_client(),
+            f"nccl/{self.key:x}/pair/{lo}-{hi}",
+            member == lo,
+            lambda: self._nccl.get_unique_id() + self._nccl.get_unique_id(),
+            self._abort,
+            self._timeout,
+            lambda: self._describe_pair_timeout(member, peer),
+        )
+        half = len(ids) // 2
+        return ids[:half], ids[half:]
 
-    def gather(self, member, seq, call, tensor, outputs, dst) -> NcclWork:
-        run = lambda: self._host.gather(member, seq, call, tensor, outputs, dst)  # noqa: E731
-        return self._host_staged(member, seq, call, (tensor, outputs or []), run)
+    def _announce(self, member: int, dst: int, header: Header) -> None:
+        process = self._process_of_member[dst]
+        if process == self._processes.rank:
+            super()._announce(member, dst, header)
+        else:
+            self._processes.router.send(process, self.key, member, dst, header.tag, encode(header))
 
-    def all_to_all(self, member, seq, call, outputs, inputs) -> NcclWork:
-        run = lambda: self._host.all_to_all(member, seq, call, outputs, inputs)  # noqa: E731
-        return self._host_staged(member, seq, call, (outputs, inputs), run)
-
-    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> NcclWork:
-        """A host barrier of every member, in every process (it orders no device work, as in one process)."""
-        run = lambda: self._host.barrier(member, seq, call, timeout)  # noqa: E731
-        return self._host_staged(member, seq, call, (), run, sync=False)
-
-    # point to point ---------------------------------------------------------------------------------------------
-    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> NcclWork | None:
-        if dst in self.local_index:
-            return super().send(member, dst, tag, tensor)  # a device-to-device copy
-        self._check_devices(member, "send", [tensor])
-        process = self._host.procs[self._host.proc_index[dst]]
-        self._processes.router.send(process, self.key, member, dst, tag, tensor)
-        return None  # handed over: `tensor` may be reused at once
+    def _keep(self, comms: list[NcclComm]) -> list[NcclComm]:
+        return comms  # nothing pooled: every communicator is destroyed

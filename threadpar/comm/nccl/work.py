@@ -1,27 +1,32 @@
-"""`NcclWork`: the Work of an operation the nccl backend enqueued on a comm stream (InfiniTrain's WorkNccl).
+"""`NcclWork`: the Work of an asynchronous operation the nccl backend enqueued (torch's WorkNCCL).
 
-Two things must happen before its result may be used: every member has posted the call, so that the
-leader could launch it (a host event), and the comm stream has run it (the done event, on the device).
+The operation was issued when the call returned (no member waits for another); its done event, recorded on
+the stream it ran on, completes once the device has run it, which needs every peer's matching call.
 
-- `wait()`: waits for the launch, then makes the caller's current stream wait for the done event; the host
-  does not wait for the device (WaitNonBlocking: cudaStreamWaitEvent).
+- `wait()`: makes the caller's current stream wait for the done event; the host does not wait for the device
+  (cudaStreamWaitEvent), nor for the peers. A barrier's Work is the exception: its wait is a host wait, as
+  torch's barrier synchronizes (ProcessGroupNCCL::barrier).
 - `wait(timeout)` and `synchronize()`: the host waits for the device too, polling the done event with short
   sleeps, checking NCCL's asynchronous error and the launch's stop signal in between, and raising a clear
-  timeout (WaitBlocking).
-- `is_completed()`: launched and the done event has completed; never blocks.
+  timeout.
+- `is_completed()`: the done event has completed; never blocks.
+
+The asynchronous error is asked of the member's NcclComm, never of a raw handle: an aborted communicator is
+freed, and NcclComm answers for it without touching NCCL (comm.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from threadpar.comm.common.abort import AbortSignal
-from threadpar.comm.common.cuda_seam import NcclRuntime
-from threadpar.comm.common.rendezvous import Arrival
+from threadpar.comm.common.cuda_seam import CudaApi
 from threadpar.comm.common.work import LazyText, Work
+from threadpar.comm.nccl.comm import NcclComm
 from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.errors import CollectiveTimeoutError, NcclError
 
@@ -47,21 +52,35 @@ class _Flag:
 
 
 class NcclWork(Work):
-    __slots__ = ("_arrival", "_comm", "_device", "_done_event", "_health", "_runtime", "_timeout")
+    __slots__ = (
+        "_blocking",
+        "_comm",
+        "_cuda",
+        "_device",
+        "_done_event",
+        "_gate",
+        "_health",
+        "_late",
+        "_timeout",
+    )
 
     def __init__(
         self,
         description: str | LazyText,
         *,
-        runtime: NcclRuntime,
+        cuda: CudaApi,
         device: torch.device,
         abort: AbortSignal,
         timeout: float,
-        arrival: Arrival | None = None,
-        done: Any = None,
-        comm: Any = None,
+        done: Any,
+        comm: NcclComm | None = None,
         health: CliqueHealth | None = None,
+        blocking: bool = False,
+        gate: Any = None,
+        late: Callable[[], str] | None = None,
     ) -> None:
+        """`gate`: for an operation not yet issued when the Work was made (a send whose pair's communicators
+        are still being made, p2p.py): `gate.is_set()` once it is, `gate.wait(timeout, abort)` waits."""
         # Work's fields, without the threading.Event Work.__init__ makes (it costs more than the rest).
         # (_Flag is not a threading.Event: NcclWork overrides wait and is_completed, the users of _done
         # other than wait_done, which only the threads backend's comm worker calls, on its own Works.)
@@ -69,13 +88,15 @@ class NcclWork(Work):
         self._error: BaseException | None = None
         self._result: Any = None
         self._future = None
-        self._runtime = runtime  # its async-error query, and its CUDA primitives' current stream
+        self._cuda = cuda  # for the caller's current stream
         self._device = device
         self._timeout = timeout  # for synchronize(), which has no timeout argument
-        self._arrival = arrival  # None: launched at issue time (a send)
-        self._done_event = done  # None: nothing on the device to wait for (a barrier)
-        self._comm = comm  # this member's communicator, for the asynchronous error check
+        self._done_event = done  # recorded on the op's stream right after it
+        self._comm = comm  # the member's communicator, for the asynchronous error check
         self._health = health  # the group's: told of any failure or timeout (its clique is then not reused)
+        self._blocking = blocking  # a barrier: wait() waits on the host
+        self._gate = gate
+        self._late = late  # what a timeout says of the peers (the group's ledger: who has not issued it)
 
     def _fail(self, error: BaseException) -> BaseException:
         self._spoil(error)
@@ -86,50 +107,25 @@ class NcclWork(Work):
         if self._health is not None:
             self._health.spoil(f"{self._description}: {type(error).__name__}")
 
-    def _launched(self, timeout: float | None) -> None:
-        """Wait until the leader has launched the operation; raise what went wrong there."""
-        if self._error is not None:
-            raise self._error
-        arrival = self._arrival  # (read once: another thread's wait may drop it)
-        if arrival is not None:
-            try:
-                arrival.wait(timeout)
-            except CollectiveTimeoutError as error:
-                self._spoil(error)  # not failed (a later wait may still succeed), but never pooled
-                raise
-            except Exception as error:
-                raise self._fail(error) from None
-            self._arrival = None  # launched: the comm stream holds the tensors now (record_stream)
-
     def _check_async_error(self) -> None:
-        if self._comm is None:
-            return
-        message = self._runtime.async_error(self._comm)
+        message = None if self._comm is None else self._comm.async_error()
         if message is not None:
             raise self._fail(
                 NcclError(f"{self._description} failed on the device: {message} (an asynchronous NCCL error)")
             )
 
     def _device_done(self) -> bool:
-        if self._done_event is None:
-            return True
         try:
             return bool(self._done_event.query())
         except RuntimeError as error:  # a CUDA error surfaced by the event (e.g. a failed kernel)
             raise self._fail(NcclError(f"{self._description} failed on the device: {error}")) from error
 
-    def _spoiled_by(self, error: BaseException) -> BaseException:
-        self._spoil(error)
-        return error
-
     def is_completed(self) -> bool:
         if self._done.is_set():
             return True
-        arrival = self._arrival
-        if arrival is not None and not arrival.done():
+        if self._gate is not None and not self._gate.is_set():
             return False
         try:
-            self._launched(0)
             self._check_async_error()
             if not self._device_done():
                 return False
@@ -140,36 +136,53 @@ class NcclWork(Work):
 
     def wait(self, timeout: float | None = None) -> bool:
         """No timeout: order the caller's current stream after the operation (the host does not wait for the
-        device). With a timeout (seconds): block the host until the device has finished it."""
-        if timeout is not None:
-            self._block(timeout)
+        device). With a timeout (seconds), or for a barrier: block the host until the device has run it."""
+        if timeout is not None or self._blocking:
+            self._block(self._timeout if timeout is None else timeout)
             return True
-        self._launched(None)
-        self._check_async_error()
-        if self._done_event is not None:
-            self._runtime.cuda.current_stream(self._device).wait_event(self._done_event)
+        if self._error is not None:
+            raise self._error
+        self._issued(self._timeout)
+        self._cuda.current_stream(self._device).wait_event(self._done_event)
         return True
+
+    def _issued(self, timeout: float) -> None:
+        """Wait until the operation was issued (only a gated one may not be yet)."""
+        if self._gate is not None and not self._gate.is_set():
+            try:
+                self._gate.wait(timeout, self._abort)
+            except Exception as error:
+                raise self._fail(error) from None
+        elif self._gate is not None:
+            self._gate.wait(0, self._abort)  # (raises what failed it, if anything did)
 
     def synchronize(self) -> None:
         """Block the host until the device has finished the operation (at most the launch's timeout)."""
         self._block(self._timeout)
 
     def _block(self, timeout: float) -> None:
+        if self._error is not None:
+            raise self._error
+        self._issued(timeout)
         deadline = time.monotonic() + timeout
-        self._launched(timeout)
         sleep = POLL_FIRST_S
         while not self._device_done():
             self._check_async_error()
             if self._abort is not None:
                 self._abort.raise_if_set()
             if time.monotonic() >= deadline:
-                raise self._spoiled_by(
-                    CollectiveTimeoutError(
-                        f"{self._description} was launched but the device did not finish it within {timeout:g} s; "
-                        "a peer's stream may be stuck behind other work, or the NCCL kernel is hung "
-                        "(NCCL_DEBUG=INFO shows what it waits for)"
+                late = "" if self._late is None else self._late()
+                error = CollectiveTimeoutError(
+                    f"{self._description} timed out after {timeout:g} s waiting for the device to finish it: "
+                    + (
+                        late
+                        if late
+                        else "a peer has not issued its part, its stream is stuck behind other work, or the NCCL "
+                        "kernel hangs (NCCL_DEBUG=INFO shows what it waits for)"
                     )
                 )
+                self._spoil(error)  # not failed (a later wait may still succeed), but never pooled
+                raise error
             time.sleep(sleep)
             sleep = min(2 * sleep, POLL_MAX_S)
         self._check_async_error()

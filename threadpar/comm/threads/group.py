@@ -96,7 +96,13 @@ class ThreadsGroup:
 
     # reductions -------------------------------------------------------------------------------------------------
     def all_reduce(
-        self, member: int, seq: int, call: Call, tensors: list[torch.Tensor], op: ReduceOp
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        tensors: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool = False,
     ) -> None:
         """`tensors`: this member's contiguous tensors (several for a coalesced all-reduce)."""
         P = self.size
@@ -125,7 +131,16 @@ class ThreadsGroup:
                 copy_into(flat[m][i][a:b], mine)
         self._finish(slot, member, seq)
 
-    def reduce(self, member: int, seq: int, call: Call, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+    def reduce(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        tensor: torch.Tensor,
+        dst: int,
+        op: ReduceOp,
+        async_op: bool = False,
+    ) -> None:
         P = self.size
 
         def whole(slot: Slot) -> None:
@@ -148,6 +163,7 @@ class ThreadsGroup:
         output: torch.Tensor,
         inputs: list[torch.Tensor],
         op: ReduceOp,
+        async_op: bool = False,
     ) -> None:
         P = self.size
 
@@ -170,7 +186,9 @@ class ThreadsGroup:
         self._finish(slot, member, seq)
 
     # copies -----------------------------------------------------------------------------------------------------
-    def broadcast(self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int) -> None:
+    def broadcast(
+        self, member: int, seq: int, call: Call, tensor: torch.Tensor, src: int, async_op: bool = False
+    ) -> None:
         def whole(slot: Slot) -> None:
             for m, t in enumerate(slot.payloads):
                 if m != src:
@@ -189,7 +207,13 @@ class ThreadsGroup:
         self._finish(slot, member, seq)
 
     def all_gather(
-        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], tensor: torch.Tensor
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool = False,
     ) -> None:
         P = self.size
 
@@ -217,6 +241,7 @@ class ThreadsGroup:
         tensor: torch.Tensor,
         chunks: list[torch.Tensor] | None,
         src: int,
+        async_op: bool = False,
     ) -> None:
         def whole(slot: Slot) -> None:
             for m, (t, _) in enumerate(slot.payloads):
@@ -236,6 +261,7 @@ class ThreadsGroup:
         tensor: torch.Tensor,
         outputs: list[torch.Tensor] | None,
         dst: int,
+        async_op: bool = False,
     ) -> None:
         def whole(slot: Slot) -> None:
             for s, (t, _) in enumerate(slot.payloads):
@@ -251,7 +277,13 @@ class ThreadsGroup:
         self._finish(slot, member, seq)
 
     def all_to_all(
-        self, member: int, seq: int, call: Call, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        async_op: bool = False,
     ) -> None:
         """outputs[s] on member m receives inputs[m] of member s."""
         P = self.size
@@ -277,11 +309,13 @@ class ThreadsGroup:
         receive(member, outputs, slot)
         self._finish(slot, member, seq)
 
-    def barrier(self, member: int, seq: int, call: Call, timeout: float | None = None) -> None:
+    def barrier(
+        self, member: int, seq: int, call: Call, timeout: float | None = None, async_op: bool = False
+    ) -> None:
         self.rendezvous.arrive(member, seq, call, None, final=True, timeout=timeout)
 
     # point to point ---------------------------------------------------------------------------------------------
-    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
+    def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False) -> None:
         # The message is a private copy: the sender may reuse its tensor as soon as send returns.
         message: Message = tensor.detach().clone(memory_format=torch.contiguous_format)
         if self._order is not None:  # on CUDA: the receiver's stream must wait for the copy
@@ -299,3 +333,6 @@ class ThreadsGroup:
 
     def has_message(self, member: int, src: int | None, tag: int) -> bool:
         return self.mailboxes.has_message(member, src, tag)
+
+    def close(self, failed: bool) -> None:
+        """Nothing to let go of: the group's state is Python objects (the launch's, dropped with it)."""

@@ -1,0 +1,141 @@
+"""`NcclComm`: one member's NCCL communicator, and the only way threadpar touches its handle.
+
+Every C call on the handle (operations, the async-error query, abort, destroy) goes through this object,
+which holds its device's launch lock around the call (DESIGN.md rule 7) and knows whether the handle is
+still alive: ncclCommAbort and ncclCommDestroy free the communicator (NCCL's src/init.cc, commReclaim), so a
+later call on the handle would read freed memory. After either, the object refuses every call with an
+error that says why, and the async-error query answers from what it remembers. So a Work, the watchdog or a
+late thread can never pass a freed handle to NCCL.
+
+It also records what the watchdog needs to tell a hang (how many operations were issued, and on which
+streams since its last look), under the same lock, so the fast path takes one lock per operation.
+
+A nonblocking communicator (point to point's, p2p.py: made and connected without any thread waiting for a
+peer while it holds a lock) returns from a call that goes on in the background, and nothing may be issued
+on it, nor on the streams it uses, until ncclCommGetAsyncError says ncclSuccess (nccl.h, user guide
+api/comms.html): `launch` polls for that before it lets go of the lock, `settle` polls without holding it
+(a creation or first connection, which waits for the peer).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.nccl.library import IN_PROGRESS, SUCCESS, async_error_text
+from threadpar.errors import CollectiveTimeoutError, NcclError
+
+# How often `settle` asks whether a nonblocking communicator is done (torch's ProcessGroupNCCL waitReady
+# sleeps 2 ms between its polls).
+SETTLE_POLL_S = 1e-3
+
+
+class NcclComm:
+    __slots__ = ("_freed", "blocking", "device", "issued", "label", "lock", "nccl", "raw", "streams_used")
+
+    def __init__(
+        self, raw: Any, nccl: Any, device: Any, lock: threading.Lock, label: str, blocking: bool = True
+    ) -> None:
+        self.raw = raw  # the binding's Communicator (or the double's FakeComm): read only under `lock`
+        self.nccl = nccl  # NCCL's C API (library.NcclLibrary or the double's FakeNccl)
+        self.device = device  # the CUDA device index it is bound to
+        self.lock = lock  # its device's launch lock (resources.DeviceLocks)
+        self.label = label  # e.g. "rank 3 in group 'TP1'", for messages
+        self._freed: str | None = None  # why the handle is gone ("aborted: ...", "destroyed"), once it is
+        self.issued = 0  # operations issued on it (the watchdog compares it with what it has probed)
+        self.streams_used: set[Any] = set()  # streams those went to since the watchdog last looked
+        self.blocking = blocking  # False: its calls may go on in the background (see the module docstring)
+
+    # the fast path ----------------------------------------------------------------------------------------------
+    def launch(self, issue: Callable[[Any], None], *streams: Any) -> None:
+        """`issue(handle)` makes this member's NCCL calls of one operation (a single call, or a group of
+        them: every call of a group must come from one thread, nccl.h) on `streams`."""
+        with self.lock:
+            self.launch_locked(issue, streams)
+
+    def launch_locked(self, issue: Callable[[Any], None], streams: tuple[Any, ...]) -> None:
+        """`launch`, by a caller that holds `lock` already (a connector making the communicator)."""
+        if self._freed is not None:
+            raise NcclError(
+                f"an NCCL call on the communicator of {self.label}, which was {self._freed}: the launch is stopping"
+            )
+        issue(self.raw)
+        self.issued += 1
+        self.streams_used.update(streams)
+        if not self.blocking:  # (a launch of NCCL's own: short, it waits for no peer once connected)
+            while self._state() == IN_PROGRESS:
+                time.sleep(SETTLE_POLL_S)
+
+    def settle(self, abort: AbortSignal, timeout: float, describe_timeout: Callable[[], str]) -> None:
+        """Wait until a nonblocking communicator's creation or last call is done (it may wait for the peer),
+        asking under the lock at each poll only: bounded by `timeout`, ended by a stop (the caller then
+        aborts it, which NCCL allows at any point of a nonblocking communicator's life)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if self._freed is not None:
+                    raise NcclError(f"the communicator of {self.label} was {self._freed}")
+                state = self._state()
+            if state != IN_PROGRESS:
+                return
+            abort.raise_if_set()
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(describe_timeout())
+            time.sleep(SETTLE_POLL_S)
+
+    def _state(self) -> int:
+        """ncclCommGetAsyncError (the caller holds the lock): ncclSuccess or ncclInProgress, else raises."""
+        code = self.nccl.comm_get_async_error(self.raw)
+        if code not in (SUCCESS, IN_PROGRESS):
+            raise NcclError(
+                f"NCCL failed on the communicator of {self.label}: {async_error_text(self.nccl, self.raw)}"
+            )
+        return code
+
+    # the watchdog, the end of a launch ---------------------------------------------------------------------------
+    def async_error(self) -> str | None:
+        """What ncclCommGetAsyncError reports, or None if all is well (also once the handle is gone: its
+        operations were ended on purpose, and whoever ended them reported why)."""
+        with self.lock:
+            if self._freed is not None:
+                return None
+            return async_error_text(self.nccl, self.raw)
+
+    def take_progress(self) -> tuple[int, set[Any]]:
+        """(operations issued so far, the streams used since the last call): the watchdog's view."""
+        with self.lock:
+            used, self.streams_used = self.streams_used, set()
+            return self.issued, used
+
+    def abort(self, reason: str, timeout: float | None = None) -> bool:
+        """ncclCommAbort: ends the operations still queued or running and frees the communicator (nccl.h).
+        Waits for the device's lock (no other thread may be inside NCCL on it: "Fault Tolerance") at most
+        `timeout` seconds; False if the lock did not come (a connector stuck in a blocking NCCL call holds
+        it), leaving the communicator as it is."""
+        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        try:
+            if self._freed is None:
+                self._freed = f"aborted: {reason}"
+                self.nccl.comm_abort(self.raw)
+        finally:
+            self.lock.release()
+        return True
+
+    def destroy(self) -> None:
+        """ncclCommDestroy: frees the communicator once its launched operations have finished (nccl.h; it
+        waits for them: src/init.cc, commDestroySync), so only after every member issued all of its own."""
+        with self.lock:
+            if self._freed is None:
+                self._freed = "destroyed"
+                self.nccl.comm_destroy(self.raw)
+
+    @property
+    def alive(self) -> bool:
+        return self._freed is None
+
+    def __repr__(self) -> str:
+        return f"<NcclComm {self.label} on device {self.device}{'' if self.alive else f' ({self._freed})'}>"
