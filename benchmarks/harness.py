@@ -31,10 +31,12 @@ def median_time(
     repeats: int,
     sync: Callable[[], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    finish: Callable[[], None] | None = None,
 ) -> float:
     """Median over `repeats` of the mean time of `iters` calls to fn (seconds). `sync` runs before each
-    repeat outside the timing (a barrier, so all ranks start together). `clock`: e.g. time.process_time
-    for the CPU time of the whole process."""
+    repeat outside the timing (a barrier, so all ranks start together); `finish` after the calls inside it
+    (a barrier, so the time covers every rank's calls, not only this one's). `clock`: e.g.
+    time.process_time for the CPU time of the whole process."""
     samples = []
     for _ in range(repeats):
         if sync is not None:
@@ -42,6 +44,8 @@ def median_time(
         start = clock()
         for _ in range(iters):
             fn()
+        if finish is not None:
+            finish()
         samples.append((clock() - start) / iters)
     return statistics.median(samples)
 

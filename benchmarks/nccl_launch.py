@@ -16,7 +16,8 @@ Side by side in one run, on 4-byte all-reduces: n plain Python threads meeting a
 0.5 round trips of it per collective), the nccl path (synchronous calls back to back, and 10 asynchronous
 ones issued and then waited), the threads backend (its whole cost on CPU: a meeting per collective), and
 torch.distributed over gloo with one process per rank (the anchor of benchmarks/collectives.py). Also: how
-many all-reduces rank 0 issues while every other rank is held before its first (they never meet).
+many all-reduces rank 0 issues while every other rank is held before its first (they never meet), and
+what the mismatch check (every member's call left in the group's CallLedger) costs of a collective.
 The Barrier and threadpar's paths run twice: unpinned, and with all their threads on one core
 (`LaunchConfig.rank_cores=1`, the default for CPU ranks); the ratios compare the nccl path with the
 unpinned Barrier (the issue's anchor) and with a Barrier whose threads share the same one core.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import threading
 import time
@@ -36,6 +38,8 @@ import torch
 
 import threadpar
 from benchmarks.harness import fmt_time, machine_line, median_time, run_gloo, table
+from threadpar.comm.common.call_ledger import CallLedger
+from threadpar.comm.common.rendezvous import Call
 from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceLocks
 from threadpar.comm.nccl.watchdog import Watchdog
 from threadpar.runtime.launch import _Launch
@@ -136,6 +140,7 @@ class NullCuda:
 
 def run_null(fn, n: int, cpus: frozenset[int] | None):
     """`fn` on n rank threads of the nccl backend over the null device (`cpus`: where they run)."""
+    gc.collect()  # (not the first full collection after torch's import, ~0.2 s, inside a timed repeat)
     world = World(
         layout=Layout.build(n),
         backend="nccl",
@@ -173,7 +178,10 @@ def ahead(n: int, calls: int) -> int:
 
 def measure(api, iters: int, repeats: int, barrier) -> list[float]:
     """Seconds per all-reduce: [synchronous, issued asynchronously in batches, CPU time of this process
-    (synchronous)]; `barrier` starts every repeat of every rank together."""
+    (synchronous)]; `barrier` starts every repeat of every rank together and ends it once every rank has
+    made its calls: the time per collective is that of all ranks issuing it. (Without the closing barrier a
+    rank of the nccl path, which waits for no peer, would time its own calls alone: under one GIL a rank
+    runs thousands of calls while the others wait for the GIL.)"""
     t = torch.ones(1)
 
     def batch() -> None:
@@ -182,10 +190,19 @@ def measure(api, iters: int, repeats: int, barrier) -> list[float]:
 
     for _ in range(3):
         api.all_reduce(t)  # warm-up (and, on the nccl path, the communicators)
-    waited = median_time(lambda: api.all_reduce(t), iters=iters, repeats=repeats, sync=barrier)
-    batched = median_time(batch, iters=max(1, iters // ASYNC_BATCH), repeats=repeats, sync=barrier)
+    waited = median_time(
+        lambda: api.all_reduce(t), iters=iters, repeats=repeats, sync=barrier, finish=barrier
+    )
+    batched = median_time(
+        batch, iters=max(1, iters // ASYNC_BATCH), repeats=repeats, sync=barrier, finish=barrier
+    )
     cpu = median_time(
-        lambda: api.all_reduce(t), iters=iters, repeats=repeats, sync=barrier, clock=time.process_time
+        lambda: api.all_reduce(t),
+        iters=iters,
+        repeats=repeats,
+        sync=barrier,
+        finish=barrier,
+        clock=time.process_time,
     )
     return [waited, batched / ASYNC_BATCH, cpu]
 
@@ -196,12 +213,13 @@ def barrier_meeting(n: int, iters: int, repeats: int, cpus: frozenset[int] | Non
     cores the threads run on (None: where the OS puts them)."""
     barrier = threading.Barrier(n)
     times: list[float] = []
+    gc.collect()
 
     def member(i: int) -> None:
         pin_calling_thread(cpus)
         for _ in range(3):
             barrier.wait()
-        t = median_time(barrier.wait, iters=iters, repeats=repeats, sync=barrier.wait)
+        t = median_time(barrier.wait, iters=iters, repeats=repeats, sync=barrier.wait, finish=barrier.wait)
         if i == 0:
             times.append(t)
 
@@ -211,6 +229,22 @@ def barrier_meeting(n: int, iters: int, repeats: int, cpus: frozenset[int] | Non
     for t in threads:
         t.join()
     return times[0]
+
+
+def ledger_check(n: int, iters: int, repeats: int) -> float:
+    """Seconds per collective of the mismatch check alone (rule 6 without a meeting): the n members' entries
+    of each call in one CallLedger, made by one thread (under one GIL the rank threads' entries run one
+    after another anyway; this leaves out their thread switches); median of `repeats`."""
+    call = Call("all_reduce", torch.float32, (1,), (("op", "sum"),))
+    times = []
+    for _ in range(repeats):
+        ledger = CallLedger("bench", range(n))
+        began = time.perf_counter()
+        for seq in range(iters):
+            for m in range(n):
+                ledger.enter(m, seq, call)
+        times.append((time.perf_counter() - began) / iters)
+    return statistics.median(times)
 
 
 def gloo_worker(rank: int, n: int, iters: int, repeats: int) -> list[float]:
@@ -224,8 +258,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="3 repeats of 100")
     parser.add_argument("--no-gloo", action="store_true", help="leave out the gloo processes (slow to start)")
     parser.add_argument("--rounds", type=int, default=5, help="Barrier / nccl path alternations")
@@ -254,6 +288,7 @@ def main() -> None:
                 paths[name].append(run_null(null_work, n, cpus)[0])
         gloo = [float("nan")] * 3 if args.no_gloo else run_gloo(gloo_worker, n, iters, repeats)
         gloo_cpu = gloo[2] * n  # one process per rank
+        check = ledger_check(n, iters, repeats)
         for name, (_, rank_cores) in placements.items():
             nccl_path = [statistics.median(p[i] for p in paths[name]) for i in range(3)]
 
@@ -279,6 +314,7 @@ def main() -> None:
                     f"{gloo[0] / nccl_path[0]:.1f}x",
                     *(fmt_time(t) for t in (nccl_path[2], threads[2], gloo_cpu)),
                     f"{gloo_cpu / nccl_path[2]:.1f}x",
+                    fmt_time(check),
                 ]
             )
     headers = [
@@ -299,6 +335,7 @@ def main() -> None:
         "CPU: threads",
         "CPU: gloo",
         "gloo / nccl path (CPU)",
+        "of which the mismatch check",
     ]
     print(table(headers, rows))
 

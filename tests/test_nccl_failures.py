@@ -120,7 +120,9 @@ def test_a_cuda_error_seen_by_a_done_event_becomes_an_ncclerror():
         run_fake_gpus(body, 2, fake)
 
 
-def test_mismatched_collectives_are_named_by_the_rank_that_completes_the_call():
+def test_a_mismatched_call_is_named_by_its_rank_which_never_issues_it():
+    fake = FakeCuda()
+
     def body():
         t = torch.zeros(4)
         threadpar.all_reduce(t)  # the communicators exist: the next calls meet nowhere
@@ -134,7 +136,8 @@ def test_mismatched_collectives_are_named_by_the_rank_that_completes_the_call():
     with pytest.raises(
         CollectiveMismatchError, match=r"rank 1: broadcast\(float32\[4\], src=0\)   <-- differs"
     ):
-        run_fake_gpus(body, 3, FakeCuda())
+        run_fake_gpus(body, 3, fake)
+    assert fake.calls_of("broadcast", rank=1) == []  # (NCCL never saw the mismatched call)
 
 
 def test_a_rank_that_does_not_come_is_named_by_the_watchdog():

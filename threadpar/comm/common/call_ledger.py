@@ -2,10 +2,21 @@
 
 A backend whose members issue their own calls (nccl: each rank thread calls NCCL itself) cannot compare
 the members' calls at a meeting, since there is none. Instead each member leaves its call's description
-in the slot of its sequence number and goes on; the member that completes a slot compares the descriptions
-and, if they differ, raises CollectiveMismatchError naming every member's call before it issues its own
-(the others' kernels then wait for it on the device until the launch's stop aborts them). A slot lives
-from its first entry to its last, so a member running ahead keeps one small slot per call ahead.
+in the slot of its sequence number and goes on. The first member's call is the slot's reference: every
+later member compares its own call with it and, if they differ, raises CollectiveMismatchError naming the
+calls entered so far before it issues its own (the others' kernels then wait for it on the device until
+the launch's stop aborts them), so a mismatched call never reaches NCCL. Calls whose members legitimately
+differ (all_to_all's split sizes) are compared whole by the member that completes the slot, before it
+issues. A slot lives from its first entry to its last, so a member running ahead keeps one small slot per
+call ahead.
+
+No lock: every rank thread enters here on every collective, and a lock held by a thread the GIL preempted
+makes every other member block on it, each block a GIL hand-off (measured: 2 context switches per
+collective per rank at 8 ranks, up to 3x the host time of the same collectives without the check). Each step is
+one operation of a built-in container instead, which both builds make atomic (rule 10; free-threaded
+CPython: PEP 703's per-object locks, Doc/c-api/dict.rst for int keys): `dict.setdefault` decides the first
+member of a slot, `list.append` records each entry, the length read after one's own append shows a
+complete slot to at least its last entrant, and `dict.pop` hands it to exactly one completer.
 
 The open slots also say who is late: `overdue` lists the calls some members issued longer than a timeout
 ago that others have not (the nccl watchdog names them).
@@ -13,7 +24,6 @@ ago that others have not (the nccl watchdog names them).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -35,12 +45,24 @@ class Overdue(NamedTuple):
 
 
 class _Slot:
-    __slots__ = ("calls", "count", "since")
+    __slots__ = ("entries", "first", "since")
 
-    def __init__(self, size: int) -> None:
-        self.calls: list[Call | None] = [None] * size
-        self.count = 0
+    def __init__(self, member: int, call: Call) -> None:
+        self.first = call  # the first entrant's call: every later one compares with it
+        # Who entered, in the order they came; only ever appended to: a member whose call equals `first`
+        # as its bare index (no allocation per entry: a rank running ahead keeps many slots alive, and
+        # allocations that outlive a collection make the GC walk the whole heap, ~0.2 s with torch loaded),
+        # one whose call legitimately differs (all_to_all's sizes) as (member, call).
+        self.entries: list[int | tuple[int, Call]] = [member]
         self.since = time.monotonic()
+
+    def calls(self) -> list[tuple[int, Call]]:
+        """(member, call) of every entrant so far, in member order."""
+        out = [e if isinstance(e, tuple) else (e, self.first) for e in list(self.entries)]
+        return sorted(out, key=lambda e: e[0])
+
+    def entered(self) -> set[int]:
+        return {e[0] if isinstance(e, tuple) else e for e in list(self.entries)}
 
 
 class CallLedger:
@@ -52,68 +74,73 @@ class CallLedger:
         self.group_ranks = self.ranks if group_ranks is None else tuple(group_ranks)
         self.size = len(self.ranks)
         self._members = [self.group_ranks.index(r) for r in self.ranks]  # group index of each entry
-        self._lock = threading.Lock()
-        self._slots: dict[int, _Slot] = {}
-        self._compare: dict[str, Compare] = {}
+        self._slots: dict[int, _Slot] = {}  # open calls by sequence number (see the module's doc)
+        self._compare: dict[str, Compare] = {}  # (filled before the group's first call)
 
     def compare_with(self, op: str, compare: Compare) -> None:
         """Calls of `op` go together when `compare` says so (default: when they are equal)."""
         self._compare[op] = compare
 
     def enter(self, member: int, seq: int, call: Call) -> bool:
-        """Leave this member's call #seq; returns True if this completed the slot (every member entered).
-        Raises CollectiveMismatchError on the member that completes a slot whose calls differ."""
+        """Leave this member's call #seq; returns True on the one member that completed the slot (every
+        member entered). Raises CollectiveMismatchError if this call cannot go with the slot's."""
         if self.size == 1:
             return True
-        with self._lock:
-            slot = self._slots.get(seq)
-            if slot is None:
-                slot = self._slots[seq] = _Slot(self.size)
-            slot.calls[member] = call
-            slot.count += 1
-            if slot.count < self.size:
-                return False
-            del self._slots[seq]
-        calls: list[Call] = slot.calls  # type: ignore[assignment]  # (complete: no None left)
-        first = calls[0]
-        if all(c == first for c in calls):
-            return True
-        compare = self._compare.get(first.op)
-        same_op = compare is not None and all(c.op == first.op for c in calls)
-        problem = compare(calls, self._members) if same_op else "differ"  # type: ignore[misc]
-        if problem is not None:
-            raise CollectiveMismatchError(self._describe(seq, calls, problem))
+        fresh = None
+        slot = self._slots.get(seq)
+        if slot is None:  # (as far as this member knows, the first: made only then, to spare the GC)
+            fresh = _Slot(member, call)
+            slot = self._slots.setdefault(seq, fresh)
+        if slot is not fresh:
+            first = slot.first
+            if call == first:
+                slot.entries.append(member)
+            elif call.op == first.op and call.op in self._compare:
+                slot.entries.append((member, call))  # (compared whole once complete)
+            else:  # (left out of the slot: this member never issues it)
+                entries = sorted([*slot.calls(), (member, call)], key=lambda e: e[0])
+                raise CollectiveMismatchError(self._describe(seq, entries, first, "differ"))
+        if len(slot.entries) < self.size or self._slots.pop(seq, None) is not slot:
+            return False
+        entries = slot.calls()  # (complete: every member's)
+        calls = [c for _, c in entries]
+        compare = self._compare.get(slot.first.op)
+        if compare is not None and any(c != slot.first for c in calls):
+            problem = compare(calls, self._members) if all(c.op == calls[0].op for c in calls) else "differ"
+            if problem is not None:
+                raise CollectiveMismatchError(self._describe(seq, entries, slot.first, problem))
         return True
 
     def missing(self, seq: int) -> list[int]:
         """The global ranks that have not entered call #seq while some have (empty: all or none have)."""
-        with self._lock:
-            slot = self._slots.get(seq)
-            return [] if slot is None else [self.ranks[m] for m, c in enumerate(slot.calls) if c is None]
+        slot = self._slots.get(seq)
+        if slot is None:
+            return []
+        entered = slot.entered()
+        return [r for m, r in enumerate(self.ranks) if m not in entered]
 
     def overdue(self, timeout: float, now: float | None = None) -> list[Overdue]:
         """The open calls whose first member issued them more than `timeout` seconds ago."""
         now = time.monotonic() if now is None else now
-        with self._lock:  # (copies of the late slots: read outside the lock)
-            late = [
-                (seq, s.since, list(s.calls)) for seq, s in self._slots.items() if now - s.since > timeout
-            ]
         out = []
-        for seq, since, calls in sorted(late):
-            issued = [self.ranks[m] for m, c in enumerate(calls) if c is not None]
-            missing = [self.ranks[m] for m, c in enumerate(calls) if c is None]
-            call = next(c for c in calls if c is not None)
-            out.append(Overdue(seq, call, issued, missing, since))
+        for seq, slot in sorted(self._slots.copy().items()):
+            if now - slot.since <= timeout:
+                continue
+            entered = slot.entered()
+            issued = [r for m, r in enumerate(self.ranks) if m in entered]
+            missing = [r for m, r in enumerate(self.ranks) if m not in entered]
+            out.append(Overdue(seq, slot.first, issued, missing, slot.since))
         return out
 
-    def _describe(self, seq: int, calls: list[Call], problem: str) -> str:
+    def _describe(self, seq: int, entries: list[tuple[int, Call]], first: Call, problem: str) -> str:
+        """`entries`: (member, call) of the members that entered; `first`: the slot's reference call."""
         lines = [
             f"collective mismatch on group '{self.name}' (global ranks {list(self.group_ranks)}) at its call #{seq}: "
             "members must call the same collectives, with the same dtypes and shapes, in the same order"
         ]
-        first = calls[0]
-        for m, call in enumerate(calls):
-            mark = "" if call == first else "   <-- differs from rank " + str(self.ranks[0])
+        reference = next(m for m, c in entries if c == first)
+        for m, call in entries:
+            mark = "" if call == first else f"   <-- differs from rank {self.ranks[reference]}"
             lines.append(f"  rank {self.ranks[m]}: {call}{mark}")
         if problem != "differ":
             lines.append(problem)

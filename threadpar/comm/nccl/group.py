@@ -10,8 +10,8 @@ for another on the host, so a rank can run ahead of its peers by as many calls a
 What the members still do together, each once: making the communicators (on a group's first NCCL
 operation: they meet, then each creates its own on a connector, connector.py) and connecting NCCL's point
 to point (the first operation that sends between members: scatter, gather, all_to_all). Collectives are
-checked without a meeting (the CallLedger: whoever completes a call compares it). The process's watchdog
-(watchdog.py) notices hangs and asynchronous errors and aborts the communicators when the launch stops.
+checked without a meeting (the CallLedger: each member compares its call with the first member's before
+issuing it). The process's watchdog (watchdog.py) notices hangs and asynchronous errors and aborts the communicators when the launch stops.
 
 A group whose members live in several processes (spanning.py) is this class over the members in THIS
 process (`local`); NCCL ranks are group indices, so each process's calls are parts of one NCCL operation.
