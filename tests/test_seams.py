@@ -141,6 +141,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("comm/",),
     ("torch_dist/",),
     ("runtime/",),
+    ("cuda_graphs/",),
     ("parallel/",),
     ("pipeline/",),
     ("checkpoint.py",),

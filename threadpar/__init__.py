@@ -52,10 +52,12 @@ from threadpar.comm import (
     scatter_object_list,
     send,
 )
+from threadpar.cuda_graphs import GraphedStep, graphed_step
 from threadpar.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigError,
+    GraphCaptureError,
     RankAborted,
     RankFailedError,
     RemoteRankError,
@@ -88,6 +90,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "Coords",
+    "GraphCaptureError",
+    "GraphedStep",
     "LaunchConfig",
     "Layout",
     "P2POp",
@@ -128,6 +132,7 @@ __all__ = [
     "get_seed",
     "get_thread_rank",
     "get_world_size",
+    "graphed_step",
     "in_rank",
     "init_process_group",
     "irecv",

@@ -52,6 +52,11 @@ class NcclError(ThreadparError, RuntimeError):
     """An NCCL call or an asynchronous NCCL error."""
 
 
+class GraphCaptureError(ThreadparError, RuntimeError):
+    """A step being captured as a CUDA graph does what a graph cannot hold (a host sync, a communicator's first
+    use, point to point that waits on the host); the message names the op and the line."""
+
+
 class RemoteRankError(ThreadparError, RuntimeError):
     """A rank (or the whole process) failed in another process of a multi-process job.
 

@@ -44,10 +44,11 @@ from threadpar.runtime.world import World
 from threadpar.testing import raise_root_cause
 from threadpar.topology import Layout
 
-from . import fake_device
+from . import fake_device, fake_graph
 from .fake_autograd_thread import device_threads
 from .fake_device import DeviceTouch, TensorRecord
 from .fake_device_index import current_streams, fake_device_index
+from .fake_graph import FakeGraph
 from .fake_nccl import FakeComm, FakeFabric, FakeNccl
 
 __all__ = [
@@ -79,10 +80,14 @@ class FakeStream:
         self.done_upto = -1  # the device has run every op up to this one (fake_device.advance)
         self.kernels: dict[int, Any] = {}  # node index -> NCCL kernel not yet run there
         self.failed: list[tuple[int, str, type]] = []  # (node index, error, its kind) of kernels that failed
+        self.capture: FakeGraph | None = None  # the graph capturing this stream's work (fake_graph.py)
         with fake.lock:
             fake.streams_made.append(self)
 
     def _append(self, *op: Any) -> Node:
+        graph = self.capture
+        if graph is not None:  # (captured: logged in the graph, never run by the device)
+            return Node(self, -1 - graph.append(self, op[0]))
         with fake_device.RUN_LOCK:
             self.ops.append(op)
             return Node(self, len(self.ops) - 1)
@@ -92,10 +97,29 @@ class FakeStream:
         # torch.cuda.Stream.wait_event -> c10/cuda/CUDAStream.h). Recorded later: not waited for. The stream
         # may be on another device than the event: c10/cuda/CUDAEvent.h, CUDAEvent::block, checks no device
         # (cudaStreamWaitEvent across devices is legal, CUDA programming guide, "Stream and Event Behavior").
+        graph = event.captured
+        if graph is not None:  # recorded in a capture: waiting joins this stream to it (fake_graph.py)
+            if graph.state != "capturing" or self.capture not in (None, graph):
+                raise fake_graph.cuda_error(
+                    fake_graph.CAPTURED_EVENT,
+                    "operation not permitted on an event last recorded in a capturing stream",
+                    f"{self!r} waits on an event recorded in a graph capture",
+                )
+            self.capture = graph
+            graph.append(self, "wait", event)
+            graph.entries.append(fake_graph._Wait(self, event))
+            return
+        if self.capture is not None and event.node is not None:
+            raise fake_graph.cuda_error(
+                fake_graph.ISOLATION,
+                "dependency created on uncaptured work in another stream",
+                f"the capturing {self!r} waits on an event recorded outside the capture",
+            )
         self._append("wait", event, event.node)
 
     def synchronize(self) -> None:
         """The host waits for everything enqueued so far (cudaStreamSynchronize)."""
+        self.fake.refuse_during_capture(f"synchronize of {self!r}", self)
         node = self._append("host-sync")
         fake_device.demand(self, node.index, f"synchronize of {self!r}")
         with self.fake.lock:
@@ -110,6 +134,8 @@ class FakeEvent:
         self.fake = fake
         self.node: Node | None = None  # where it was last recorded (None: never: waiting on it is a no-op)
         self.device_index: int | None = None  # the fake GPU of its first recording stream (None: not yet)
+        self.captured: FakeGraph | None = None  # the graph it was last recorded in, if that was a capture
+        self.captured_at: tuple[FakeStream, int] | None = None  # (stream, index in the capture's log)
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or self.fake.current_stream(torch.device("cpu"))
@@ -126,10 +152,25 @@ class FakeEvent:
                     f"{stream.device_index} ({stream!r}): an event belongs to the device it was first "
                     "recorded on (c10/cuda/CUDAEvent.h, CUDAEvent::record); record a new event per device"
                 )
+        graph = stream.capture
+        if graph is not None:
+            self.captured, self.captured_at = graph, (stream, graph.append(stream, "record", self))
+            graph.entries.append(fake_graph._Record(self, stream))
+            return
+        self.captured = self.captured_at = None
         self.node = stream._append("record", self)
+
+    def _refuse_if_captured(self, what: str) -> None:
+        if self.captured is not None:  # (CUDA keeps a captured record inside the graph: never queried again)
+            raise fake_graph.cuda_error(
+                fake_graph.CAPTURED_EVENT,
+                "operation not permitted on an event last recorded in a capturing stream",
+                f"{what} of an event recorded in a graph capture",
+            )
 
     def query(self) -> bool:
         """cudaEventQuery: has the device run everything before the record? Never blocks."""
+        self._refuse_if_captured("a query")
         if self.fake.device_error is not None:
             raise RuntimeError(f"CUDA error: {self.fake.device_error}")
         if self.node is None:
@@ -138,6 +179,8 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         """cudaEventSynchronize: the host waits until the device has run everything before the record."""
+        self._refuse_if_captured("a synchronize")
+        self.fake.refuse_during_capture("an event synchronize", None)
         if self.node is not None:
             fake_device.demand(
                 self.node.stream, self.node.index, f"synchronize of an event on {self.node.stream!r}"
@@ -208,6 +251,7 @@ class FakeCuda:
         self.host_syncs: list[Node] = []  # where the host waited for a stream (FakeStream.synchronize)
         self.hung = False
         self.device_error: str | None = None  # raised by every event query (a sticky CUDA error)
+        self.capturing: FakeGraph | None = None  # the process's capture underway (one at a time)
 
     # the CudaApi ------------------------------------------------------------------------------------------------
     def pool_stream(self, device: torch.device, priority: int) -> FakeStream:
@@ -286,10 +330,28 @@ class FakeCuda:
     def synchronize(self, device: torch.device) -> None:
         """cudaDeviceSynchronize: the host waits until every stream of this process has run what it holds
         (the double's GPUs are one device: every stream)."""
+        self.refuse_during_capture("a device synchronize", None)
         with self.lock:
             streams = list(self.streams_made)
         for stream in streams:
             fake_device.demand(stream, len(stream.ops) - 1, f"device synchronize ({stream!r})")
+
+    def graph(self) -> FakeGraph:
+        return FakeGraph(self)
+
+    def capture(self, graph: FakeGraph, stream: FakeStream, generators: Any):
+        return fake_graph.capture(self, graph, stream, generators)
+
+    def refuse_during_capture(self, what: str, stream: FakeStream | None) -> None:
+        """A host synchronization on the capturing thread, or of a capturing stream, breaks the capture
+        (cudaErrorStreamCaptureUnsupported); threadpar captures thread-locally, so other threads may."""
+        graph = self.capturing
+        if graph is not None and (
+            graph.thread == threading.get_ident() or (stream is not None and stream.capture)
+        ):
+            raise fake_graph.cuda_error(
+                fake_graph.UNSUPPORTED, "operation not permitted when stream is capturing", what
+            )
 
     def report_race(self, message: str) -> None:
         with self.lock:

@@ -60,7 +60,7 @@ import torch
 
 from threadpar.errors import NcclError
 
-from . import fake_device
+from . import fake_device, fake_graph
 from .fake_device import DeviceOp, HangError, Kernel, Part
 from .fake_nccl_math import INVALID_ARGUMENT, INVALID_USAGE, check_op, compute, nccl_error
 
@@ -516,7 +516,7 @@ class FakeNccl:
             # 0..%d range)" -> ncclInvalidArgument (peers of send/recv alike: "invalid peer")
             raise nccl_error(function, INVALID_ARGUMENT, f"root/peer {root} is not in [0, {comm.size})")
 
-    def _queue(self, name, args, comm, stream, send, recv, *, reduces=False, **extra) -> None:
+    def _queue(self, name, args, comm, stream, send, recv, *, reduces=False, racing=True, **extra) -> None:
         function = _C_NAMES[name]
         self._check_usable(comm, function)
         self._check_ready(comm, function)
@@ -525,7 +525,8 @@ class FakeNccl:
         assert stream is not None, f"{function}: no stream"
         self._check_buffers(function, send if send is not None else recv, recv, reduces)
         self._check_stream(function, comm, stream)
-        self._enter_device(comm.device, function)  # held until the group's end
+        if racing:
+            self._enter_device(comm.device, function)  # held until the group's end
         self.group_start()  # (an operation outside a group is a group of its own: src/collectives.cc)
         _, queued = self._group()
         queued.append(_Queued(name, args, comm, stream, send, recv, extra))
@@ -635,6 +636,19 @@ class FakeNccl:
         """Enqueue the group's operations: one kernel per stream holding its parts; a part joins its
         operation (the k-th collective of its clique, or the matching send or receive). An operation that
         needs a connection not yet made blocks here until the peers' parts are issued (module docstring)."""
+        graphs = {id(q.stream.capture): q.stream.capture for q in queued}
+        if len(graphs) > 1:  # src/group.cc, groupLaunch; src/enqueue.cc, ncclPlannerSetCapturingGraph
+            raise nccl_error(
+                "ncclGroupEnd", INVALID_USAGE,
+                "Either none or all communicators in a ncclGroup() can be CUDA graph captured (and one "
+                "communicator's streams in a group all uncaptured or all captured by the same graph)",
+            )  # fmt: skip
+        graph = next(iter(graphs.values()), None)
+        if graph is not None:  # recorded into the capture, sent at each replay (fake_graph.py)
+            for q in queued:
+                graph.append(q.stream, "nccl")
+            graph.entries.append(fake_graph._Nccl(self, list(queued)))
+            return SUCCESS
         by_stream: dict[int, list[tuple[_Queued, Part]]] = {}
         connecting: list[tuple[FakeComm, DeviceOp]] = []
         failed: list[tuple[DeviceOp, str]] = []
@@ -683,6 +697,18 @@ class FakeNccl:
                 code = IN_PROGRESS
         return code
 
+    def replay_group(self, queued: list[_Queued], streams: dict) -> None:
+        """A captured group again, as a graph replay launches its NCCL kernels (`streams`: the capture's
+        streams -> the replay's). No host thread is inside NCCL for it (the kernels are the graph's nodes), so
+        the one-thread-per-device rule does not apply."""
+        self.group_start()
+        try:
+            for q in queued:
+                self._queue(q.name, q.args, q.comm, streams.get(q.stream, q.stream), q.input, q.output,
+                            reduces=q.name in _REDUCING, racing=False, **q.extra)  # fmt: skip
+        finally:
+            self.group_end()
+
     def _wait_connected(self, op: DeviceOp) -> None:
         """A lazy connection: the group end returns once every peer's part is issued (they connect too)."""
         deadline = time.monotonic() + fake_device.WAIT_TIMEOUT_S
@@ -697,6 +723,8 @@ class FakeNccl:
                     )
                 fake_device.CHANGED.wait(min(remaining, 0.05))
 
+
+_REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 
 _C_NAMES = {
     "all_reduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "reduce": "ncclReduce",

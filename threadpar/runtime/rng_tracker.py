@@ -42,6 +42,10 @@ class RNGTracker:
             gen.manual_seed(self.seed(name))
         return gen
 
+    def generators(self) -> list[torch.Generator]:
+        """Every generator made so far (a CUDA graph registers them before capture)."""
+        return list(self._generators.values())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The generators' states, for a checkpoint (each rank saves its own)."""
         return {name: gen.get_state() for name, gen in self._generators.items()}

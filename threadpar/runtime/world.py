@@ -8,6 +8,7 @@ groups, mailboxes and stop signal. In a multi-process job each process has a Wor
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from threadpar.comm.handle import GroupState
 from threadpar.comm.registry import GroupRegistry
 from threadpar.comm.select import select_backend
 from threadpar.errors import ConfigError
+from threadpar.runtime.capture_turns import CaptureTurns
 from threadpar.topology import Axes, Layout
 
 
@@ -70,6 +72,9 @@ class World:
         # Where a failure another thread finds for a rank goes (the nccl watchdog): the launch's record, set
         # by _Launch; until then (a World used without a launch) the stop signal alone.
         self.failure_sink: Callable[[int, BaseException], None] | None = None
+        self._lock = threading.Lock()  # guards _capture_turns and _closers
+        self._capture_turns: CaptureTurns | None = None
+        self._closers: list[Callable[[], None]] = []
 
     @property
     def local_ranks(self) -> range:
@@ -85,9 +90,25 @@ class World:
         else:
             self.abort.trigger(f"rank {rank} failed with {type(error).__name__}: {error}")
 
+    def capture_turns(self) -> CaptureTurns:
+        """The CUDA graph captures of this process's ranks, one at a time (capture_turns.py)."""
+        with self._lock:
+            if self._capture_turns is None:
+                self._capture_turns = CaptureTurns(self.local_ranks, self.abort, self.timeout)
+            return self._capture_turns
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run `fn` when the launch ends, before its groups close (e.g. a graphed step leaves the watchdog)."""
+        with self._lock:
+            self._closers.append(fn)
+
     def close(self, failed: bool) -> None:
         """The launch has ended: every group lets go of what it holds (the nccl backend destroys, pools or,
         `failed`, aborts its communicators); then the process's NCCL watchdog ends if nothing is watched."""
+        with self._lock:
+            closers, self._closers = self._closers, []
+        for closer in closers:
+            closer()
         errors = []
         for backend in self.groups.backends():
             try:

@@ -48,6 +48,14 @@ class CudaApi(Protocol):
 
     def synchronize(self, device: torch.device) -> None: ...
 
+    def graph(self) -> Any:
+        """torch.cuda.CUDAGraph(): a graph to capture into and replay (its `replay()`)."""
+
+    def capture(
+        self, graph: Any, stream: Stream, generators: Sequence[torch.Generator]
+    ) -> contextlib.AbstractContextManager[Any]:
+        """torch.cuda.graph(graph, stream=stream), the generators registered for graph-safe replays."""
+
 
 Communicator = Any  # threadpar.comm.nccl.library.Communicator, or the double's FakeComm
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -66,6 +67,22 @@ class TorchCuda:
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
+
+    def graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    def capture(
+        self, graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, generators: Sequence[torch.Generator]
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Capture the calling thread's work on `stream` into `graph`; `generators` (CUDA ones) draw anew at
+        each replay (CUDAGraph.register_generator_state, torch >= 2.5; the default generator always does).
+        capture_error_mode="thread_local": only this thread's unsafe calls break the capture (Megatron's
+        full-iteration graphs do the same); threadpar parks its other ranks meanwhile (cuda_graphs/turns.py)."""
+        register = getattr(graph, "register_generator_state", None)
+        for generator in generators:
+            if register is not None and generator.device.type == "cuda":
+                register(generator)
+        return torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
 
 
 class LibraryNcclRuntime:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from threadpar.comm.backend import BackendSite
+from threadpar.comm.common import graph_capture
 from threadpar.comm.common.call_ledger import CallLedger
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.work import LazyText
@@ -163,6 +164,14 @@ class NcclGroup(NcclCollectives, NcclPointToPoint):
         checked = call if checked is None else checked
         comm = self._comms[member]
         try:
+            if comm is None or not pairs <= self._connected[member]:
+                graph_capture.refuse(
+                    f"{call}, the first NCCL operation of group '{self.name}' that {'makes' if comm is None else 'connects'}"
+                    " its communicators",
+                    "that takes a meeting of the group's members, which a graph cannot hold and the captures (one "
+                    "rank at a time) would deadlock; run the step eagerly first (graphed_step's warmup_steps) so "
+                    "that every group it uses has issued this kind of operation before the capture",
+                )
             if comm is None:
                 self._create(member, seq, call, checked, stream, issue)
             elif not pairs <= self._connected[member]:

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from threadpar.comm.common import graph_capture
 from threadpar.comm.common.abort import AbortSignal, wait_until
 from threadpar.comm.common.cuda_seam import CudaApi, NcclApi, NcclRuntime
 from threadpar.comm.common.tensor_bytes import byte_view
@@ -195,6 +196,7 @@ class NcclPointToPoint:
         self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False
     ) -> NcclWork | None:
         """Buffered (a snapshot of `tensor`) unless `async_op` (isend: wait on its Work before overwriting)."""
+        refuse_in_graph("a send")
         self._check_devices(member, "send", [tensor])
         device = self.devices[member]
         current = self._cuda.current_stream(device)
@@ -255,6 +257,7 @@ class NcclPointToPoint:
         self, member: int, src: int | None, tag: int, timeout: float | None = None
     ) -> tuple[int, torch.Tensor]:
         """The next message from `src` (any source: None) with `tag`; the caller's stream waits for it."""
+        refuse_in_graph("a receive")
         inbox = self._inboxes[member]
         timeout = self._timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -473,3 +476,12 @@ class NcclPointToPoint:
             maker = side.maker
             if maker is not None and (side.pair is not None or side.error is not None):
                 maker.join()
+
+
+def refuse_in_graph(what: str) -> None:
+    graph_capture.refuse(
+        f"{what} on the nccl backend",
+        "a receive waits on the host for the sender's announcement of the message (its tag, shape and dtype), "
+        "which the captures, one rank at a time, would never deliver; point to point (and so pipeline "
+        "parallelism) is not graphed yet: graph a step without it",
+    )

@@ -20,9 +20,11 @@ DESIGN.md rule 5).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 INTERVAL_S = 0.1  # torch's ProcessGroupNCCL: kWatchdogThreadSleepMillis = 100
@@ -40,6 +42,15 @@ class Watchdog:
         self._watched: dict[int, weakref.ref[Any]] = {}
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        # Held around each round of looks, and by a CUDA graph capture (`paused`): the looks record and query
+        # events on the comm streams, which must not happen while a stream of this process is capturing.
+        self._looking = threading.Lock()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No look while inside (a capture: threadpar.cuda_graphs.step)."""
+        with self._looking:
+            yield
 
     def watch(self, group: Watched) -> None:
         with self._lock:
@@ -71,10 +82,11 @@ class Watchdog:
                 if not self._watched:
                     self._thread = None
                     return
-            now = time.monotonic()
-            for group in groups:
-                if group is not None:
-                    group.watch_tick(now)
+            with self._looking:
+                now = time.monotonic()
+                for group in groups:
+                    if group is not None:
+                        group.watch_tick(now)
             groups = []  # (no reference kept across the sleep: a dropped group can go)
             group = None
             self._wake.wait(self.interval)

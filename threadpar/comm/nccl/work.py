@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.common import graph_capture
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.cuda_seam import CudaApi
 from threadpar.comm.common.work import LazyText, Work
@@ -138,6 +139,10 @@ class NcclWork(Work):
         """No timeout: order the caller's current stream after the operation (the host does not wait for the
         device). With a timeout (seconds), or for a barrier: block the host until the device has run it."""
         if timeout is not None or self._blocking:
+            graph_capture.refuse(
+                f"{self._description}: a wait of the host for the device (a barrier, or wait(timeout=...))",
+                "the host cannot wait for a captured operation (it runs at each replay); leave it out of the graphed step",
+            )
             self._block(self._timeout if timeout is None else timeout)
             return True
         if self._error is not None:

@@ -1,0 +1,204 @@
+"""`graphed_step`: a rank's whole training step as one CUDA graph, replayed with one call.
+
+    step = threadpar.graphed_step(train_step, warmup_steps=3)   # inside a rank
+    for x, y in batches:
+        loss = step(x, y)   # warm-up: eager; then captured once; then replayed
+
+A step's host work in eager PyTorch is milliseconds of Python per rank, and a process's rank threads share
+one GIL; a replay is one call that releases it (torch/csrc/cuda/Graph.cpp binds CUDAGraph.replay without
+the GIL). The first `warmup_steps` calls run eagerly (they make the communicators, DDP's buckets, the
+optimizer's state); the next captures `fn` on the arguments' static copies (the process's ranks capture
+in turns: turns.py) and replays it once, which is that step; every later call copies its tensor arguments
+into the static copies and replays. What `fn` returned at capture is returned by every call: the same
+tensors, overwritten by each replay (clone what you keep), as with torch.cuda.graph.
+
+What the step may do is what a CUDA graph can hold: device work only (no `.item()`, no printing of
+tensors, no branch on a tensor's value: refused at capture with the op and the line), fixed shapes, its
+collectives on the nccl backend, an optimizer with `capturable=True`. Python in the step runs once, at
+capture. Dropout from the rank's generators draws new numbers at every replay (they are registered with the
+graph: torch's graph-safe generator states). On other backends (CPU threads, ranks sharing a GPU, whose
+collectives meet on the host) the step runs eagerly, with a note.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from threadpar.comm.common import graph_capture
+from threadpar.comm.handle import spec
+from threadpar.errors import CollectiveTimeoutError, ConfigError
+from threadpar.runtime import context
+from threadpar.runtime.devices import say_once
+
+
+def graphed_step(fn: Callable[..., Any] | None = None, *, warmup_steps: int = 3) -> Any:
+    """`fn` as a GraphedStep of the calling rank (also a decorator: `@graphed_step(warmup_steps=2)`)."""
+    if fn is None:
+        return lambda f: GraphedStep(f, warmup_steps=warmup_steps)
+    return GraphedStep(fn, warmup_steps=warmup_steps)
+
+
+class GraphedStep:
+    def __init__(self, fn: Callable[..., Any], *, warmup_steps: int = 3) -> None:
+        if not callable(fn):
+            raise ConfigError(f"graphed_step needs a function (the training step), got {fn!r}")
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
+            raise ConfigError(
+                f"warmup_steps must be an int >= 1, got {warmup_steps!r}: the eager steps before the capture make "
+                "the communicators, DDP's buckets and the optimizer's state, which a graph cannot make"
+            )
+        ctx = context.current()
+        self._fn = fn
+        self.warmup_steps = warmup_steps
+        self._ctx = ctx
+        self.graphed = ctx.world.backend == "nccl"
+        if not self.graphed:
+            say_once(
+                f"graphed_step runs the step eagerly on the {ctx.world.backend} backend: CUDA graphs need the nccl "
+                "backend (one rank per GPU), whose collectives a graph can hold"
+            )
+        self.calls = 0
+        self.capture_seconds: float | None = None
+        self._graph: Any = None
+        self._static: list[Any] = []  # the flattened arguments the graph reads: tensors it owns, the rest
+        self._spec: Any = None
+        self._outputs: Any = None
+        self._watch: _ReplayWatch | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if context.current() is not self._ctx:
+            raise ConfigError(
+                f"this graphed step belongs to rank {self._ctx.rank}; each rank makes its own graphed_step"
+            )
+        self.calls += 1
+        if not self.graphed or self.calls <= self.warmup_steps:
+            return self._fn(*args, **kwargs)
+        if self._graph is None:
+            self._capture(args, kwargs)
+        else:
+            self._copy_in(args, kwargs)
+        self._replay()
+        return self._outputs
+
+    @property
+    def replays(self) -> int:
+        return max(0, self.calls - self.warmup_steps) if self._graph is not None else 0
+
+    # capture ----------------------------------------------------------------------------------------------------
+    def _capture(self, args: tuple, kwargs: dict) -> None:
+        leaves, self._spec = tree_flatten((args, kwargs))
+        self._static = [_static_copy(leaf) for leaf in leaves]
+        static_args, static_kwargs = tree_unflatten(self._static, self._spec)
+        ctx, world = self._ctx, self._ctx.world
+        cuda, runtime = world.cuda_api(), world.nccl_runtime()
+        generators = [ctx.generator, *ctx.rng_tracker.generators()]
+
+        def capture() -> Any:
+            graph = cuda.graph()
+            current = cuda.current_stream(ctx.device)
+            stream = runtime.streams.acquire(cuda, ctx.device)  # (a side stream no live group holds)
+            try:
+                ready = cuda.event()
+                ready.record(current)
+                stream.wait_event(ready)  # (the capture follows the warm-up's work)
+                start = time.perf_counter()
+                with (
+                    runtime.watchdog.paused(),
+                    graph_capture.marked(),
+                    cuda.capture(graph, stream, generators),
+                ):
+                    outputs = self._fn(*static_args, **static_kwargs)
+                self.capture_seconds = time.perf_counter() - start
+            finally:
+                runtime.streams.release([ctx.device], [stream])
+            return graph, outputs
+
+        self._graph, self._outputs = world.capture_turns().take(ctx.rank, capture)
+        self._watch = _ReplayWatch(self._ctx, cuda)
+        runtime.watchdog.watch(self._watch)
+        world.on_close(lambda: runtime.watchdog.unwatch(self._watch))
+
+    def _copy_in(self, args: tuple, kwargs: dict) -> None:
+        leaves, spec_now = tree_flatten((args, kwargs))
+        if spec_now != self._spec:
+            raise ConfigError(
+                f"graphed step on rank {self._ctx.rank}: called with arguments shaped {spec_now}, captured with "
+                f"{self._spec}: a CUDA graph replays the arguments it was captured with"
+            )
+        for i, (static, new) in enumerate(zip(self._static, leaves)):
+            if isinstance(static, torch.Tensor):
+                if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (
+                    static.shape,
+                    static.dtype,
+                    static.device,
+                ):
+                    got = spec(new) if isinstance(new, torch.Tensor) else repr(new)
+                    raise ConfigError(
+                        f"graphed step on rank {self._ctx.rank}: argument {i} is {got}, captured as {spec(static)} "
+                        f"on {static.device}: a CUDA graph replays fixed shapes (pad or bucket the inputs, or make "
+                        "a graphed step per shape)"
+                    )
+                if new is not static:
+                    static.copy_(new)
+            elif new != static:
+                raise ConfigError(
+                    f"graphed step on rank {self._ctx.rank}: argument {i} is {new!r}, captured as {static!r}: "
+                    "what is not a tensor is frozen into the graph at capture"
+                )
+
+    def _replay(self) -> None:
+        self._graph.replay()
+        assert self._watch is not None
+        self._watch.replayed(self.replays)
+
+
+def _static_copy(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        copy = leaf.detach().clone()
+        return copy.requires_grad_(leaf.requires_grad) if leaf.is_leaf else copy
+    return leaf
+
+
+class _ReplayWatch:
+    """The watchdog's view of a graphed step (watchdog.py): a replay's NCCL kernels are not issued through
+    threadpar's communicators, so the group's probes do not see them; an event after each replay does."""
+
+    def __init__(self, ctx: Any, cuda: Any) -> None:
+        self._ctx = ctx
+        self._cuda = cuda
+        self._pending: collections.deque[tuple[Any, int, float]] = (
+            collections.deque()
+        )  # (event, replay, since)
+        self._failed = False
+
+    def replayed(self, number: int) -> None:
+        """Called by the rank thread after a replay; the watchdog thread reads `_pending` (a deque: appends
+        and pops are atomic in both builds, DESIGN.md rule 10)."""
+        event = self._cuda.event()
+        event.record(self._cuda.current_stream(self._ctx.device))
+        self._pending.append((event, number, time.monotonic()))
+
+    def watch_tick(self, now: float) -> None:
+        world = self._ctx.world
+        if self._failed or world.abort.is_set:
+            return
+        pending = self._pending
+        while pending and pending[0][0].query():
+            pending.popleft()
+        if pending and now - pending[0][2] > world.timeout:
+            _, number, _ = pending[0]
+            self._failed = True
+            world.fail(
+                self._ctx.rank,
+                CollectiveTimeoutError(
+                    f"replay {number} of rank {self._ctx.rank}'s graphed step has not finished on the device within "
+                    f"{world.timeout:g} s: a collective in it waits for a peer whose replay never came (a rank that "
+                    "stopped calling its graphed step, or called it fewer times)"
+                ),
+            )
