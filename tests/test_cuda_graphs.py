@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import threadpar
 from threadpar import GraphCaptureError
 from threadpar.parallel import DistributedDataParallel
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("capturable_on_cpu")]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("capturable_on_cpu", "fake_mode")]
 
 STEPS = 8
 
@@ -37,17 +38,23 @@ def mlp() -> torch.nn.Module:
 
 def data(world: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4 * world, 6, generator=g), torch.randn(4 * world, 3, generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(4 * world, 6, generator=g), torch.randn(4 * world, 3, generator=g)) for _ in range(steps)
+    ]
 
 
-def reference(template: torch.nn.Module, batches, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def reference(
+    template: torch.nn.Module, batches, world: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One thread, the whole batch: the losses (mean of the ranks' losses) and the parameters at the end."""
     model = copy.deepcopy(template)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True)
     losses = []
     for x, y in batches:
         opt.zero_grad(set_to_none=False)
-        per_rank = [torch.nn.functional.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world), y.chunk(world))]
+        per_rank = [
+            torch.nn.functional.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world), y.chunk(world))
+        ]
         loss = torch.stack(per_rank).mean()
         loss.backward()
         opt.step()
@@ -91,3 +98,264 @@ def test_a_graphed_ddp_step_matches_eager_single_thread(warmup):
         for got, want in zip(got_params, params):
             torch.testing.assert_close(got, want)
     assert fake.races == []
+
+
+def graphed_and_eager(make, world: int, *, warmup: int = 2, steps: int = 6, **layout):
+    """Run make()'s step on every rank `steps` times, graphed and eagerly (each on a double of its own).
+    make() -> (train(*batch) -> a loss tensor, state() -> tensors to compare, batch(i) -> the i-th arguments)."""
+
+    def run(graphed: bool):
+        def body():
+            train, state, batch = make()
+            step = threadpar.graphed_step(train, warmup_steps=warmup) if graphed else train
+            losses = [step(*batch(i)).detach().clone() for i in range(steps)]
+            replays = step.replays if graphed else None
+            return torch.stack(losses), [t.detach().clone() for t in state()], replays
+
+        fake = FakeCuda()
+        results = run_fake_gpus(body, world, fake, **layout)
+        assert fake.races == []
+        return results
+
+    return run(True), run(False)
+
+
+def assert_graphed_equals_eager(graphed, eager, steps=6, warmup=2):
+    for (g_losses, g_state, replays), (e_losses, e_state, _) in zip(graphed, eager):
+        assert replays == steps - warmup
+        torch.testing.assert_close(g_losses, e_losses, rtol=0, atol=0)
+        for g, e in zip(g_state, e_state):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_a_tensor_and_sequence_parallel_gpt_with_ddp_and_clipping_graphs_as_it_runs_eagerly():
+    from threadpar.models.gpt import GPT, GPTConfig, GPTLoss, TensorParallel
+    from threadpar.models.parallelize_gpt import parallelize_chunk
+    from threadpar.parallel import clip_grad_norm_
+
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8)
+    dense = GPT(config).init_weights(torch.Generator().manual_seed(3)).state_dict()
+    g = torch.Generator().manual_seed(4)
+    idx = torch.randint(0, config.vocab_size, (6, 4, config.block_size), generator=g)
+    targets = torch.randint(0, config.vocab_size, (6, 4, config.block_size), generator=g)
+
+    def make():
+        tp = TensorParallel(group=threadpar.get_group("TP"), sequence_parallel=True)
+        model = parallelize_chunk(GPT(config), tp=tp)
+        model.load_state_dict(dense)
+        model = DistributedDataParallel(model)
+        criterion = GPTLoss(config, tp, None)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True)
+        dp = threadpar.get_coords().dp
+
+        def train(x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = criterion(model(x), y)
+            loss.backward()
+            clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            return loss
+
+        return (
+            train,
+            lambda: list(model.parameters()),
+            lambda i: (idx[i, 2 * dp : 2 * dp + 2], targets[i, 2 * dp : 2 * dp + 2]),
+        )
+
+    graphed, eager = graphed_and_eager(make, 4, dp=2, tp=2)
+    assert_graphed_equals_eager(graphed, eager)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_graphs_as_it_runs_eagerly(stage):
+    from threadpar.parallel import ZeroRedundancyOptimizer
+
+    template, batches = mlp(), data(2, steps=6)
+
+    def make():
+        rank = threadpar.get_rank()
+        model = DistributedDataParallel(copy.deepcopy(template), bucket_cap_mb=0)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, stage=stage, lr=0.01, capturable=True
+        )
+
+        def train(x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return (
+            train,
+            lambda: list(model.parameters()),
+            lambda i: (batches[i][0].chunk(2)[rank], batches[i][1].chunk(2)[rank]),
+        )
+
+    graphed, eager = graphed_and_eager(make, 2)
+    assert_graphed_equals_eager(graphed, eager)
+
+
+def test_dropout_draws_anew_at_every_replay_as_eager_steps_do():
+    from threadpar.parallel.tensor_parallel.random import dropout
+
+    template, batches = mlp(), data(2, steps=6)
+
+    def make():
+        rank = threadpar.get_rank()
+        model = DistributedDataParallel(copy.deepcopy(template))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = threadpar.get_generator()
+
+        def train(x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.mse_loss(dropout(model(x), 0.5, generator), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return (
+            train,
+            lambda: list(model.parameters()),
+            lambda i: (batches[i][0].chunk(2)[rank], batches[i][1].chunk(2)[rank]),
+        )
+
+    graphed, eager = graphed_and_eager(make, 2)
+    assert_graphed_equals_eager(graphed, eager)  # (a replay drawing the capture's numbers again would differ)
+
+
+def test_python_in_the_step_runs_once_at_capture_so_a_branch_is_frozen_as_on_a_gpu():
+    mode = ["double"]
+
+    def body():
+        def step_fn(x):
+            return x * 2 if mode[0] == "double" else x * 3
+
+        step = threadpar.graphed_step(step_fn, warmup_steps=1)
+        out = [step(torch.full((2,), float(i))).clone() for i in range(2)]
+        mode[0] = "triple"  # (eager code would change; the graph replays what was captured)
+        out += [step(torch.full((2,), float(i))).clone() for i in range(2, 4)]
+        return torch.stack(out)
+
+    for result in run_fake_gpus(body, 1, FakeCuda()):
+        torch.testing.assert_close(result, torch.tensor([[0.0, 0.0], [2.0, 2.0], [4.0, 4.0], [6.0, 6.0]]))
+
+
+def run_refused(step_fn, *, warmup=1, world=2, calls=3):
+    def body():
+        step = threadpar.graphed_step(step_fn, warmup_steps=warmup)
+        for i in range(calls):
+            step(torch.full((4,), float(i)))
+
+    return run_fake_gpus(body, world, FakeCuda())
+
+
+def test_a_host_read_in_the_step_is_refused_naming_the_op_and_the_line():
+    def step_fn(x):
+        total = x.sum()
+        if total.item() > 100:  # the line the error names
+            x = x * 0
+        return x
+
+    with pytest.raises(
+        GraphCaptureError, match=r"(?s)_local_scalar_dense.*test_cuda_graphs.py.*if total.item\(\) > 100"
+    ):
+        run_refused(step_fn)
+
+
+def test_a_non_capturable_optimizer_is_refused_at_capture():
+    template = mlp()
+
+    def body():
+        model = copy.deepcopy(template)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # capturable=False: step() reads its step count
+
+        def train(x):
+            opt.zero_grad(set_to_none=False)
+            model(x).sum().backward()
+            opt.step()
+
+        step = threadpar.graphed_step(train, warmup_steps=1)
+        for _ in range(2):
+            step(torch.ones(2, 6))
+
+    with pytest.raises(GraphCaptureError, match="capturable=True"):
+        run_fake_gpus(body, 1, FakeCuda())
+
+
+def test_a_groups_first_collective_inside_the_capture_is_refused_with_what_to_do():
+    calls = [0]
+
+    def step_fn(x):
+        calls[0] += 1
+        if calls[0] > 2:  # (only from the captured call on: the warm-up never made the group's communicators)
+            threadpar.all_reduce(x)
+        return x
+
+    with pytest.raises(GraphCaptureError, match=r"first NCCL operation of group 'WORLD'.*warmup_steps"):
+        run_refused(step_fn)
+
+
+def test_point_to_point_inside_the_capture_is_refused():
+    def step_fn(x):
+        if threadpar.get_rank() == 0:
+            threadpar.send(x, 1)
+        else:
+            threadpar.recv(x, 0)
+        return x
+
+    with pytest.raises(GraphCaptureError, match="point to point"):
+        run_refused(step_fn)
+
+
+def test_new_shapes_after_the_capture_are_refused_clearly():
+    def body():
+        step = threadpar.graphed_step(lambda x: x * 2, warmup_steps=1)
+        step(torch.ones(3))
+        step(torch.ones(3))
+        with pytest.raises(
+            threadpar.ConfigError, match=r"argument 0 is float32\[4\], captured as float32\[3\]"
+        ):
+            step(torch.ones(4))
+        with pytest.raises(threadpar.ConfigError, match="warmup_steps must be an int >= 1"):
+            threadpar.graphed_step(lambda x: x, warmup_steps=0)
+
+    run_fake_gpus(body, 1, FakeCuda())
+
+
+def test_on_the_threads_backend_the_step_runs_eagerly(monkeypatch):
+    said = []
+    monkeypatch.setattr("threadpar.cuda_graphs.step.say_once", said.append)
+
+    def body():
+        step = threadpar.graphed_step(lambda x: x + threadpar.get_rank(), warmup_steps=1)
+        out = [step(torch.zeros(1)) for _ in range(3)]
+        return step.graphed, torch.cat(out)
+
+    for rank, (graphed, out) in enumerate(threadpar.launch(body, world_size=2)):
+        assert not graphed
+        torch.testing.assert_close(out, torch.full((3,), float(rank)))
+    assert any("graphed_step runs the step eagerly on the threads backend" in line for line in said)
+
+
+def test_a_replay_whose_peer_never_replays_is_named_by_the_watchdog():
+    def body():
+        t = torch.ones(2)
+
+        def step_fn(x):
+            threadpar.all_reduce(x)
+            return x
+
+        step = threadpar.graphed_step(step_fn, warmup_steps=1)
+        for _ in range(3):
+            step(t)
+        if threadpar.get_rank() == 0:
+            time.sleep(0.3)  # (the group's probes of the warm-up's operations are settled by now)
+            step(t)  # a fourth replay: rank 1 never comes
+            while True:  # (the launch's stop ends this)
+                time.sleep(0.01)
+
+    # (the replay's watch names it; were the group's probe of its earlier operations still pending on the stream
+    # the replays run on, a busy machine, the probe would: both name rank 0 and the graphed step)
+    with pytest.raises(threadpar.CollectiveTimeoutError, match=r"(?s)rank 0.*graphed step"):
+        run_fake_gpus(body, 2, FakeCuda(), timeout=1.0)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from threadpar.comm.common import graph_capture
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.nccl.library import IN_PROGRESS, SUCCESS, async_error_text
 from threadpar.errors import CollectiveTimeoutError, NcclError
@@ -63,8 +64,9 @@ class NcclComm:
                 f"an NCCL call on the communicator of {self.label}, which was {self._freed}: the launch is stopping"
             )
         issue(self.raw)
-        self.issued += 1
-        self.streams_used.update(streams)
+        if not graph_capture.capturing():  # (captured: not on the device; its replays are watched apart)
+            self.issued += 1
+            self.streams_used.update(streams)
         if not self.blocking:  # (a launch of NCCL's own: short, it waits for no peer once connected)
             while self._state() == IN_PROGRESS:
                 time.sleep(SETTLE_POLL_S)

@@ -385,7 +385,8 @@ class NcclGroup(NcclCollectives, NcclPointToPoint):
                     member,
                     CollectiveTimeoutError(
                         f"the device has not finished the NCCL operations rank {self.ranks[member]} issued on group "
-                        f"'{self.name}' (its first {probe.issued} of them) within {self._timeout:g} s: a peer's "
+                        f"'{self.name}' (its first {probe.issued} of them, or what its streams ran after them, such as "
+                        f"a graphed step's replays) within {self._timeout:g} s: a peer's "
                         "matching call never ran (a peer process lost, its stream stuck behind work that waits for "
                         "this one, operations of several groups ordered differently on two ranks), or a kernel "
                         "hangs (NCCL_DEBUG=INFO says which)"
