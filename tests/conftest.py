@@ -46,3 +46,15 @@ def fake_mode(request: pytest.FixtureRequest):
         yield request.param
     finally:
         LAZY_DEFAULT[0] = False
+
+
+@pytest.fixture
+def capturable_on_cpu(monkeypatch):
+    """The double's tensors stand for CUDA ones: torch's capturable optimizers accept them (torch/optim/
+    optimizer.py, _get_capturable_supported_devices, imported by name into torch/optim/adam.py)."""
+    import importlib
+
+    modules = [importlib.import_module(f"torch.optim.{name}") for name in ("optimizer", "adam")]
+    devices = [*modules[0]._get_capturable_supported_devices(), "cpu"]
+    for module in modules:
+        monkeypatch.setattr(module, "_get_capturable_supported_devices", lambda supports_xla=True: devices)

@@ -19,18 +19,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("capturable_on_c
 STEPS = 8
 
 
-@pytest.fixture
-def capturable_on_cpu(monkeypatch):
-    """The double's tensors stand for CUDA ones: torch's capturable optimizers accept them (torch/optim/
-    optimizer.py, _get_capturable_supported_devices, imported by name into torch/optim/adam.py)."""
-    import importlib
-
-    modules = [importlib.import_module(f"torch.optim.{name}") for name in ("optimizer", "adam")]
-    devices = [*modules[0]._get_capturable_supported_devices(), "cpu"]
-    for module in modules:
-        monkeypatch.setattr(module, "_get_capturable_supported_devices", lambda supports_xla=True: devices)
-
-
 def mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))

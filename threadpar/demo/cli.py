@@ -59,6 +59,7 @@ class DemoConfig:
     sequence_parallel: bool = False
     zero: int = 0  # distributed optimizer: 0 off, 1 shards optimizer state, 2 also the reduced gradients
     compile: str | None = None  # a torch.compile backend for every transformer block; None: eager
+    cuda_graphs: bool = False  # capture each rank's step once as a CUDA graph and replay it (graphed_step)
     rank_cores: int | str | None = None  # LaunchConfig.rank_cores: None (auto), "all" or a number of cores
     log_every: int = 1
     # The library's Layout of the sizes above (dp, tp, pp derived when not given), over all ranks.
@@ -106,6 +107,7 @@ class DemoConfig:
             raise ConfigError("--resume needs --checkpoint DIR (where the checkpoint to resume from is)")
         self._check_sequence_split()
         self._check_experts()
+        self._check_cuda_graphs()
 
     def _derive_layout(self) -> None:
         """dp, tp, pp from the flags given: all three left out -> default_layout of the ranks per CP rank;
@@ -174,6 +176,24 @@ class DemoConfig:
                 f"--moe-experts {self.moe_experts} does not split over --ep {self.ep}; choose a multiple of {self.ep}"
             )
 
+    def _check_cuda_graphs(self) -> None:
+        """What a graphed step cannot hold yet (threadpar.cuda_graphs.step)."""
+        if not self.cuda_graphs:
+            return
+        reasons = []
+        if self.layout.pp > 1:
+            reasons.append(f"pp={self.layout.pp} (pipeline point to point is not graphed yet): pass --pp 1")
+        if self.cp > 1:
+            reasons.append(f"--cp {self.cp} (ring attention's point to point is not graphed yet)")
+        if self.moe_experts:
+            reasons.append("--moe-experts (dropless routing gives each step its own shapes)")
+        if self.dtype == "fp16":
+            reasons.append(
+                "--dtype fp16 (the loss scaler decides on the host whether to skip a step): use bf16"
+            )
+        if reasons:
+            raise ConfigError("--cuda-graphs cannot graph this run: " + "; ".join(reasons))
+
     @property
     def world_size(self) -> int:
         """Ranks in all: --gpus rank threads in each of the processes torchrun started."""
@@ -236,6 +256,11 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint")
     p.add_argument("--check", action="store_true", help="also run the single-thread model and compare losses")
     p.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture each rank's step as a CUDA graph after 3 eager steps and replay it (nccl backend, --pp 1)",
+    )
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout along the sequence")
     p.add_argument("--moe-experts", type=int, default=0, help="make each MLP a mixture of N experts")
     p.add_argument("--moe-top-k", type=int, default=defaults.moe_top_k, help="experts per token")

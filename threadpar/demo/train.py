@@ -12,19 +12,20 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from threadpar.checkpoint import load_optimizer_state
 from threadpar.comm import get_group, get_rank
 from threadpar.comm.common.reduce_op import ReduceOp
+from threadpar.cuda_graphs import graphed_step
 from threadpar.demo.cli import DemoConfig
 from threadpar.demo.data import Batches, data_parallel_slice
 from threadpar.demo.memory import SavedActivationTracker, device_peak_bytes
 from threadpar.demo.report import ProgressBar
 from threadpar.models.gpt import GPTConfig
-from threadpar.models.parallelize_gpt import parallelize_gpt
+from threadpar.models.parallelize_gpt import HybridGPT, parallelize_gpt
 from threadpar.parallel import LossScaler, clip_grad_norm_, grad_placements, total_grad_norm
 from threadpar.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from threadpar.pipeline import Timeline
@@ -33,16 +34,16 @@ from threadpar.runtime.context import get_coords, get_device, get_layout
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_optimizer(params, lr: float, zero: int = 0) -> torch.optim.Optimizer:
+def make_optimizer(params, lr: float, zero: int = 0, capturable: bool = False) -> torch.optim.Optimizer:
     """AdamW; with zero=1 or 2 a ZeroRedundancyOptimizer around it, sharded over each parameter's DDP group
-    (over the DP group of one rank when dp x cp = 1: parallelize_gpt wraps no DDP then)."""
+    (over the DP group of one rank when dp x cp = 1: parallelize_gpt wraps no DDP then). `capturable`:
+    its step keeps its counts on the device (a CUDA graph can hold it)."""
+    options: dict[str, Any] = {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.0, "capturable": capturable}
     if not zero:
-        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        return torch.optim.AdamW(params, **options)
     layout = get_layout()
     group = None if layout.dp * layout.cp > 1 else "DP"
-    return ZeroRedundancyOptimizer(
-        params, torch.optim.AdamW, stage=zero, process_group=group, lr=lr, betas=(0.9, 0.95), weight_decay=0.0
-    )
+    return ZeroRedundancyOptimizer(params, torch.optim.AdamW, stage=zero, process_group=group, **options)
 
 
 def clip_and_step(
@@ -67,6 +68,32 @@ def clip_and_step(
     if scaler is not None:
         scaler.update(overflow)
     return norm
+
+
+def device_step(model: HybridGPT, optimizer: torch.optim.Optimizer, params: list, max_norm: float):
+    """The step of --cuda-graphs, device work only: clip_and_step's clipping and step with the norm kept a
+    tensor, the gradients zeroed in place (a graph's memory is static). Returns (the replica losses averaged
+    over DP and the MoE aux part, the gradient norm before clipping)."""
+    zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    dp_group = get_group("DP")
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = model.train_step(inputs, targets)
+        if zero is not None:
+            norm = zero.clip_grad_norm_(max_norm if max_norm > 0 else math.inf)
+        elif max_norm > 0:
+            norm = clip_grad_norm_(params, max_norm)
+        else:
+            with_grad = [p for p in params if p.grad is not None]
+            norm = total_grad_norm([p.grad for p in with_grad], grad_placements(with_grad))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        assert model.last_aux is not None  # (train_step set it)
+        loss_and_aux = torch.stack([loss.detach(), model.last_aux])
+        dp_group.all_reduce(loss_and_aux, op=ReduceOp.AVG)
+        return loss_and_aux, norm
+
+    return step
 
 
 @dataclass(eq=False)
@@ -117,12 +144,13 @@ def train_rank(run: RunState) -> None:
         compile=cfg.compile,
     )
     params = list(model.parameters())
-    optimizer = make_optimizer(params, cfg.lr, cfg.zero)
+    optimizer = make_optimizer(params, cfg.lr, cfg.zero, capturable=cfg.cuda_graphs)
     if run.optimizer_state is not None:
         load_optimizer_state(optimizer, model.chunks, run.optimizer_state)
     tracker = SavedActivationTracker()
     dp_group = get_group("DP")
     bar = ProgressBar(cfg.steps) if rank == 0 else None
+    graphed = graphed_step(device_step(model, optimizer, params, cfg.clip_grad)) if cfg.cuda_graphs else None
 
     for step in range(run.start_step, cfg.steps):
         inputs, targets = run.batches.batch(step)  # the global batch, the same on every rank
@@ -133,12 +161,19 @@ def train_rank(run: RunState) -> None:
         # the first step only. A Python hook per saved tensor cost a tiny model's step 5% with the ranks on
         # one core and a quarter spread over two (each unpack hook takes the GIL inside the backward).
         with tracker.track() if step == run.start_step or cfg.moe_experts else contextlib.nullcontext():
-            loss = model.train_step(inputs, targets)
-        grad_norm = clip_and_step(optimizer, params, scaler, cfg.clip_grad)
-        optimizer.zero_grad(set_to_none=True)
-        # The replica's loss is the same on its CP, TP and PP ranks; the mean over DP is the global batch's.
-        loss_and_aux = torch.stack([loss.detach(), torch.tensor(model.last_aux_loss, device=loss.device)])
-        dp_group.all_reduce(loss_and_aux, op=ReduceOp.AVG)
+            if graphed is not None:
+                loss_and_aux, norm = graphed(inputs, targets)
+            else:
+                loss = model.train_step(inputs, targets)
+        if graphed is not None:
+            grad_norm: float | None = float(norm)
+        else:
+            grad_norm = clip_and_step(optimizer, params, scaler, cfg.clip_grad)
+            optimizer.zero_grad(set_to_none=True)
+            # The replica's loss is the same on its CP, TP and PP ranks; the mean over DP is the global batch's.
+            assert model.last_aux is not None  # (train_step set it)
+            loss_and_aux = torch.stack([loss.detach(), model.last_aux])
+            dp_group.all_reduce(loss_and_aux, op=ReduceOp.AVG)
         if rank == 0:
             seconds = time.perf_counter() - start
             run.losses.append(loss_and_aux[0].item())

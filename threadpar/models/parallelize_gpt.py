@@ -148,7 +148,14 @@ class HybridGPT:
     tp: TensorParallel | None
     loss_scaler: LossScaler | None = None
     cp: ProcessGroup | None = None
-    last_aux_loss: float = 0.0  # the MoE aux losses in the last step's loss (0 without MoE)
+    # The MoE aux losses in the last step's loss (a 0-dim tensor on the device; None before the first step):
+    # kept on the device, so that a step reads no value on the host (a CUDA graph can hold it).
+    last_aux: torch.Tensor | None = None
+
+    @property
+    def last_aux_loss(self) -> float:
+        """`last_aux` as a number (a host read of the device's value)."""
+        return 0.0 if self.last_aux is None else float(self.last_aux)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for chunk in self.chunks:
@@ -179,7 +186,7 @@ class HybridGPT:
         parts = torch.stack([loss, aux])
         if self.cp is not None:
             self.cp.all_reduce(parts, ReduceOp.AVG)  # the rank losses' mean is the whole sequences' loss
-        self.last_aux_loss = float(parts[1])
+        self.last_aux = parts[1].detach()
         return parts.sum()
 
     def _check_sequence(self, seq_len: int) -> None:
