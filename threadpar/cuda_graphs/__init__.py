@@ -1,5 +1,5 @@
 """A rank's whole training step as one CUDA graph (`graphed_step`): step.py."""
 
-from threadpar.cuda_graphs.step import GraphedStep, graphed_step
+from threadpar.cuda_graphs.step import GraphedStep, graphed_step, graphs_here
 
-__all__ = ["GraphedStep", "graphed_step"]
+__all__ = ["GraphedStep", "graphed_step", "graphs_here"]

@@ -37,6 +37,12 @@ from threadpar.runtime import context
 from threadpar.runtime.devices import say_once
 
 
+def graphs_here() -> bool:
+    """Whether a graphed step captures on the calling rank (the nccl backend); else it runs eagerly. (Decide
+    an optimizer's `capturable` by it: torch refuses capturable optimizers on CPU tensors.)"""
+    return context.current().world.backend == "nccl"
+
+
 def graphed_step(fn: Callable[..., Any] | None = None, *, warmup_steps: int = 3) -> Any:
     """`fn` as a GraphedStep of the calling rank (also a decorator: `@graphed_step(warmup_steps=2)`)."""
     if fn is None:
@@ -57,7 +63,7 @@ class GraphedStep:
         self._fn = fn
         self.warmup_steps = warmup_steps
         self._ctx = ctx
-        self.graphed = ctx.world.backend == "nccl"
+        self.graphed = graphs_here()
         if not self.graphed:
             say_once(
                 f"graphed_step runs the step eagerly on the {ctx.world.backend} backend: CUDA graphs need the nccl "

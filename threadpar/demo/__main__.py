@@ -166,6 +166,7 @@ def _train_and_report(
             + (", recompute" if cfg.recompute else "")
             + (f", ZeRO-{cfg.zero}" if cfg.zero else "")
             + (f", blocks compiled ({cfg.compile})" if cfg.compile else "")
+            + (", CUDA graphs" if cfg.cuda_graphs else "")
             + (f", resuming at step {run.start_step}" if run.start_step else ""),
             flush=True,
         )

@@ -19,7 +19,7 @@ import torch
 from threadpar.checkpoint import load_optimizer_state
 from threadpar.comm import get_group, get_rank
 from threadpar.comm.common.reduce_op import ReduceOp
-from threadpar.cuda_graphs import graphed_step
+from threadpar.cuda_graphs import graphed_step, graphs_here
 from threadpar.demo.cli import DemoConfig
 from threadpar.demo.data import Batches, data_parallel_slice
 from threadpar.demo.memory import SavedActivationTracker, device_peak_bytes
@@ -144,7 +144,7 @@ def train_rank(run: RunState) -> None:
         compile=cfg.compile,
     )
     params = list(model.parameters())
-    optimizer = make_optimizer(params, cfg.lr, cfg.zero, capturable=cfg.cuda_graphs)
+    optimizer = make_optimizer(params, cfg.lr, cfg.zero, capturable=cfg.cuda_graphs and graphs_here())
     if run.optimizer_state is not None:
         load_optimizer_state(optimizer, model.chunks, run.optimizer_state)
     tracker = SavedActivationTracker()
