@@ -52,7 +52,7 @@ from threadpar.comm import (
     scatter_object_list,
     send,
 )
-from threadpar.cuda_graphs import GraphedStep, graphed_step
+from threadpar.cuda_graphs import GraphedStep, graphed_step, graphs_here
 from threadpar.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -133,6 +133,7 @@ __all__ = [
     "get_thread_rank",
     "get_world_size",
     "graphed_step",
+    "graphs_here",
     "in_rank",
     "init_process_group",
     "irecv",

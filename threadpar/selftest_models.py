@@ -16,9 +16,10 @@ from threadpar.models.gpt import GPT, GPTConfig
 from threadpar.models.parallelize_gpt import parallelize_gpt
 from threadpar.parallel import DistributedDataParallel, LossScaler, ZeroRedundancyOptimizer
 
-MODEL_CHECKS = ("ddp_step", "zero2_step", "fp16_scaler_step", "pipeline_step", "zbh1_step")
+MODEL_CHECKS = ("ddp_step", "zero2_step", "fp16_scaler_step", "pipeline_step", "zbh1_step", "graphed_steps")
 LABELS = {
     "ddp_step": "DDP step (MLP)",
+    "graphed_steps": "DDP steps, CUDA graph",
     "zero2_step": "ZeRO-2 step (MLP, AdamW)",
     "fp16_scaler_step": "fp16 autocast + LossScaler step",
     "pipeline_step": "pipeline step (GPT, 1F1B)",
@@ -64,6 +65,51 @@ def ddp_step() -> Results:
     loss.backward()  # gradients averaged over the world
     threadpar.all_reduce(loss.detach(), op="avg")
     return _step_results(model, loss, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+GRAPHED_STEPS, GRAPH_WARMUP = 5, 2
+
+
+def graphed_steps() -> Results:
+    """DDP + AdamW steps through threadpar.graphed_step: 2 eager, the capture (and its replay), 2 replays
+    (on the nccl backend; elsewhere the step runs eagerly). Returns the losses and the parameters."""
+    rank, n, device = threadpar.get_rank(), threadpar.get_world_size(), threadpar.get_device()
+    model, x, y = _mlp_and_batch(n)
+    model = model.to(device)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=threadpar.graphs_here())
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+
+    def train(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=False)
+        loss = F.mse_loss(ddp(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        mean = loss.detach().clone()
+        threadpar.all_reduce(mean, op="avg")
+        return mean
+
+    step = threadpar.graphed_step(train, warmup_steps=GRAPH_WARMUP)
+    inputs, targets = x[rows].to(device), y[rows].to(device)
+    losses = [step(inputs * (1 + i / 10), targets).clone() for i in range(GRAPHED_STEPS)]
+    return {"loss": torch.stack(losses).cpu()} | {
+        f"param {k}": p.detach().cpu() for k, p in model.named_parameters()
+    }
+
+
+def graphed_reference(n: int) -> list[Results]:
+    model, x, y = _mlp_and_batch(n)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for i in range(GRAPHED_STEPS):
+        optimizer.zero_grad(set_to_none=False)
+        loss = F.mse_loss(model(x * (1 + i / 10)), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return [
+        {"loss": torch.stack(losses)} | {f"param {k}": p.detach() for k, p in model.named_parameters()}
+    ] * n
 
 
 def zero2_step() -> Results:
@@ -179,6 +225,7 @@ def check_models(subject: LayoutRunner, reference: LayoutRunner | None, n: int) 
         "fp16_scaler_step": (fp16_scaler_step, fp16_scaler_reference, {}, FP16_TOLERANCE),
         "pipeline_step": (pipeline_step, pipeline_reference, {"pp": n}, MODEL_TOLERANCE),
         "zbh1_step": (zbh1, pipeline_reference, {"pp": n}, MODEL_TOLERANCE),
+        "graphed_steps": (graphed_steps, graphed_reference, {}, MODEL_TOLERANCE),
     }
     rows = []
     for name, (step, direct, layout, tolerance) in steps.items():
