@@ -53,3 +53,12 @@ def test_shared_gpu_memory_option_says_it_needs_cuda_without_one():
     command = [sys.executable, "-m", "benchmarks.shared_gpu", "--memory"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=50, check=False)
     assert out.returncode == 2 and "--memory needs CUDA" in out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_cuda_graphs_benchmark_runs_its_cpu_model_and_finds_graphed_equal_to_eager():
+    command = [sys.executable, "-m", "benchmarks.cuda_graphs", "--quick"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=170, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| DDP MLP"))
+    assert "| True " in row, row

@@ -45,7 +45,19 @@ def test_the_demo_says_what_it_cannot_graph():
 def test_on_cpu_threads_the_demo_runs_its_graphed_step_eagerly(tmp_path, capsys):
     from threadpar.demo.__main__ import main
 
-    argv = ["--gpus", "2", "--pp", "1", "--steps", "4", "--seq-len", "16", "--batch-size", "4", "--cuda-graphs"]
+    argv = [
+        "--gpus",
+        "2",
+        "--pp",
+        "1",
+        "--steps",
+        "4",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--cuda-graphs",
+    ]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert "CUDA graphs" in captured.out and "loss" in captured.out

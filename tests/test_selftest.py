@@ -71,7 +71,9 @@ def test_a_broadcast_that_ignores_its_root_fails_both_broadcast_rows(monkeypatch
     assert set(verdicts.values()) == {"pass"}
 
 
-@pytest.mark.usefixtures("capturable_on_cpu")  # (on the double the graphed step is captured: AdamW capturable)
+@pytest.mark.usefixtures(
+    "capturable_on_cpu"
+)  # (on the double the graphed step is captured: AdamW capturable)
 def test_the_model_steps_agree_across_backends_and_with_one_thread():
     rows = check_models(fake_gpus(3, FakeCuda()), threads(3), 3)
     assert [(r[0], r[2]) for r in rows] == [(name, "pass") for name in MODEL_CHECKS]

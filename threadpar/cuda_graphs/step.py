@@ -75,6 +75,7 @@ class GraphedStep:
         self._static: list[Any] = []  # the flattened arguments the graph reads: tensors it owns, the rest
         self._spec: Any = None
         self._outputs: Any = None
+        self._plain = False  # the arguments are tensors only (the replay's fast path)
         self._watch: _ReplayWatch | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -100,6 +101,7 @@ class GraphedStep:
     def _capture(self, args: tuple, kwargs: dict) -> None:
         leaves, self._spec = tree_flatten((args, kwargs))
         self._static = [_static_copy(leaf) for leaf in leaves]
+        self._plain = not kwargs and all(type(a) is torch.Tensor for a in args)
         static_args, static_kwargs = tree_unflatten(self._static, self._spec)
         ctx, world = self._ctx, self._ctx.world
         cuda, runtime = world.cuda_api(), world.nccl_runtime()
@@ -131,6 +133,18 @@ class GraphedStep:
         world.on_close(lambda: runtime.watchdog.unwatch(self._watch))
 
     def _copy_in(self, args: tuple, kwargs: dict) -> None:
+        if self._plain and not kwargs and len(args) == len(self._static):  # (the common case: tensors only)
+            for static, new in zip(self._static, args):
+                if new is not static:
+                    if (
+                        type(new) is not torch.Tensor
+                        or new.shape != static.shape
+                        or new.dtype != static.dtype
+                    ):
+                        break  # (the general path below says what is wrong)
+                    static.copy_(new)
+            else:
+                return
         leaves, spec_now = tree_flatten((args, kwargs))
         if spec_now != self._spec:
             raise ConfigError(
