@@ -347,3 +347,32 @@ def test_a_replay_whose_peer_never_replays_is_named_by_the_watchdog():
     # the replays run on, a busy machine, the probe would: both name rank 0 and the graphed step)
     with pytest.raises(threadpar.CollectiveTimeoutError, match=r"(?s)rank 0.*graphed step"):
         run_fake_gpus(body, 2, FakeCuda(), timeout=1.0)
+
+
+def test_a_learning_rate_held_in_a_tensor_changes_inside_the_graph():
+    """A schedule reaches a graphed optimizer through a tensor lr updated in place (torch's capturable
+    optimizers read it on the device); a float lr is frozen into the graph at capture."""
+    template = mlp()
+
+    def body():
+        model = copy.deepcopy(template)
+        lr = torch.tensor(0.01)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True)
+
+        def train(x):
+            opt.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+            opt.step()
+
+        step = threadpar.graphed_step(train, warmup_steps=1)
+        x = torch.ones(2, 6)
+        step(x)  # (the warm-up)
+        moved = []
+        for rate in (0.01, 0.0):  # the schedule's values: the replays take them
+            lr.fill_(rate)
+            before = [p.detach().clone() for p in model.parameters()]
+            step(x)
+            moved.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        return step.replays, moved
+
+    assert run_fake_gpus(body, 1, FakeCuda()) == [(2, [True, False])]
