@@ -12,7 +12,8 @@ but not Python thread-locals: not threadpar's rank context.
 With the double every device is the CPU, so `device_threads()` patches torch.autograd's entry to the engine
 (torch/autograd/graph.py, `_engine_run_backward`, which backward() and grad() call) to run the backward on a
 worker thread of its own per calling rank thread, with the caller's grad mode and autocast state, while the
-caller waits; errors are re-raised in the caller.
+caller waits; errors are re-raised in the caller. A thread that turned autograd's multithreading off
+(torch.autograd.set_multithreading_enabled(False), thread-local) runs its backward itself, as the engine does.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ _local = threading.local()
 def _on_device_thread(*args: Any, **kwargs: Any) -> Any:
     original = _original[0]
     if getattr(_local, "device_thread", False):  # already on one (a backward inside a backward)
+        return original(*args, **kwargs)
+    # engine.cpp, Engine::ready_queue: `if (multithreading_disabled || ...) return cpu_ready_queue;`, driven by
+    # the calling thread
+    if not torch._C._is_multithreading_enabled():
         return original(*args, **kwargs)
     caller = threading.get_ident()
     with _PATCH_LOCK:

@@ -313,7 +313,9 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
         )  # aten/src/ATen/cuda/CUDAGraph.cpp, capture_begin
     if graph.state != "new":
         raise RuntimeError("a CUDAGraph can be captured once (make a new one to capture again)")
-    if fake.autograd_thread:  # (the recorder is the capturing thread's: backward elsewhere would go unseen)
+    # (the recorder is the capturing thread's: backward on a device thread would go unseen; graphed_step turns
+    # them off for its capture)
+    if fake.autograd_thread and torch._C._is_multithreading_enabled():
         raise NotImplementedError(
             "the double's capture does not model backward on autograd's device thread (FakeCuda(autograd_thread="
             "True)); on a GPU its kernels would be captured too. threadpar's rank threads run backward themselves "

@@ -8,9 +8,15 @@ A step's host work in eager PyTorch is milliseconds of Python per rank, and a pr
 one GIL; a replay is one call that releases it (torch/csrc/cuda/Graph.cpp binds CUDAGraph.replay without
 the GIL). The first `warmup_steps` calls run eagerly (they make the communicators, DDP's buckets, the
 optimizer's state); the next captures `fn` on the arguments' static copies (the process's ranks capture
-in turns: turns.py) and replays it once, which is that step; every later call copies its tensor arguments
-into the static copies and replays. What `fn` returned at capture is returned by every call: the same
+in turns: runtime/capture_turns.py) and replays it once, which is that step; every later call copies its
+tensor arguments into the static copies and replays. What `fn` returned at capture is returned by every call: the same
 tensors, overwritten by each replay (clone what you keep), as with torch.cuda.graph.
+
+The last warm-up call is the rehearsal: the point-to-point layer notes the messages it sends and receives,
+and the capture follows that script (a receive in a capture cannot wait for the sender's announcement of a
+message's shape: the sender captures at another time, and replays announce nothing). The rehearsal and the
+capture run backward on the rank's own thread (autograd's device threads off, runtime/autograd_threads.py),
+where the thread-local marks of comm/common/graph_capture.py are.
 
 What the step may do is what a CUDA graph can hold: device work only (no `.item()`, no printing of
 tensors, no branch on a tensor's value: refused at capture with the op and the line), fixed shapes, its
@@ -34,6 +40,7 @@ from threadpar.comm.common import graph_capture
 from threadpar.comm.handle import spec
 from threadpar.errors import CollectiveTimeoutError, ConfigError
 from threadpar.runtime import context
+from threadpar.runtime.autograd_threads import backward_on_this_thread
 from threadpar.runtime.devices import say_once
 
 
@@ -77,6 +84,7 @@ class GraphedStep:
         self._outputs: Any = None
         self._plain = False  # the arguments are tensors only (the replay's fast path)
         self._watch: _ReplayWatch | None = None
+        self._script = graph_capture.Script()  # the rehearsal's point to point (graph_capture.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if context.current() is not self._ctx:
@@ -84,8 +92,11 @@ class GraphedStep:
                 f"this graphed step belongs to rank {self._ctx.rank}; each rank makes its own graphed_step"
             )
         self.calls += 1
-        if not self.graphed or self.calls <= self.warmup_steps:
+        if not self.graphed or self.calls < self.warmup_steps:
             return self._fn(*args, **kwargs)
+        if self.calls == self.warmup_steps:  # the rehearsal: what point to point sends, the capture follows
+            with graph_capture.rehearsing(self._script), backward_on_this_thread(True):
+                return self._fn(*args, **kwargs)
         if self._graph is None:
             self._capture(args, kwargs)
         else:
@@ -118,10 +129,13 @@ class GraphedStep:
                 start = time.perf_counter()
                 with (
                     runtime.watchdog.paused(),
-                    graph_capture.marked(),
+                    backward_on_this_thread(True),
                     cuda.capture(graph, stream, generators),
                 ):
-                    outputs = self._fn(*static_args, **static_kwargs)
+                    begin = cuda.event()
+                    begin.record(stream)  # (where point-to-point receives fork from: graph_capture.Script)
+                    with graph_capture.marked(self._script, begin):
+                        outputs = self._fn(*static_args, **static_kwargs)
                 self.capture_seconds = time.perf_counter() - start
             finally:
                 runtime.streams.release([ctx.device], [stream])

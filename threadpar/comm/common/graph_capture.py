@@ -1,35 +1,139 @@
-"""Whether the calling thread is capturing a CUDA graph, for the code that must refuse to be captured.
+"""Whether the calling thread is capturing a CUDA graph (or rehearsing for one), for the code that must know.
 
 A captured step's Python runs once, at capture; what it asks of the host then (a meeting of the group's
-members to make its communicators, a wait for a peer's point-to-point announcement) is not in the graph and
-would deadlock the captures, which run one rank at a time (turns.py). Such code calls `refuse(...)`, which
-raises GraphCaptureError naming what to do instead. The flag is thread-local: a rank captures on its own
-thread (threadpar captures with capture_error_mode="thread_local").
+members to make its communicators) is not in the graph and would deadlock the captures, which run one rank
+at a time (capture_turns.py). Such code calls `refuse(...)`, which raises GraphCaptureError naming what to
+do instead. Point to point needs more than a flag: a receive learns a message's shape from its sender's
+announcement, which a capture cannot wait for; the step's last eager call before the capture is its
+rehearsal, where the point-to-point layer notes what was sent and received (a `Script`), and the capture
+follows that script (comm/nccl/p2p.py). Work a capture forks onto other streams registers a join
+(`at_end`), run before the capture ends: CUDA refuses a capture with an unjoined fork (error 904).
+
+Both marks are thread-local: a rank captures on its own thread (capture_error_mode="thread_local"), and its
+backward runs there during the rehearsal and the capture (cuda_graphs/step.py turns autograd's device
+threads off for them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from threadpar.errors import GraphCaptureError
 
 _local = threading.local()
 
 
+class Script:
+    """What one rank's step sent and received by point to point at its rehearsal, per (group, member, peer):
+    the headers in send order (what the receiver's ncclRecv calls need: shape and dtype). Filled by the
+    point-to-point layer; the capture consumes copies (`start`), so a later capture could follow it again."""
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[Any, int, int], list[Any]] = {}
+        self.received: dict[tuple[Any, int, int], list[Any]] = {}
+        self.to_send: dict[tuple[Any, int, int], list[Any]] = {}
+        self.to_receive: dict[tuple[Any, int, int], list[Any]] = {}
+        self.posted: dict[tuple[Any, int, int, int], list[Any]] = {}  # (group, member, src, tag) -> received
+        # An event recorded on the capture's stream before the step: where receives fork from. A receive
+        # writes a new buffer, so its ncclRecv needs nothing of the step's work before it, as in an eager step
+        # (forked at the receive, it would follow the step's waits on its sends, which wait for the peer's
+        # receives: a cycle when two ranks send each other a message before receiving, as a ring does).
+        self.begin: Any = None
+
+    def clear(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+
+    def start(self) -> None:
+        """The capture begins: what it must send and receive is what the rehearsal did."""
+        self.to_send = {k: list(v) for k, v in self.sent.items()}
+        self.to_receive = {k: list(v) for k, v in self.received.items()}
+        self.posted = {}
+
+    def unfinished(self) -> list[str]:
+        """What the rehearsal did and the capture did not (each peer's graph would wait for it at a replay)."""
+        left = [f"{len(v)} send(s) to member {k[2]}" for k, v in self.to_send.items() if v]
+        left += [f"{len(v)} receive(s) from member {k[2]}" for k, v in self.to_receive.items() if v]
+        left += [
+            f"{len(v)} received message(s) never taken (tag {k[3]})" for k, v in self.posted.items() if v
+        ]
+        return left
+
+
+class _Marks:
+    """The calling thread's state: the script of a rehearsal or a capture, and a capture's joins."""
+
+    def __init__(self) -> None:
+        self.rehearsal: Script | None = None
+        self.capture: Script | None = None
+        self.joins: list[Callable[[], None]] = []
+
+
+def _marks() -> _Marks:
+    marks = getattr(_local, "marks", None)
+    if marks is None:
+        marks = _local.marks = _Marks()
+    return marks
+
+
 def capturing() -> bool:
-    return getattr(_local, "depth", 0) > 0
+    return _marks().capture is not None
+
+
+def capture_script() -> Script | None:
+    """The script the calling thread's capture follows (None: not capturing)."""
+    return _marks().capture
+
+
+def rehearsal_script() -> Script | None:
+    """The script the calling thread's rehearsal fills (None: not rehearsing)."""
+    return _marks().rehearsal
 
 
 @contextlib.contextmanager
-def marked() -> Iterator[None]:
-    """The calling thread is capturing while inside."""
-    _local.depth = getattr(_local, "depth", 0) + 1
+def rehearsing(script: Script) -> Iterator[None]:
+    """The calling thread runs the step's last eager call before its capture while inside."""
+    marks = _marks()
+    script.clear()
+    marks.rehearsal = script
     try:
         yield
     finally:
-        _local.depth -= 1
+        marks.rehearsal = None
+
+
+@contextlib.contextmanager
+def marked(script: Script | None = None, begin: Any = None) -> Iterator[None]:
+    """The calling thread is capturing while inside (open it inside the capture: the joins registered with
+    `at_end` run at a normal exit, still captured). `begin`: an event recorded at the capture's start."""
+    marks = _marks()
+    if marks.capture is not None:
+        raise GraphCaptureError("a graphed step called inside another's capture: graph the outer step only")
+    script = Script() if script is None else script
+    script.start()
+    script.begin = begin
+    marks.capture, marks.joins = script, []
+    try:
+        yield
+        joins, marks.joins = marks.joins, []
+        for join in joins:
+            join()
+        left = script.unfinished()
+        if left:
+            raise GraphCaptureError(
+                "the captured step's point to point differs from its last eager call's (its rehearsal): "
+                f"{'; '.join(left)}. A graphed step must send and receive the same messages at every call"
+            )
+    finally:
+        marks.capture, marks.joins = None, []
+
+
+def at_end(join: Callable[[], None]) -> None:
+    """Run `join` before the calling thread's capture ends (it makes the origin stream wait for a fork)."""
+    _marks().joins.append(join)
 
 
 def refuse(what: str, instead: str) -> None:

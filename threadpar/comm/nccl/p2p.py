@@ -26,6 +26,14 @@ and two messages received in another order than sent would swap. So:
   its ncclSend is issued when the pair exists (an isend's Work waits for that first). A receive needs the pair
   to issue its ncclRecv, and waits for it (a receive waits for its message anyway). torch's ProcessGroupNCCL
   makes a communicator per pair on first use too (pointToPoint), but its first send waits for the peer.
+- In a CUDA graph capture (cuda_graphs/step.py) nothing is announced: the sender captures at another time
+  than the receiver, and replays run no Python. A graphed step's last eager call (its rehearsal) noted the
+  headers each member sent and took (comm/common/graph_capture.py, Script); at capture a send must be the
+  rehearsal's next one to that peer (else GraphCaptureError) and a receive posts the rehearsal's headers up
+  to its tag, as an eager receive posts the announced ones. NCCL matches a pair's calls in issue order, and
+  every replay issues the captured ones in that order on both sides. The pair's streams join the capture
+  (a send's stream waits for the caller's stream at the send; the receiving stream for an event recorded at
+  the capture's start) and are joined back at its end.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from threadpar.comm.common.tensor_bytes import byte_view
 from threadpar.comm.nccl.comm import NcclComm
 from threadpar.comm.nccl.library import NONBLOCKING_VERSION, nccl_group
 from threadpar.comm.nccl.work import NcclWork
-from threadpar.errors import CollectiveTimeoutError, NcclError
+from threadpar.errors import CollectiveTimeoutError, GraphCaptureError, NcclError
 
 
 class Header(NamedTuple):
@@ -196,7 +204,6 @@ class NcclPointToPoint:
         self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False
     ) -> NcclWork | None:
         """Buffered (a snapshot of `tensor`) unless `async_op` (isend: wait on its Work before overwriting)."""
-        refuse_in_graph("a send")
         self._check_devices(member, "send", [tensor])
         device = self.devices[member]
         current = self._cuda.current_stream(device)
@@ -207,10 +214,17 @@ class NcclPointToPoint:
         ready, done = self._cuda.event(), self._cuda.event()
         ready.record(current)
         queued = _Send(byte_view(data), ready, done, threading.Event())
+        script = graph_capture.capture_script()
+        if script is not None:
+            return self._send_captured(script, member, dst, tag, data, queued, async_op)
         with self._link(member, dst):  # this pair's messages are announced and issued in one order
             place = self._sent.get((member, dst), 0)
             self._sent[member, dst] = place + 1
-            self._announce(member, dst, Header(tag, tuple(data.shape), data.dtype, place))
+            header = Header(tag, tuple(data.shape), data.dtype, place)
+            self._announce(member, dst, header)
+            rehearsal = graph_capture.rehearsal_script()
+            if rehearsal is not None:
+                rehearsal.sent.setdefault((self, member, dst), []).append(header)
             side = self._side(member, dst)
             with side.cond:
                 if side.error is not None:
@@ -233,6 +247,60 @@ class NcclPointToPoint:
             comm=None if pair is None else pair.send,
             gate=None if pair is not None else _IssueGate(side, queued.issued),
         )
+
+    def _send_captured(
+        self,
+        script: graph_capture.Script,
+        member: int,
+        dst: int,
+        tag: int,
+        data: torch.Tensor,
+        queued: _Send,
+        async_op: bool,
+    ) -> NcclWork | None:
+        """A send in a capture: its ncclSend goes into the graph, unannounced (the receiver's capture follows
+        its rehearsal's script instead: `_recv_captured`), so it must be the message the rehearsal sent."""
+        expected = script.to_send.get((self, member, dst))
+        sending = f"{tuple(data.shape)} {data.dtype} with tag {tag}"
+        if not expected or (expected[0].tag, expected[0].shape, expected[0].dtype) != (
+            tag,
+            tuple(data.shape),
+            data.dtype,
+        ):
+            rehearsed = (
+                f"{expected[0].shape} {expected[0].dtype} with tag {expected[0].tag}"
+                if expected
+                else "nothing more"
+            )
+            raise GraphCaptureError(
+                f"rank {self.ranks[member]} sends {sending} to rank {self.ranks[dst]} in the captured step, where its "
+                f"last eager call (the rehearsal) sent {rehearsed} at this point: the receiver's graph holds the "
+                "rehearsal's receives, so a graphed step must send the same messages in the same order at every call"
+            )
+        expected.pop(0)
+        pair = self._captured_pair(member, dst)
+        self._issue_send(pair, queued)  # (the pair's stream waits for `ready`: it joins the capture there)
+        self._cuda.record_stream(data, pair.send_stream)
+        device, done = self.devices[member], queued.done
+        graph_capture.at_end(lambda: self._cuda.current_stream(device).wait_event(done))
+        if not async_op:
+            return None
+        return NcclWork(
+            f"isend to rank {self.ranks[dst]} (tag {tag}, group '{self.name}')",
+            cuda=self._cuda, device=device, abort=self._abort, timeout=self._timeout, done=done, comm=pair.send,
+        )  # fmt: skip
+
+    def _captured_pair(self, member: int, peer: int) -> Pair:
+        """The pair's communicators in a capture: made since the warm-up (the first message between two members
+        makes them, a meeting of both hosts that a capture cannot hold). Their maker may still be finishing
+        (the peer's warm-up may lag): wait for it, so that the eager sends it issues are not captured."""
+        if self._sides.get((member, peer)) is None:  # (a dict read of a write-once entry: DESIGN.md rule 10)
+            raise GraphCaptureError(
+                f"point to point between rank {self.ranks[member]} and rank {self.ranks[peer]} starts in the "
+                "captured step: their NCCL communicators are made at their first message, a meeting of both hosts "
+                "that a capture cannot hold; exchange a message in the eager warm-up calls first"
+            )
+        return self._ready_pair(member, peer)
 
     def _issue_send(self, pair: Pair, send: _Send) -> None:
         stream, payload, nccl = pair.send_stream, send.payload, self._nccl
@@ -257,7 +325,9 @@ class NcclPointToPoint:
         self, member: int, src: int | None, tag: int, timeout: float | None = None
     ) -> tuple[int, torch.Tensor]:
         """The next message from `src` (any source: None) with `tag`; the caller's stream waits for it."""
-        refuse_in_graph("a receive")
+        script = graph_capture.capture_script()
+        if script is not None:
+            return self._recv_captured(script, member, src, tag)
         inbox = self._inboxes[member]
         timeout = self._timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -278,6 +348,9 @@ class NcclPointToPoint:
             with posting:
                 with inbox.cond:
                     headers = inbox.take_until(source, tag)
+                rehearsal = graph_capture.rehearsal_script()
+                if rehearsal is not None:
+                    rehearsal.received.setdefault((self, member, source), []).extend(headers)
                 posted = [self._post_recv(member, source, h) for h in headers]
                 with inbox.cond:
                     for header, message in zip(headers, posted):
@@ -286,6 +359,46 @@ class NcclPointToPoint:
         stream.wait_event(done)
         self._cuda.record_stream(buffer, stream)
         return source, buffer
+
+    def _recv_captured(
+        self, script: graph_capture.Script, member: int, src: int | None, tag: int
+    ) -> tuple[int, torch.Tensor]:
+        """A receive in a capture: nothing is announced (the sender's capture runs at another time, and its
+        replays announce nothing), so its ncclRecv calls follow the rehearsal's script: every message `src`
+        sent this member up to the first with `tag`, in send order, as an eager receive posts them."""
+        if src is None:
+            raise GraphCaptureError(
+                f"a receive from any source on rank {self.ranks[member]} (tag {tag}) inside a step being captured "
+                "as a CUDA graph: its ncclRecv needs the source at capture; name the source (src=...)"
+            )
+        waiting = script.posted.setdefault((self, member, src, tag), [])
+        if not waiting:
+            rehearsed = script.to_receive.get((self, member, src), [])
+            upto = next((i for i, h in enumerate(rehearsed) if h.tag == tag), None)
+            if upto is None:
+                raise GraphCaptureError(
+                    f"rank {self.ranks[member]} receives tag {tag} from rank {self.ranks[src]} in the captured step, "
+                    "a message its last eager call (the rehearsal) did not receive there: a capture learns a "
+                    "message's shape from the rehearsal, so a graphed step must receive the same messages in the "
+                    "same order at every call"
+                )
+            headers, rehearsed[: upto + 1] = rehearsed[: upto + 1], []
+            pair = self._captured_pair(member, src)
+            device = self.devices[member]
+            if script.begin is None:  # (a capture without a start event: fork here)
+                script.begin = self._cuda.event()
+                script.begin.record(self._cuda.current_stream(device))
+            pair.recv_stream.wait_event(script.begin)  # (joins the capture: graph_capture.Script.begin)
+            for header in headers:
+                received = self._post_recv(member, src, header)
+                script.posted.setdefault((self, member, src, header.tag), []).append(received)
+            last = received.done
+            graph_capture.at_end(lambda: self._cuda.current_stream(device).wait_event(last))
+        buffer, done = waiting.pop(0)
+        stream = self._cuda.current_stream(self.devices[member])
+        stream.wait_event(done)
+        self._cuda.record_stream(buffer, stream)
+        return src, buffer
 
     def _post_recv(self, member: int, src: int, header: Header) -> _Received:
         pair = self._ready_pair(member, src)
@@ -476,12 +589,3 @@ class NcclPointToPoint:
             maker = side.maker
             if maker is not None and (side.pair is not None or side.error is not None):
                 maker.join()
-
-
-def refuse_in_graph(what: str) -> None:
-    graph_capture.refuse(
-        f"{what} on the nccl backend",
-        "a receive waits on the host for the sender's announcement of the message (its tag, shape and dtype), "
-        "which the captures, one rank at a time, would never deliver; point to point (and so pipeline "
-        "parallelism) is not graphed yet: graph a step without it",
-    )
