@@ -14,7 +14,8 @@ On a GPU (world 1, the nccl backend), for GPT-2 small's shape (12 x 768, 12 head
 Ranks sharing one GPU are not graphed (their collectives are host meetings on the threads backend).
 
 Without a GPU, and always: the CPU model of capture and replay (tests/fakes: the project's CUDA/NCCL double,
-fake_graph.py), world 2, a DDP MLP step: the losses of 10 steps graphed and eager (they must be identical),
+fake_graph.py), world 2, a DDP MLP step and a 1F1B pipeline's (2 stages, its sends and receives graphed
+too): the losses of 10 steps graphed and eager (they must be identical),
 and the Python calls per step on a rank thread, eager against a replay (threadpar's own; the double's frames,
 which stand for the GPU's work, are not counted). Medians of --rounds rounds.
 """
@@ -172,10 +173,8 @@ class CallCounter:
             sys.setprofile(None)
 
 
-def cpu_model(steps: int) -> list[list[str]]:
-    sys.path.insert(0, str(TESTS))
-    from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
-
+def _ddp_mlp(steps: int) -> Any:
+    """A DDP MLP's step: make() -> (train, the rank's arguments of step i)."""
     from threadpar.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -183,37 +182,80 @@ def cpu_model(steps: int) -> list[list[str]]:
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
 
-    def run(graphed: bool) -> list[Any]:
-        def body() -> tuple[torch.Tensor, int]:
-            rank = threadpar.get_rank()
-            model = DistributedDataParallel(copy.deepcopy(template))
-            opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True)
+    def make() -> tuple[Any, Any]:
+        rank = threadpar.get_rank()
+        model = DistributedDataParallel(copy.deepcopy(template))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True)
 
-            def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                opt.zero_grad(set_to_none=False)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                return loss.detach()
+        def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
 
-            step = threadpar.graphed_step(train, warmup_steps=2) if graphed else train
-            losses, counter = [], CallCounter()
-            for i, (x, y) in enumerate(data):
-                shard = (x.chunk(2)[rank], y.chunk(2)[rank])
-                if i == steps - 1 and rank == 0:
-                    with counter.counting():
-                        losses.append(step(*shard).clone())
-                else:
-                    losses.append(step(*shard).clone())
-            return torch.stack(losses), counter.calls
+        return train, lambda i: (data[i][0].chunk(2)[rank], data[i][1].chunk(2)[rank])
 
-        return run_fake_gpus(body, 2, FakeCuda())
+    return make
 
-    with capturable_on_cpu():
-        graphed, eager = run(True), run(False)
-    same = all(torch.equal(g[0], e[0]) for g, e in zip(graphed, eager))
-    return [[f"DDP MLP, 2 ranks, {steps} steps", str(same), str(eager[0][1]), str(graphed[0][1]),
-             f"{eager[0][1] / max(1, graphed[0][1]):.0f}x"]]  # fmt: skip
+
+def _pipeline(steps: int) -> Any:
+    """A 1F1B pipeline's step, 2 stages x 4 microbatches: its sends and receives in the graph too."""
+    from test_pipeline_executor import lm_loss, make_batch, make_model, my_chunks
+
+    from threadpar.pipeline import PipelineParallel
+
+    data = [make_batch(8, seed=10 + i) for i in range(steps)]
+
+    def make() -> tuple[Any, Any]:
+        pipe = PipelineParallel(
+            my_chunks(make_model(4), 1), loss_fn=lm_loss, schedule="1f1b", num_microbatches=4
+        )
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.01, capturable=True)
+
+        def train(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            loss = pipe.train_step(inputs, targets)
+            opt.step()
+            return loss
+
+        return train, lambda i: data[i]
+
+    return make
+
+
+def cpu_model(steps: int) -> list[list[str]]:
+    sys.path.insert(0, str(TESTS))
+    from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+
+    cases = {  # name -> (make, the launch's layout)
+        f"DDP MLP, 2 ranks, {steps} steps": (_ddp_mlp(steps), {}),
+        f"1F1B pipeline, 2 stages x 4 microbatches, {steps} steps": (_pipeline(steps), {"pp": 2}),
+    }
+    rows = []
+    for name, (make, layout) in cases.items():
+
+        def run(graphed: bool, make: Any = make, layout: dict = layout) -> list[Any]:
+            def body() -> tuple[torch.Tensor, int]:
+                train, batch = make()
+                step = threadpar.graphed_step(train, warmup_steps=2) if graphed else train
+                losses, counter = [], CallCounter()
+                for i in range(steps):
+                    if i == steps - 1 and threadpar.get_rank() == 0:
+                        with counter.counting():
+                            losses.append(step(*batch(i)).clone())
+                    else:
+                        losses.append(step(*batch(i)).clone())
+                return torch.stack(losses), counter.calls
+
+            return run_fake_gpus(body, 2, FakeCuda(), **layout)
+
+        with capturable_on_cpu():
+            graphed, eager = run(True), run(False)
+        same = all(torch.equal(g[0], e[0]) for g, e in zip(graphed, eager))
+        rows.append([name, str(same), str(eager[0][1]), str(graphed[0][1]),
+                     f"{eager[0][1] / max(1, graphed[0][1]):.0f}x"])  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,62 +63,44 @@ class Script:
         return left
 
 
-class _Marks:
-    """The calling thread's state: the script of a rehearsal or a capture, and a capture's joins."""
-
-    def __init__(self) -> None:
-        self.rehearsal: Script | None = None
-        self.capture: Script | None = None
-        self.joins: list[Callable[[], None]] = []
-
-
-def _marks() -> _Marks:
-    marks = getattr(_local, "marks", None)
-    if marks is None:
-        marks = _local.marks = _Marks()
-    return marks
-
-
 def capturing() -> bool:
-    return _marks().capture is not None
+    return getattr(_local, "capture", None) is not None  # (on every NCCL call: kept to one attribute read)
 
 
 def capture_script() -> Script | None:
     """The script the calling thread's capture follows (None: not capturing)."""
-    return _marks().capture
+    return getattr(_local, "capture", None)
 
 
 def rehearsal_script() -> Script | None:
     """The script the calling thread's rehearsal fills (None: not rehearsing)."""
-    return _marks().rehearsal
+    return getattr(_local, "rehearsal", None)
 
 
 @contextlib.contextmanager
 def rehearsing(script: Script) -> Iterator[None]:
     """The calling thread runs the step's last eager call before its capture while inside."""
-    marks = _marks()
     script.clear()
-    marks.rehearsal = script
+    _local.rehearsal = script
     try:
         yield
     finally:
-        marks.rehearsal = None
+        _local.rehearsal = None
 
 
 @contextlib.contextmanager
 def marked(script: Script | None = None, begin: Any = None) -> Iterator[None]:
     """The calling thread is capturing while inside (open it inside the capture: the joins registered with
     `at_end` run at a normal exit, still captured). `begin`: an event recorded at the capture's start."""
-    marks = _marks()
-    if marks.capture is not None:
+    if capturing():
         raise GraphCaptureError("a graphed step called inside another's capture: graph the outer step only")
     script = Script() if script is None else script
     script.start()
     script.begin = begin
-    marks.capture, marks.joins = script, []
+    _local.capture, _local.joins = script, []
     try:
         yield
-        joins, marks.joins = marks.joins, []
+        joins, _local.joins = _local.joins, []
         for join in joins:
             join()
         left = script.unfinished()
@@ -128,12 +110,12 @@ def marked(script: Script | None = None, begin: Any = None) -> Iterator[None]:
                 f"{'; '.join(left)}. A graphed step must send and receive the same messages at every call"
             )
     finally:
-        marks.capture, marks.joins = None, []
+        _local.capture, _local.joins = None, []
 
 
 def at_end(join: Callable[[], None]) -> None:
     """Run `join` before the calling thread's capture ends (it makes the origin stream wait for a fork)."""
-    _marks().joins.append(join)
+    _local.joins.append(join)
 
 
 def refuse(what: str, instead: str) -> None:
