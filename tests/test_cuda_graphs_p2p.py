@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_processes, run_fake_gpus
 from test_cuda_graphs import assert_graphed_equals_eager, graphed_and_eager, run_refused
 from test_pipeline_executor import lm_loss, make_batch, make_model, my_chunks
 
@@ -140,3 +140,19 @@ def test_ring_attention_with_context_parallel_graphs_as_it_runs_eagerly(cp):
 
     graphed, eager = graphed_and_eager(make, cp, warmup=WARMUP, steps=STEPS, cp=cp)
     assert_graphed_equals_eager(graphed, eager, steps=STEPS, warmup=WARMUP)
+
+
+def test_a_pipeline_across_two_processes_graphs_as_it_runs_eagerly():
+    # Each process captures on its own (one capture per process); the stages' pair communicators span the
+    # processes, their messages announced through the message router eagerly and scripted at capture.
+    def run(graphed: bool) -> list[torch.Tensor]:
+        def body():
+            train, _, batch = pipeline_step("1f1b", 1, 4)()
+            step = threadpar.graphed_step(train, warmup_steps=WARMUP) if graphed else train
+            return torch.stack([step(*batch(i)).detach().clone() for i in range(STEPS)])
+
+        fakes = fake_gpu_processes(2)
+        return [r for process in run_fake_gpu_processes(body, fakes, 1, pp=2) for r in process]
+
+    for g, e in zip(run(True), run(False)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)

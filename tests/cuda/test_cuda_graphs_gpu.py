@@ -65,3 +65,34 @@ def test_a_host_read_is_refused_at_capture_on_a_gpu():
 
     with pytest.raises((GraphCaptureError, RuntimeError), match="captur"):
         run_gpus(body, 1)
+
+
+def test_a_graphed_1f1b_pipeline_matches_its_eager_steps_on_two_gpus():
+    """The stages' ncclSend/ncclRecv captured from the rehearsal's script (comm/nccl/p2p.py)."""
+    gpus_or_skip(2)
+    from test_pipeline_executor import lm_loss, make_batch, make_model, my_chunks
+
+    from threadpar.pipeline import PipelineParallel
+
+    def body(graphed: bool):
+        device = threadpar.get_device()
+        chunks = [c.to(device) for c in my_chunks(make_model(4), 1)]
+        pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule="1f1b", num_microbatches=4)
+        optimizer = torch.optim.AdamW(list(pipe.parameters()), lr=0.01, capturable=True)
+
+        def train(inputs, targets):
+            optimizer.zero_grad(set_to_none=False)
+            loss = pipe.train_step(inputs, targets)
+            optimizer.step()
+            return loss
+
+        step = threadpar.graphed_step(train, warmup_steps=WARMUP) if graphed else train
+        losses = [step(*(t.to(device) for t in make_batch(8, seed=10 + i))).clone() for i in range(STEPS)]
+        return torch.stack(losses).cpu(), [p.detach().cpu() for p in pipe.parameters()]
+
+    graphed = run_gpus(body, 2, True, pp=2)
+    eager = run_gpus(body, 2, False, pp=2)
+    for (g_losses, g_params), (e_losses, e_params) in zip(graphed, eager):
+        torch.testing.assert_close(g_losses, e_losses, rtol=1e-5, atol=1e-6)
+        for g, e in zip(g_params, e_params):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
