@@ -33,7 +33,10 @@ and two messages received in another order than sent would swap. So:
   to its tag, as an eager receive posts the announced ones. NCCL matches a pair's calls in issue order, and
   every replay issues the captured ones in that order on both sides. The pair's streams join the capture
   (a send's stream waits for the caller's stream at the send; the receiving stream for an event recorded at
-  the capture's start) and are joined back at its end.
+  the capture's start) and are joined back at its end. The rehearsal's eager sends may still be outstanding
+  when the first replay's captured ones launch on the same communicators: NCCL supports outstanding
+  operations that are "any combination of graph-captured or non-captured" (user guide, "Using NCCL with
+  CUDA Graphs"; NCCL_GRAPH_MIXING_SUPPORT, on by default).
 """
 
 from __future__ import annotations
