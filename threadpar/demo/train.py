@@ -34,11 +34,16 @@ from threadpar.runtime.context import get_coords, get_device, get_layout
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_optimizer(params, lr: float, zero: int = 0, capturable: bool = False) -> torch.optim.Optimizer:
+def make_optimizer(
+    params, lr: float, zero: int = 0, capturable: bool = False, fused: bool = False
+) -> torch.optim.Optimizer:
     """AdamW; with zero=1 or 2 a ZeroRedundancyOptimizer around it, sharded over each parameter's DDP group
     (over the DP group of one rank when dp x cp = 1: parallelize_gpt wraps no DDP then). `capturable`:
-    its step keeps its counts on the device (a CUDA graph can hold it)."""
+    its step keeps its counts on the device (a CUDA graph can hold it). `fused`: torch's fused AdamW, which
+    skips its step on the device on an fp16 overflow (LossScaler.optimizer_step_on_device)."""
     options: dict[str, Any] = {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.0, "capturable": capturable}
+    if fused:
+        options["fused"] = True
     if not zero:
         return torch.optim.AdamW(params, **options)
     layout = get_layout()
@@ -70,15 +75,30 @@ def clip_and_step(
     return norm
 
 
-def device_step(model: HybridGPT, optimizer: torch.optim.Optimizer, params: list, max_norm: float):
-    """The step of --cuda-graphs, device work only: clip_and_step's clipping and step with the norm kept a
-    tensor, the gradients zeroed in place (a graph's memory is static). Returns (the replica losses averaged
-    over DP and the MoE aux part, the gradient norm before clipping)."""
+def device_step(
+    model: HybridGPT,
+    optimizer: torch.optim.Optimizer,
+    params: list,
+    max_norm: float,
+    scaler: LossScaler | None = None,
+):
+    """The step of --cuda-graphs, device work only: clip_and_step's unscaling (fp16), clipping and step with
+    the norm and the overflow flag kept tensors (an overflow skips the step on the device: the fused AdamW
+    reads the flag), the gradients zeroed in place (a graph's memory is static). Returns (the replica losses
+    averaged over DP and the MoE aux part, the gradient norm before clipping, the agreed overflow flag: 1.0
+    where an fp16 step was skipped)."""
     zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
     dp_group = get_group("DP")
+    holders = params if zero is None else cast(list[torch.nn.Parameter], zero.grad_holders())
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         loss = model.train_step(inputs, targets)
+        # (on an overflow the clipping below sees inf or nan: harmless, the step that would use it is skipped)
+        found_inf = (
+            scaler.unscale_on_device(holders)
+            if scaler is not None
+            else loss.new_zeros((), dtype=torch.float32)
+        )
         if zero is not None:
             norm = zero.clip_grad_norm_(max_norm if max_norm > 0 else math.inf)
         elif max_norm > 0:
@@ -86,12 +106,16 @@ def device_step(model: HybridGPT, optimizer: torch.optim.Optimizer, params: list
         else:
             with_grad = [p for p in params if p.grad is not None]
             norm = total_grad_norm([p.grad for p in with_grad], grad_placements(with_grad))
-        optimizer.step()
+        if scaler is not None:
+            scaler.optimizer_step_on_device(optimizer, found_inf)
+            scaler.update(found_inf)
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         assert model.last_aux is not None  # (train_step set it)
         loss_and_aux = torch.stack([loss.detach(), model.last_aux])
         dp_group.all_reduce(loss_and_aux, op=ReduceOp.AVG)
-        return loss_and_aux, norm
+        return loss_and_aux, norm, found_inf
 
     return step
 
@@ -144,13 +168,23 @@ def train_rank(run: RunState) -> None:
         compile=cfg.compile,
     )
     params = list(model.parameters())
-    optimizer = make_optimizer(params, cfg.lr, cfg.zero, capturable=cfg.cuda_graphs and graphs_here())
+    optimizer = make_optimizer(
+        params,
+        cfg.lr,
+        cfg.zero,
+        capturable=cfg.cuda_graphs and graphs_here(),
+        fused=cfg.cuda_graphs and scaler is not None,  # (the graphed fp16 step skips on the device)
+    )
     if run.optimizer_state is not None:
         load_optimizer_state(optimizer, model.chunks, run.optimizer_state)
     tracker = SavedActivationTracker()
     dp_group = get_group("DP")
     bar = ProgressBar(cfg.steps) if rank == 0 else None
-    graphed = graphed_step(device_step(model, optimizer, params, cfg.clip_grad)) if cfg.cuda_graphs else None
+    graphed = (
+        graphed_step(device_step(model, optimizer, params, cfg.clip_grad, scaler))
+        if cfg.cuda_graphs
+        else None
+    )
 
     for step in range(run.start_step, cfg.steps):
         inputs, targets = run.batches.batch(step)  # the global batch, the same on every rank
@@ -162,11 +196,11 @@ def train_rank(run: RunState) -> None:
         # one core and a quarter spread over two (each unpack hook takes the GIL inside the backward).
         with tracker.track() if step == run.start_step or cfg.moe_experts else contextlib.nullcontext():
             if graphed is not None:
-                loss_and_aux, norm = graphed(inputs, targets)
+                loss_and_aux, norm, found_inf = graphed(inputs, targets)
             else:
                 loss = model.train_step(inputs, targets)
-        if graphed is not None:
-            grad_norm: float | None = float(norm)
+        if graphed is not None:  # (host reads after the step: None for a step skipped on an fp16 overflow)
+            grad_norm: float | None = None if found_inf.item() else float(norm)
         else:
             grad_norm = clip_and_step(optimizer, params, scaler, cfg.clip_grad)
             optimizer.zero_grad(set_to_none=True)

@@ -165,15 +165,20 @@ class HybridGPT:
         """Forward and backward of this DP replica's batch [B, T] through the pipeline; gradients are
         complete (averaged over DP x CP, summed over TP for sequence-parallel replicas) when it returns.
         Returns the replica's mean loss (cross-entropy plus MoE aux losses) on every rank of the replica."""
-        scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+        scaler = self.loss_scaler
+        # The MoE layers take the factor as a number (MoE.aux_loss_scale, compared with 1): a host read of the
+        # scale, under MoE only. Otherwise the scale stays on the device (a CUDA graph can hold the step).
+        aux_scale = scaler.scale if scaler is not None and self.config.moe_experts else 1.0
         n = self.pipeline.num_microbatches
         if self.cp is not None:  # this rank's load-balanced part of every sequence: [B, T / cp]
             self._check_sequence(inputs.shape[1])
             inputs, targets = split_sequence(inputs, 1, self.cp), split_sequence(targets, 1, self.cp)
         for chunk in self.chunks:
             chunk.aux_loss_sum = 0.0
-            chunk.set_aux_loss_scale(scale / n)  # each microbatch's loss is scaled by `scale / n`, too
-        loss = self.pipeline.train_step(inputs, targets) / scale  # its rank losses (times cp under CP)
+            chunk.set_aux_loss_scale(aux_scale / n)  # each microbatch's loss is scaled by `scale / n`, too
+        loss = self.pipeline.train_step(inputs, targets)  # its rank losses (times cp under CP)
+        if scaler is not None:
+            loss = loss / scaler.scale_tensor.to(loss.device)  # (the scale its microbatches were scaled by)
         if self.tp is not None and self.tp.sequence_parallel:
             for chunk in self.chunks:
                 allreduce_sequence_parallel_grads(chunk, self.tp.group)
@@ -239,7 +244,8 @@ def parallelize_gpt(
     ep ranks of each DP x CP group (ep divides dp * cp; the launch's EP groups when it equals launch(ep=));
     1 keeps every expert on every rank; None: the launch's ep.
     loss_scaler: fp16 loss scaling; each microbatch loss is multiplied by its current scale before
-    backward (train_step returns the unscaled loss; step the optimizer with `loss_scaler.step`).
+    backward, by the scale on the device (train_step returns the unscaled loss; step the optimizer with
+    `loss_scaler.step`, or in a CUDA graph `loss_scaler.step_on_device`).
     The dense weights come from the caller, so that every layout starts from the same model.
     compile: a torch.compile backend (a name: "inductor", "aot_eager"; or a callable) to compile every transformer block with
     (Module.compile, in place: names and state dicts stay those of the eager model); None: eager. Import
@@ -297,7 +303,7 @@ def parallelize_gpt(
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = criterion(logits, targets)
-        return loss if loss_scaler is None else loss * loss_scaler.scale
+        return loss if loss_scaler is None else loss_scaler.scale_loss(loss)
 
     pipeline = PipelineParallel(
         modules, loss_fn=loss_fn, schedule=schedule, num_microbatches=num_microbatches, group="PP"

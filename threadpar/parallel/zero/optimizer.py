@@ -192,7 +192,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._sync_groups(self.param_groups, self.optim.param_groups)
         self._prepare_grads()
         self._prepared = False
-        self.optim.step()
+        # found_inf and grad_scale, set on us for this step: the wrapped fused optimizer's to read
+        amp = {k: self.__dict__[k] for k in _AMP_SKIP if k in self.__dict__}
+        for key, value in amp.items():
+            setattr(self.optim, key, value)
+        try:
+            self.optim.step()
+        finally:
+            for key in amp:
+                delattr(self.optim, key)
         self._sync_groups(self.optim.param_groups, self.param_groups)
         last = len(self._shards) - 1
         works = [shard.publish(async_op=k != last) for k, shard in enumerate(self._shards)]
@@ -200,6 +208,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if work is not None:
                 work.wait()
         return loss
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether step() takes the `found_inf` and `grad_scale` attributes that LossScaler.step_on_device and
+        torch.amp.GradScaler set on an optimizer for one step (grad_scaler.py, GradScaler.step): when the
+        wrapped optimizer does (torch's fused Adam, AdamW, SGD), which then skips its step on the device where
+        found_inf is set. The pieces it would have changed stay as they were, so the all-gather after it
+        publishes the parameters unchanged (from the master weights, also unchanged)."""
+        return bool(getattr(self.__dict__.get("optim"), "_step_supports_amp_scaling", False))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -326,6 +343,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             group.update(copy.deepcopy(_hyper(saved)))
         self._sync_groups(self.param_groups, self.optim.param_groups)
         self.optim.state = defaultdict(dict, load_dense(self._shards, dense, schema))
+
+
+_AMP_SKIP = ("found_inf", "grad_scale")  # what GradScaler.step sets on an optimizer that takes them
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
