@@ -229,7 +229,10 @@ class FakeCuda:
         schedule a GPU may pick, which reports a buffer touched out of order as a race even after every rank
         issued its part; else once every part is issued (None: the suite's mode, LAZY_DEFAULT, set by
         conftest's fixture). autograd_thread: run_fake_gpus runs every backward on a thread of its own per
-        rank, without the rank's context, as CUDA's autograd engine does (fake_autograd_thread.py).
+        rank, without the rank's context, as CUDA's autograd engine does (fake_autograd_thread.py), in a
+        launch with torch_distributed=False: with it on (the default), the rank's torch.distributed session
+        turns autograd's multithreading off, and the engine runs backward on the rank thread, as the double
+        then does (a thread that turns it off, e.g. graphed_step's capture, runs its backward itself too).
         watchdog_interval: the watchdog's period (tests look more often than torch's 100 ms)."""
         self.lock = threading.RLock()  # guards the fake's own records
         self.lazy = LAZY_DEFAULT[0] if lazy is None else lazy
@@ -450,6 +453,7 @@ def run_fake_gpus(
         intraop_threads=1,
         cuda=fake,
         rank_cpus=rank_cpus,
+        torch_distributed=not fake.autograd_thread,  # (see FakeCuda's autograd_thread)
     )
     nccl = backend == "nccl"  # (the threads backend on the double's streams issues no NCCL operation)
     try:
@@ -499,6 +503,7 @@ def launch_fake_gpu_processes(
                     timeout=timeout,
                     threads_per_process=threads,
                     check_collectives=check_collectives,
+                    torch_distributed=not fakes[p].autograd_thread,  # (see FakeCuda's autograd_thread)
                 ),
                 Layout.build(processes * threads, **layout),
                 backend,
