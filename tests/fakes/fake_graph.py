@@ -62,6 +62,11 @@ _HOST_SYNCS = {
     "aten::_unique2": "unique (its output's size depends on the data)",
     "aten::equal": "torch.equal (returns a Python bool)",
     "aten::item": "a host read of a tensor's value (.item())",
+    # torch.tensor(data, device=...) / torch.as_tensor: host data copied to the device by a synchronizing copy
+    # (aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda: non_blocking=False -> memcpy_and_sync, which
+    # calls cudaStreamSynchronize). The double cannot tell a tensor meant for the host: all of its are "device".
+    "aten::lift_fresh": "torch.tensor(data) (host data copied to the device with a stream synchronize; make it "
+    "with torch.full / new_zeros, or before the step)",
 }
 
 UNSUPPORTED = 900  # cudaErrorStreamCaptureUnsupported

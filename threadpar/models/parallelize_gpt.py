@@ -183,7 +183,14 @@ class HybridGPT:
             for chunk in self.chunks:
                 allreduce_sequence_parallel_grads(chunk, self.tp.group)
         # The MoE aux losses joined the loss in backward, on every stage; add their values to what it reports.
-        aux = torch.tensor(sum(c.aux_loss_sum for c in self.chunks) / n, dtype=loss.dtype, device=loss.device)
+        if (
+            self.config.moe_experts
+        ):  # (a sum of host values: torch.tensor copies it to the device, with a sync)
+            aux = torch.tensor(
+                sum(c.aux_loss_sum for c in self.chunks) / n, dtype=loss.dtype, device=loss.device
+            )
+        else:  # (made on the device: a CUDA graph can hold it)
+            aux = loss.new_zeros(())
         if self.config.moe_experts and self.pipeline.pp > 1:
             self.pipeline.group.all_reduce(aux)
         if self.config.moe_experts and self.tp is not None and self.tp.sequence_parallel:
