@@ -11,19 +11,28 @@ import threadpar
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("capturable_on_cpu")]
 
 
-@pytest.mark.parametrize(("zero", "sp"), [(0, True), (2, False)])
-def test_the_demos_graphed_steps_train_as_its_eager_steps_do(zero, sp):
+LAYOUTS = {  # name -> DemoConfig's layout options (4 ranks)
+    "dp2 x tp2, SP": {"dp": 2, "tp": 2, "pp": 1, "sequence_parallel": True},
+    "dp2 x tp2, ZeRO-2": {"dp": 2, "tp": 2, "pp": 1, "zero": 2},
+    "pp2 x dp2, 1F1B": {"dp": 2, "tp": 1, "pp": 2, "schedule": "1f1b"},
+    "pp2 x tp2, interleaved": {"dp": 1, "tp": 2, "pp": 2, "schedule": "interleaved"},
+    "cp2 x dp2 (ring attention)": {"dp": 2, "tp": 1, "pp": 1, "cp": 2},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_the_demos_graphed_steps_train_as_its_eager_steps_do(layout):
     from threadpar.demo.__main__ import prepare
     from threadpar.demo.cli import DemoConfig
     from threadpar.demo.train import train_rank
 
     def run(cuda_graphs: bool):
         cfg = DemoConfig(
-            gpus=4, dp=2, tp=2, pp=1, steps=6, seq_len=16, batch_size=8, zero=zero, sequence_parallel=sp,
-            cuda_graphs=cuda_graphs, out=None,
-        )  # fmt: skip
+            gpus=4, steps=6, seq_len=16, batch_size=8, cuda_graphs=cuda_graphs, out=None, **layout
+        )
         state = prepare(cfg)
-        run_fake_gpus(lambda: train_rank(state), 4, FakeCuda(), dp=2, tp=2)
+        grid = {axis: layout.get(axis, 1) for axis in ("dp", "tp", "pp", "cp")}
+        run_fake_gpus(lambda: train_rank(state), 4, FakeCuda(), **grid)
         return torch.tensor(state.losses), torch.tensor(state.grad_norms)
 
     graphed, eager = run(True), run(False)
@@ -69,11 +78,10 @@ def test_the_demos_graphed_fp16_steps_skip_overflows_as_its_eager_steps_do(zero,
 def test_the_demo_says_what_it_cannot_graph():
     from threadpar.demo.cli import DemoConfig
 
-    with pytest.raises(
-        threadpar.ConfigError, match=r"--cuda-graphs cannot graph this run: pp=2 .*pass --pp 1"
-    ):
-        DemoConfig(gpus=8, cuda_graphs=True)
+    with pytest.raises(threadpar.ConfigError, match=r"--cuda-graphs cannot graph this run: --moe-experts"):
+        DemoConfig(gpus=2, moe_experts=4, cuda_graphs=True)
     DemoConfig(gpus=2, pp=1, dtype="fp16", cuda_graphs=True)  # (graphed: the loss scaler's device path)
+    DemoConfig(gpus=8, cuda_graphs=True)  # (pp 2: the stages' point to point is graphed too)
 
 
 def test_on_cpu_threads_the_demo_runs_its_graphed_step_eagerly(tmp_path, capsys):

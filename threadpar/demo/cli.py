@@ -181,10 +181,6 @@ class DemoConfig:
         if not self.cuda_graphs:
             return
         reasons = []
-        if self.layout.pp > 1:
-            reasons.append(f"pp={self.layout.pp} (pipeline point to point is not graphed yet): pass --pp 1")
-        if self.cp > 1:
-            reasons.append(f"--cp {self.cp} (ring attention's point to point is not graphed yet)")
         if self.moe_experts:
             reasons.append("--moe-experts (dropless routing gives each step its own shapes)")
         if reasons:
