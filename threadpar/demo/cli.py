@@ -251,7 +251,7 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="capture each rank's step as a CUDA graph after 3 eager steps and replay it (nccl backend, --pp 1)",
+        help="capture each rank's step as a CUDA graph after 3 eager steps and replay it (nccl backend)",
     )
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout along the sequence")
     p.add_argument("--moe-experts", type=int, default=0, help="make each MLP a mixture of N experts")
