@@ -27,6 +27,9 @@ CASES = {  # name -> MoEConfig overrides
     "capacity-probs": {"capacity_factor": 1.0},
     "capacity-position": {"capacity_factor": 0.5, "drop_policy": "position"},
     "top1-unnormalised": {"top_k": 1, "capacity_factor": 1.25, "normalize_top_k": False},
+    # padded to capacity (what a CUDA graph holds: tests/test_moe_graphs.py): the same layer
+    "capacity-probs-padded": {"capacity_factor": 1.0, "pad_to_capacity": True},
+    "capacity-position-padded": {"capacity_factor": 0.5, "drop_policy": "position", "pad_to_capacity": True},
 }
 
 
@@ -101,7 +104,9 @@ def check_ranks_against_reference(results, reference, want_outs, want_grads, bat
 
 
 @pytest.mark.parametrize("processes", [1, 2], ids=["threads", "2-processes"])
-@pytest.mark.parametrize("case", ["dropless-top2", "capacity-probs", "capacity-position"])
+@pytest.mark.parametrize(
+    "case", ["dropless-top2", "capacity-probs", "capacity-position", "capacity-position-padded"]
+)
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_moe_matches_the_single_thread_moe(ep, case, processes):
     cfg = config(num_experts=8, **CASES[case])

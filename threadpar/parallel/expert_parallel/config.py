@@ -31,6 +31,12 @@ class MoEConfig:
     aux_loss_coeff: weight of the load-balancing loss coeff * E * sum_e f_e * P_e (Switch Transformer /
         Megatron: f_e the fraction of assignments routed to expert e, P_e its mean router probability).
     normalize_top_k: rescale each token's top-k probabilities to sum to 1 (Megatron's default for k > 1).
+    pad_to_capacity: every expert gets exactly `capacity` rows per forward, the empty ones padded (zero
+        rows of gate 0), so no shape and no all-to-all split depends on the routing and the forward reads
+        nothing on the host: what a CUDA graph (threadpar.graphed_step) can hold. Needs capacity_factor;
+        computes what the unpadded layer with that capacity computes (Megatron's
+        --moe-pad-expert-input-to-capacity). The capacity comes from the forward's token count, so every
+        rank of an EP group must route as many tokens.
     """
 
     hidden_size: int
@@ -43,6 +49,7 @@ class MoEConfig:
     normalize_top_k: bool = True
     activation: str = "gelu"
     bias: bool = True
+    pad_to_capacity: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
@@ -59,6 +66,14 @@ class MoEConfig:
             raise ConfigError(
                 f"MoEConfig.capacity_factor must be a positive number (or None for no dropping), "
                 f"got {self.capacity_factor!r}"
+            )
+        if not isinstance(self.pad_to_capacity, bool):
+            raise ConfigError(f"MoEConfig.pad_to_capacity must be a bool, got {self.pad_to_capacity!r}")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ConfigError(
+                "MoEConfig.pad_to_capacity=True needs a capacity_factor: each expert's fixed number of rows is "
+                "ceil(capacity_factor * tokens * top_k / num_experts). Set capacity_factor (1.0 for example), "
+                "or pad_to_capacity=False for dropless routing (which a CUDA graph cannot hold)"
             )
         if self.drop_policy not in DROP_POLICIES:
             raise ConfigError(

@@ -12,6 +12,13 @@ second all-to-all ("combine") returns every output row to the rank its token cam
     combine:  outputs -> un-group -> all-to-all (splits swapped) -> [M, hidden] in the order sent
 
 Only rows that are routed, and kept under the capacity, travel: no padding to capacity on the wire.
+Padded to capacity (MoEConfig.pad_to_capacity, `AllToAllDispatcher.padded`) every expert has C rows from
+every rank, so the splits are equal and known from shapes: no counts exchanged, nothing read on the host,
+what a CUDA graph can hold (Megatron's MoEAlltoAllTokenDispatcher with drop_and_pad):
+
+    dispatch: [E * C, hidden] by expert -> all-to-all (E_local * C rows to each member)
+              -> [ep, E_local, C, hidden] -> [E_local, ep * C, hidden] -> experts
+    combine:  the reverse
 """
 
 from __future__ import annotations
@@ -87,3 +94,15 @@ class AllToAllDispatcher:
         out = experts(received.index_select(0, order), incoming.sum(0).tolist())
         out = out.index_select(0, inverse_permutation(order))  # back to (source, local expert)
         return all_to_all_rows(out, group, send, receive)
+
+    def padded(self, rows: torch.Tensor, capacity: int, experts) -> torch.Tensor:
+        """rows [E * C, hidden], expert e's C slots at e * C (every rank of the group with the same C: the
+        same token count) -> experts' outputs [E * C, hidden], in the same order."""
+        group, ep, n, c = self.group, self.ep, self.num_local_experts, capacity
+        hidden = rows.shape[-1]
+        splits = [n * c] * ep  # the block for member j: its experts' slots, contiguous
+        received = all_to_all_rows(rows, group, splits, splits)  # [ep * n * C] by (source, expert, slot)
+        x = received.view(ep, n, c, hidden).transpose(0, 1).reshape(n, ep * c, hidden)
+        out = experts(x)  # [n, ep * C, hidden]
+        out = out.view(n, ep, c, hidden).transpose(0, 1).reshape(ep * n * c, hidden)
+        return all_to_all_rows(out, group, splits, splits)

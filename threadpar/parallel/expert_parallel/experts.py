@@ -8,7 +8,8 @@ dense [E, ...] tensors and `gather_dense_state_dict` / `gather_dense_grads` rebu
 
 The local experts run as one batched matmul over experts (Megatron's GroupedMLP does a grouped GEMM):
 their tokens arrive grouped by expert with different counts, so they are padded to the largest count,
-[E_local, max_count, hidden], when the counts differ.
+[E_local, max_count, hidden], when the counts differ. Padded to capacity (MoEConfig.pad_to_capacity) they
+arrive as [E_local, rows, hidden] already: one bmm per linear, no counts.
 """
 
 from __future__ import annotations
@@ -90,8 +91,11 @@ class GroupedExperts(TensorParallelModule):
             for name, full in dense.items():
                 getattr(self, name).copy_(full[first : first + self.num_local_experts])
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [R, hidden]: rows grouped by local expert, counts[e] rows for expert e -> outputs [R, hidden]."""
+    def forward(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """x [R, hidden]: rows grouped by local expert, counts[e] rows for expert e -> outputs [R, hidden].
+        counts None: x [E_local, rows, hidden], each expert's rows (padded to capacity) -> [E_local, rows, hidden]."""
+        if counts is None:
+            return self._mlp(x)
         n, hidden = self.num_local_experts, x.shape[-1]
         width = max(counts, default=0)
         padded = any(c != width for c in counts)
@@ -102,11 +106,13 @@ class GroupedExperts(TensorParallelModule):
             slot = torch.arange(x.shape[0], device=x.device) - starts[expert_of_row]
             where = expert_of_row * width + slot  # each row's place in the padded [n * width] rows
             x = x.new_zeros(n * width, hidden).index_copy(0, where, x)
-        h = x.view(n, width, hidden)
-        h = self._linear(h, self.fc1_weight, self.fc1_bias)  # [n, width, ffn]
-        h = self._linear(self.activation(h), self.fc2_weight, self.fc2_bias)  # [n, width, hidden]
-        h = h.reshape(n * width, hidden)
+        h = self._mlp(x.view(n, width, hidden)).reshape(n * width, hidden)
         return h.index_select(0, where) if padded else h
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x [E_local, rows, hidden] -> [E_local, rows, hidden]: every local expert on its rows, batched."""
+        h = self._linear(x, self.fc1_weight, self.fc1_bias)  # [n, rows, ffn]
+        return self._linear(self.activation(h), self.fc2_weight, self.fc2_bias)  # [n, rows, hidden]
 
     @staticmethod
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

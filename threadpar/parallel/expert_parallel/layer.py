@@ -23,6 +23,17 @@ replacement for an MLP; `last_stats.aux_loss` has its value for logging. Because
 it cannot see what the loss was multiplied by before `backward()`: set `aux_loss_scale` to that factor
 (1 / microbatches under gradient accumulation, an fp16 loss scale), as Megatron's set_loss_scale does.
 
+In a CUDA graph (threadpar.graphed_step): `MoEConfig(capacity_factor=..., pad_to_capacity=True)`. Unpadded,
+the number of kept assignments (a shape), the experts' row counts and the all-to-all's split sizes depend
+on the routing and are read on the host, which a capture refuses (GraphCaptureError, said here before the
+first host read). Padded, as Megatron's --moe-pad-expert-input-to-capacity does, every expert gets
+exactly C = expert_capacity(N, ...) slots per rank (a Python int from the token count N): the kept
+assignments fill a slot table [E, C] (routing.assign_slots, the same ones in the same order as `assign`),
+the empty slots hold a zero row of gate 0, the experts compute [E_local, ep * C, hidden] in one bmm per
+linear, the all-to-all's splits are equal, and the combine is the same index_add: the same output and
+gradients as unpadded at that capacity, padding rows contributing exactly 0. `last_stats` holds device
+tensors; its int/float properties read them (after the step).
+
 Gradients: expert parameters get the gradient of every token routed to them, from the whole EP group;
 replicated parameters (the router) only from this rank's tokens. Sum the router's over the DP group and
 the experts' over the ranks that hold the same experts (`allreduce_moe_grads`), or wrap the model in
@@ -36,25 +47,47 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from threadpar.comm.common import graph_capture
 from threadpar.comm.group import ProcessGroup
 from threadpar.parallel.expert_parallel.config import MoEConfig
 from threadpar.parallel.expert_parallel.dispatch import AllToAllDispatcher
 from threadpar.parallel.expert_parallel.experts import GroupedExperts
-from threadpar.parallel.expert_parallel.routing import TopKRouter, assign, expert_capacity
+from threadpar.parallel.expert_parallel.routing import (
+    Routing,
+    TopKRouter,
+    assign,
+    assign_slots,
+    expert_capacity,
+)
 from threadpar.parallel.groups import resolve_group
 
 
 @dataclass
 class MoEStats:
-    """One forward's routing on this rank: routed and kept assignments per expert [E] (int64), the
-    capacity (None: dropless), dropped assignments, tokens that lost all their experts, the aux loss."""
+    """One forward's routing on this rank, as device tensors (the forward reads nothing on the host for
+    them): routed and kept assignments per expert [E] int64, the capacity (None: dropless), dropped
+    assignments and tokens that lost all their experts (int64 scalars), the aux loss (a detached scalar).
+    The int and float properties read them: a host read, for after the step (in a graphed step these
+    tensors are the graph's, rewritten by every replay: they hold the last replay's routing)."""
 
     routed: torch.Tensor
     kept: torch.Tensor
     capacity: int | None
-    dropped: int
-    dropped_tokens: int
-    aux_loss: float
+    dropped_tensor: torch.Tensor
+    dropped_tokens_tensor: torch.Tensor
+    aux_loss_tensor: torch.Tensor
+
+    @property
+    def dropped(self) -> int:
+        return int(self.dropped_tensor)
+
+    @property
+    def dropped_tokens(self) -> int:
+        return int(self.dropped_tokens_tensor)
+
+    @property
+    def aux_loss(self) -> float:
+        return float(self.aux_loss_tensor)
 
     @property
     def dropped_fraction(self) -> float:
@@ -138,6 +171,39 @@ class MoE(nn.Module):
         n = tokens.shape[0]
         routing = self.router(tokens)
         capacity = expert_capacity(n, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+        if cfg.pad_to_capacity:
+            assert capacity is not None  # (MoEConfig: pad_to_capacity needs a capacity_factor)
+            y, kept, kept_ids = self._padded(tokens, routing, capacity)
+        else:
+            graph_capture.refuse(
+                "a MoE layer without pad_to_capacity (its token counts per expert, and so its shapes, depend "
+                "on the routing: read on the host)",
+                "set MoEConfig(capacity_factor=..., pad_to_capacity=True): every expert then gets a fixed "
+                "number of rows, padded, and the layer computes what it computes unpadded at that capacity",
+            )
+            y, kept, kept_ids = self._unpadded(tokens, routing, capacity)
+        # Tokens with at least one kept assignment: flags scattered by the kept ids (the padded path's dummy
+        # id N * k flags the extra last entry), not torch.unique (a data-dependent shape).
+        flags = torch.zeros(n * cfg.top_k + 1, dtype=torch.bool, device=tokens.device)
+        served = flags.index_fill(0, kept_ids, True)[:-1].view(n, cfg.top_k).any(1)
+        self.last_stats = MoEStats(
+            routed=routing.routed,
+            kept=kept,
+            capacity=capacity,
+            dropped_tensor=n * cfg.top_k - kept.sum(),
+            dropped_tokens_tensor=n - served.sum(),
+            aux_loss_tensor=routing.aux_loss.detach(),
+        )
+        if cfg.aux_loss_coeff > 0 and y.requires_grad and routing.aux_loss.requires_grad:
+            aux = routing.aux_loss if self.aux_loss_scale == 1 else routing.aux_loss * self.aux_loss_scale
+            y = _AttachAuxLoss.apply(y, aux)
+        return y.view(x.shape)
+
+    def _unpadded(
+        self, tokens: torch.Tensor, routing: Routing, capacity: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(y [N, hidden], kept [E], the kept assignment ids [M]): only the kept rows go to the experts."""
+        cfg = self.config
         order, kept = assign(routing.experts, routing.gates, cfg.num_experts, capacity, cfg.drop_policy)
         token_of = order // cfg.top_k  # [M] the token of each kept assignment, sorted by expert
         rows = tokens.index_select(0, token_of)
@@ -149,21 +215,33 @@ class MoE(nn.Module):
         # a token's top-k contributions are summed in the (fp32) precision of the residual stream.
         gates = routing.gates.flatten().index_select(0, order).to(tokens.dtype)
         weighted = out.to(tokens.dtype) * gates.unsqueeze(-1)
-        y = tokens.new_zeros(tokens.shape).index_add(0, token_of, weighted)
-        self.last_stats = MoEStats(
-            routed=routing.routed,
-            kept=kept,
-            capacity=capacity,
-            dropped=n * cfg.top_k - order.numel(),
-            dropped_tokens=n - int(torch.unique(token_of).numel()),
-            aux_loss=float(routing.aux_loss.detach()),
-        )
-        if cfg.aux_loss_coeff > 0 and y.requires_grad and routing.aux_loss.requires_grad:
-            aux = routing.aux_loss if self.aux_loss_scale == 1 else routing.aux_loss * self.aux_loss_scale
-            y = _AttachAuxLoss.apply(y, aux)
-        return y.view(x.shape)
+        return tokens.new_zeros(tokens.shape).index_add(0, token_of, weighted), kept, order
+
+    def _padded(
+        self, tokens: torch.Tensor, routing: Routing, capacity: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(y [N, hidden], kept [E], slots [E * C]): every expert gets C rows, the empty slots a zero row of
+        gate 0 (assignment id N * k: token N, one zero row past the tokens), so every shape comes from N."""
+        cfg = self.config
+        n, hidden = tokens.shape
+        slots, kept = assign_slots(routing.experts, routing.gates, cfg.num_experts, capacity, cfg.drop_policy)
+        slots = slots.flatten()  # [E * C]
+        token_of = slots // cfg.top_k  # [E * C]: N for an empty slot
+        padded_tokens = torch.cat([tokens, tokens.new_zeros(1, hidden)])  # [N + 1, hidden]
+        rows = padded_tokens.index_select(0, token_of)
+        if self.dispatcher is None:
+            out = self.experts(rows.view(cfg.num_experts, capacity, hidden)).reshape(-1, hidden)
+        else:
+            out = self.dispatcher.padded(rows, capacity, self.experts)  # [E * C, hidden]
+        gates = torch.cat([routing.gates.flatten(), routing.gates.new_zeros(1)]).index_select(0, slots)
+        weighted = out.to(tokens.dtype) * gates.to(tokens.dtype).unsqueeze(-1)
+        # An empty slot's row (an expert's output on zeros, times 0) goes to row N, cut off: not even a
+        # non-finite output of a padding row reaches a token.
+        y = tokens.new_zeros(n + 1, hidden).index_add(0, token_of, weighted)[:n]
+        return y, kept, slots
 
     def extra_repr(self) -> str:
         cfg = self.config
         cap = "dropless" if cfg.capacity_factor is None else f"capacity_factor={cfg.capacity_factor}"
-        return f"experts={cfg.num_experts}, top_k={cfg.top_k}, ep={self.ep_size}, {cap}"
+        pad = ", pad_to_capacity" if cfg.pad_to_capacity else ""
+        return f"experts={cfg.num_experts}, top_k={cfg.top_k}, ep={self.ep_size}, {cap}{pad}"
