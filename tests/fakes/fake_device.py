@@ -109,15 +109,21 @@ class DeviceOp:
         """Compute it (the parts are all at their streams' heads); record what NCCL would get wrong. A kernel
         writes memory below autograd: the tensors' version counters stay as they were (an in-place torch op
         would bump them, and a tensor saved for backward meanwhile, a view of a received message, would then
-        look modified)."""
-        written = [p.output for p in self.parts.values() if p.output is not None]
-        versions = tuple(t._version for t in written)
+        look modified). So it writes through aliases of the outputs' memory with version counters of their
+        own: a counter reset after the write would race with the receiving rank's autograd, which may save
+        the tensor (and its version) between the write and the reset, on its own thread."""
+        writing = [p for p in self.parts.values() if p.output is not None]
+        outputs = [p.output for p in writing]
         with inside_double(), torch.no_grad():
-            self.error = self._run(self)
-            for hook in self.after:
-                hook()
-        if written:
-            torch._C._autograd._unsafe_set_version_counter(tuple(written), versions)
+            for part, output in zip(writing, outputs):
+                part.output = _kernel_alias(output)  # type: ignore[arg-type]  # (not None: filtered)
+            try:
+                self.error = self._run(self)
+                for hook in self.after:
+                    hook()
+            finally:
+                for part, output in zip(writing, outputs):
+                    part.output = output
         self.finish()
 
     def fail(self, error: str) -> None:
@@ -132,6 +138,13 @@ class DeviceOp:
             part.input = part.output = None  # the device is done with them (and a part and its op refer
             # to each other: the tensors must not wait for the garbage collector)
         CHANGED.notify_all()
+
+
+def _kernel_alias(t: torch.Tensor) -> torch.Tensor:
+    """The memory of `t` as a new tensor, with a version counter of its own (what a kernel writes through)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+    )
 
 
 class Part:
