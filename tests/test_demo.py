@@ -185,7 +185,7 @@ def test_demo_with_context_parallelism_and_moe_over_ep_matches_the_single_thread
     assert "check vs single-thread model, first 3 steps: match" in out
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["layout"] == {"dp": 2, "cp": 2, "tp": 1, "pp": 1, "ep": 2}
-    assert metrics["moe"] == {"experts": 4, "top_k": 2, "ep": 2}
+    assert metrics["moe"] == {"experts": 4, "top_k": 2, "capacity_factor": None, "ep": 2}  # (dropless)
     assert all(0 < aux < 0.1 for aux in metrics["aux_losses"])  # the aux loss is part of the loss
 
 

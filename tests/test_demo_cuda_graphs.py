@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
@@ -17,27 +19,44 @@ LAYOUTS = {  # name -> DemoConfig's layout options (4 ranks)
     "pp2 x dp2, 1F1B": {"dp": 2, "tp": 1, "pp": 2, "schedule": "1f1b"},
     "pp2 x tp2, interleaved": {"dp": 1, "tp": 2, "pp": 2, "schedule": "interleaved"},
     "cp2 x dp2 (ring attention)": {"dp": 2, "tp": 1, "pp": 1, "cp": 2},
-}
+    "dp2 x tp2, MoE ep2 (padded to capacity)": {
+        "dp": 2, "tp": 2, "pp": 1, "moe_experts": 4, "ep": 2, "moe_capacity_factor": 1.25,
+    },
+    "pp2 x dp2, MoE ep2, fp16": {
+        "dp": 2, "tp": 1, "pp": 2, "moe_experts": 4, "ep": 2, "moe_capacity_factor": 1.0, "dtype": "fp16",
+    },
+}  # fmt: skip
+
+
+def run_demo(layout: dict, cuda_graphs: bool, monkeypatch=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The demo on 4 ranks of the double, 6 steps: (losses, gradient norms; NaN for a skipped step). With
+    `monkeypatch`, --cuda-graphs' device step runs eagerly (graphed_step made the identity)."""
+    from threadpar.demo import train
+    from threadpar.demo.__main__ import prepare
+    from threadpar.demo.cli import DemoConfig
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(train, "graphed_step", lambda fn, **_: fn)
+    cfg = DemoConfig(gpus=4, steps=6, seq_len=16, batch_size=8, cuda_graphs=cuda_graphs, out=None, **layout)
+    state = prepare(cfg)
+    grid = {axis: layout.get(axis, 1) for axis in ("dp", "tp", "pp", "cp")}
+    run_fake_gpus(lambda: train.train_rank(state), 4, FakeCuda(), **grid)
+    norms = [math.nan if n is None else n for n in state.grad_norms]
+    return torch.tensor(state.losses), torch.tensor(norms)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
-def test_the_demos_graphed_steps_train_as_its_eager_steps_do(layout):
-    from threadpar.demo.__main__ import prepare
-    from threadpar.demo.cli import DemoConfig
-    from threadpar.demo.train import train_rank
+def test_the_demos_graphed_steps_equal_the_same_steps_run_eagerly(layout, monkeypatch):
+    # The same device step (capturable or fused AdamW, experts padded to capacity), graphed and not: exactly.
+    graphed = run_demo(layout, True)
+    eager = run_demo(layout, True, monkeypatch)
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0, equal_nan=True)
 
-    def run(cuda_graphs: bool):
-        cfg = DemoConfig(
-            gpus=4, steps=6, seq_len=16, batch_size=8, cuda_graphs=cuda_graphs, out=None, **layout
-        )
-        state = prepare(cfg)
-        grid = {axis: layout.get(axis, 1) for axis in ("dp", "tp", "pp", "cp")}
-        run_fake_gpus(lambda: train_rank(state), 4, FakeCuda(), **grid)
-        return torch.tensor(state.losses), torch.tensor(state.grad_norms)
 
-    graphed, eager = run(True), run(False)
+@pytest.mark.parametrize("layout", [LAYOUTS["dp2 x tp2, SP"], LAYOUTS["pp2 x dp2, 1F1B"]], ids=["tp", "pp"])
+def test_the_demos_graphed_steps_train_as_its_plain_eager_steps_do(layout):
     # (graphed, AdamW runs capturable: its arithmetic on tensors may differ in the last bits)
-    torch.testing.assert_close(graphed, eager)
+    torch.testing.assert_close(run_demo(layout, True), run_demo(layout, False))
 
 
 @pytest.mark.parametrize(("zero", "sp"), [(0, True), (2, False)])
@@ -78,8 +97,11 @@ def test_the_demos_graphed_fp16_steps_skip_overflows_as_its_eager_steps_do(zero,
 def test_the_demo_says_what_it_cannot_graph():
     from threadpar.demo.cli import DemoConfig
 
-    with pytest.raises(threadpar.ConfigError, match=r"--cuda-graphs cannot graph this run: --moe-experts"):
+    with pytest.raises(
+        threadpar.ConfigError, match=r"cannot graph this run: --moe-experts without --moe-capacity-factor"
+    ):
         DemoConfig(gpus=2, moe_experts=4, cuda_graphs=True)
+    DemoConfig(gpus=2, moe_experts=4, moe_capacity_factor=1.25, cuda_graphs=True)  # (padded to capacity)
     DemoConfig(gpus=2, pp=1, dtype="fp16", cuda_graphs=True)  # (graphed: the loss scaler's device path)
     DemoConfig(gpus=8, cuda_graphs=True)  # (pp 2: the stages' point to point is graphed too)
 

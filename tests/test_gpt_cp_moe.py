@@ -80,7 +80,7 @@ def moe_reference(config, dp: int, microbatches: int, batch: int = 16) -> tuple[
     targets = torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g)
     loss = model.accumulate_gradients(inputs, targets, forwards=dp * microbatches)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    aux = model.aux_loss_sum / (dp * microbatches)
+    aux = float(model.aux_loss_sum) / (dp * microbatches)  # (a device tensor: read here)
     return Reference(config, dense, inputs, targets, loss, grads), aux
 
 

@@ -101,8 +101,11 @@ def launch_config(cfg: DemoConfig, backend: str, devices: str | None) -> LaunchC
 
 def prepare(cfg: DemoConfig) -> RunState:
     gpt = model_config(
-        cfg.model, block_size=cfg.seq_len, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k
-    )
+        cfg.model, block_size=cfg.seq_len, moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
+        moe_capacity_factor=cfg.moe_capacity_factor,
+        # (graphed: every expert's rows padded to its capacity, fixed shapes; the same results)
+        moe_pad_to_capacity=cfg.cuda_graphs and cfg.moe_capacity_factor is not None,
+    )  # fmt: skip
     batches = Batches(load_tokens(cfg.data), cfg.batch_size, cfg.seq_len, cfg.seed)
     if cfg.resume:
         checkpoint = cfg.checkpoint

@@ -39,6 +39,7 @@ class DemoConfig:
     pp: int | None = None
     moe_experts: int = 0
     moe_top_k: int = 2
+    moe_capacity_factor: float | None = None  # None: dropless; else each expert takes at most its capacity
     ep: int = 1
     schedule: str = "1f1b"
     microbatches: int | None = None
@@ -161,6 +162,13 @@ class DemoConfig:
             )
         if not self.moe_experts:
             return
+        factor = self.moe_capacity_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0
+        ):
+            raise ConfigError(
+                f"--moe-capacity-factor {factor}: must be a positive number (or left out: dropless)"
+            )
         if not 1 <= self.moe_top_k <= self.moe_experts:
             raise ConfigError(
                 f"--moe-top-k {self.moe_top_k}: each token goes to between 1 and --moe-experts "
@@ -181,8 +189,11 @@ class DemoConfig:
         if not self.cuda_graphs:
             return
         reasons = []
-        if self.moe_experts:
-            reasons.append("--moe-experts (dropless routing gives each step its own shapes)")
+        if self.moe_experts and self.moe_capacity_factor is None:
+            reasons.append(
+                "--moe-experts without --moe-capacity-factor (dropless routing gives each step its own shapes): "
+                "add e.g. --moe-capacity-factor 1.25, and each expert's rows are padded to that capacity"
+            )
         if reasons:
             raise ConfigError("--cuda-graphs cannot graph this run: " + "; ".join(reasons))
 
@@ -256,6 +267,12 @@ def parse_args(argv: list[str] | None = None, processes: int = 1) -> DemoConfig:
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout along the sequence")
     p.add_argument("--moe-experts", type=int, default=0, help="make each MLP a mixture of N experts")
     p.add_argument("--moe-top-k", type=int, default=defaults.moe_top_k, help="experts per token")
+    p.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        default=None,
+        help="each expert keeps at most factor x tokens x top-k / experts assignments (default: dropless)",
+    )
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size: experts split over ep DP ranks")
     p.add_argument(
         "--zero",

@@ -130,7 +130,12 @@ def summarize(run: RunState, wall_seconds: float, check: dict[str, Any] | None) 
         "model": cfg.model,
         "layout": layout_sizes(cfg),
         "processes": cfg.processes,
-        "moe": {"experts": cfg.moe_experts, "top_k": cfg.moe_top_k, "ep": cfg.ep}
+        "moe": {
+            "experts": cfg.moe_experts,
+            "top_k": cfg.moe_top_k,
+            "capacity_factor": cfg.moe_capacity_factor,
+            "ep": cfg.ep,
+        }
         if cfg.moe_experts
         else None,
         "schedule": cfg.schedule,
@@ -217,9 +222,15 @@ def load_checkpoint(directory: Path, gpt: GPTConfig) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"--resume: no checkpoint at {path}; run once with --checkpoint {directory} first")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if ckpt.get("config") != gpt.to_dict():
+    if _model_identity(ckpt.get("config")) != _model_identity(gpt.to_dict()):
         raise ConfigError(
             f"--resume: the checkpoint in {directory} is for the model {ckpt.get('config')}, not {gpt.to_dict()}; "
-            "pass the --model and --seq-len it was written with (and its --moe-experts and --moe-top-k)"
+            "pass the --model and --seq-len it was written with (and its --moe-experts, --moe-top-k and "
+            "--moe-capacity-factor)"
         )
     return ckpt
+
+
+def _model_identity(config: dict | None) -> dict | None:
+    """A model's config without how it computes: padding the experts' rows (--cuda-graphs) changes no result."""
+    return None if config is None else {k: v for k, v in config.items() if k != "moe_pad_to_capacity"}

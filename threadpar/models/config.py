@@ -21,6 +21,7 @@ class GPTConfig:
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_capacity_factor: float | None = None  # None: dropless
+    moe_pad_to_capacity: bool = False  # every expert gets `capacity` rows, padded: fixed shapes (CUDA graphs)
     moe_aux_loss_coeff: float = 1e-2
 
     def __post_init__(self) -> None:
@@ -48,6 +49,7 @@ class GPTConfig:
             num_experts=self.moe_experts,
             top_k=self.moe_top_k,
             capacity_factor=self.moe_capacity_factor,
+            pad_to_capacity=self.moe_pad_to_capacity,
             aux_loss_coeff=self.moe_aux_loss_coeff,
             bias=self.bias,
         )

@@ -173,7 +173,9 @@ class GPTChunk(nn.Module):
         self.head = Head(config) if last else None
         self.recompute = recompute
         self.autocast_dtype = autocast_dtype
-        self.aux_loss_sum = 0.0  # this chunk's MoE aux losses, summed over forwards (set it to 0 to restart)
+        # This chunk's MoE aux losses summed over forwards (set it to 0 to restart): a device tensor once a MoE
+        # forward ran (summed on the device: a CUDA graph can hold it), the number 0.0 before.
+        self.aux_loss_sum: float | torch.Tensor = 0.0
         self.set_aux_loss_scale(1.0)
 
     @property
@@ -184,7 +186,7 @@ class GPTChunk(nn.Module):
     def cp_size(self) -> int:
         return 1 if self.cp is None else self.cp.size()
 
-    def set_aux_loss_scale(self, scale: float) -> None:
+    def set_aux_loss_scale(self, scale: float | torch.Tensor) -> None:
         """Tell the MoE layers what the loss is multiplied by before backward (1 / microbatches, an fp16
         loss scale), since their aux losses join it in backward. Under CP the factor cp of GPTLoss's rank
         losses is added here."""
@@ -192,11 +194,16 @@ class GPTChunk(nn.Module):
             moe.aux_loss_scale = self.cp_size * scale
 
     def last_aux_loss(self) -> float:
-        """The MoE aux losses of the last forward (this rank's share, times cp like GPTLoss's), 0 without MoE."""
+        """The MoE aux losses of the last forward (this rank's share, times cp like GPTLoss's), 0 without MoE
+        (a host read of `last_aux_loss_tensor`)."""
+        return float(self.last_aux_loss_tensor()) if self.moe_layers else 0.0
+
+    def last_aux_loss_tensor(self) -> torch.Tensor:
+        """`last_aux_loss` on the device (0-dim float32), read nowhere: a CUDA graph can hold it."""
         stats = [moe.last_stats for moe in self.moe_layers]
-        if any(s is None for s in stats):
+        if not stats or any(s is None for s in stats):
             raise RuntimeError("last_aux_loss() reads the MoE stats of the last forward: run a forward first")
-        return self.cp_size * sum(s.aux_loss for s in stats if s is not None)
+        return self.cp_size * torch.stack([s.aux_loss_tensor.float() for s in stats if s is not None]).sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """idx [B, T] (first chunk) or hidden states -> hidden states, or logits (last chunk)."""
@@ -213,7 +220,7 @@ class GPTChunk(nn.Module):
         if self.head is not None:
             x = self.head(x)
         if self.moe_layers:  # read here, not in the blocks: recompute re-runs them in backward
-            self.aux_loss_sum += self.last_aux_loss()
+            self.aux_loss_sum = self.aux_loss_sum + self.last_aux_loss_tensor()
         return x
 
 
@@ -229,7 +236,7 @@ class GPT(GPTChunk):
         loss = GPTLoss(self.config, self.tp, self.cp)(self(idx), targets)
         if not self.moe_layers:
             return loss
-        aux = torch.tensor(self.last_aux_loss(), dtype=loss.dtype, device=loss.device)
+        aux = self.last_aux_loss_tensor().to(loss.dtype)
         if self.tp is not None and self.tp.sequence_parallel:
             self.tp.group.all_reduce(aux)  # each TP rank routed its shard of the sequence
         return loss + aux

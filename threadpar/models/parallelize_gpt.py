@@ -166,9 +166,9 @@ class HybridGPT:
         complete (averaged over DP x CP, summed over TP for sequence-parallel replicas) when it returns.
         Returns the replica's mean loss (cross-entropy plus MoE aux losses) on every rank of the replica."""
         scaler = self.loss_scaler
-        # The MoE layers take the factor as a number (MoE.aux_loss_scale, compared with 1): a host read of the
-        # scale, under MoE only. Otherwise the scale stays on the device (a CUDA graph can hold the step).
-        aux_scale = scaler.scale if scaler is not None and self.config.moe_experts else 1.0
+        # The MoE layers scale their aux losses' gradients as the loss is scaled: by the fp16 scale on the device
+        # (MoE.aux_loss_scale takes a tensor; nothing here reads the host, so a CUDA graph can hold the step).
+        aux_scale: float | torch.Tensor = 1.0 if scaler is None else scaler.scale_tensor
         n = self.pipeline.num_microbatches
         if self.cp is not None:  # this rank's load-balanced part of every sequence: [B, T / cp]
             self._check_sequence(inputs.shape[1])
@@ -183,14 +183,9 @@ class HybridGPT:
             for chunk in self.chunks:
                 allreduce_sequence_parallel_grads(chunk, self.tp.group)
         # The MoE aux losses joined the loss in backward, on every stage; add their values to what it reports.
-        if (
-            self.config.moe_experts
-        ):  # (a sum of host values: torch.tensor copies it to the device, with a sync)
-            aux = torch.tensor(
-                sum(c.aux_loss_sum for c in self.chunks) / n, dtype=loss.dtype, device=loss.device
-            )
-        else:  # (made on the device: a CUDA graph can hold it)
-            aux = loss.new_zeros(())
+        aux = loss.new_zeros(())  # (made on the device, the MoE sums kept there: a CUDA graph can hold it)
+        for chunk in self.chunks:
+            aux = aux + chunk.aux_loss_sum / n
         if self.config.moe_experts and self.pipeline.pp > 1:
             self.pipeline.group.all_reduce(aux)
         if self.config.moe_experts and self.tp is not None and self.tp.sequence_parallel:

@@ -157,8 +157,9 @@ class MoE(nn.Module):
             AllToAllDispatcher(group, config.num_experts) if group is not None and self.ep_size > 1 else None
         )
         self.last_stats: MoEStats | None = None
-        # What the training loss is multiplied by before backward; the aux loss's gradient is scaled alike.
-        self.aux_loss_scale = 1.0
+        # What the training loss is multiplied by before backward; the aux loss's gradient is scaled alike
+        # (a number, or a 0-dim tensor on the device, which a CUDA graph reads at each replay).
+        self.aux_loss_scale: float | torch.Tensor = 1.0
         self.reset_parameters(generator if generator is not None else init_generator())
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -195,7 +196,12 @@ class MoE(nn.Module):
             aux_loss_tensor=routing.aux_loss.detach(),
         )
         if cfg.aux_loss_coeff > 0 and y.requires_grad and routing.aux_loss.requires_grad:
-            aux = routing.aux_loss if self.aux_loss_scale == 1 else routing.aux_loss * self.aux_loss_scale
+            scale = self.aux_loss_scale  # (a number, or a tensor on the device: an fp16 loss scale, graphed)
+            aux = (
+                routing.aux_loss * scale
+                if isinstance(scale, torch.Tensor) or scale != 1
+                else routing.aux_loss
+            )
             y = _AttachAuxLoss.apply(y, aux)
         return y.view(x.shape)
 
