@@ -53,9 +53,9 @@ def test_the_demos_graphed_steps_equal_the_same_steps_run_eagerly(layout, monkey
     torch.testing.assert_close(graphed, eager, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("layout", [LAYOUTS["dp2 x tp2, SP"], LAYOUTS["pp2 x dp2, 1F1B"]], ids=["tp", "pp"])
-def test_the_demos_graphed_steps_train_as_its_plain_eager_steps_do(layout):
+def test_the_demos_graphed_steps_train_as_its_plain_eager_steps_do():
     # (graphed, AdamW runs capturable: its arithmetic on tensors may differ in the last bits)
+    layout = LAYOUTS["pp2 x dp2, 1F1B"]
     torch.testing.assert_close(run_demo(layout, True), run_demo(layout, False))
 
 
