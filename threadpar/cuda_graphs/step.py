@@ -9,8 +9,8 @@ one GIL; a replay is one call that releases it (torch/csrc/cuda/Graph.cpp binds 
 the GIL). The first `warmup_steps` calls run eagerly (they make the communicators, DDP's buckets, the
 optimizer's state); the next captures `fn` on the arguments' static copies (the process's ranks capture
 in turns: runtime/capture_turns.py) and replays it once, which is that step; every later call copies its
-tensor arguments into the static copies and replays. What `fn` returned at capture is returned by every call: the same
-tensors, overwritten by each replay (clone what you keep), as with torch.cuda.graph.
+tensor arguments into the static copies and replays. What `fn` returned at capture is returned by every
+call: the same tensors, overwritten by each replay (clone what you keep), as with torch.cuda.graph.
 
 The last warm-up call is the rehearsal: the point-to-point layer notes the messages it sends and receives,
 and the capture follows that script (a receive in a capture cannot wait for the sender's announcement of a
