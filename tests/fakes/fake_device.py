@@ -313,8 +313,9 @@ def enqueue(kernels: list[Kernel], lazy: bool) -> None:
         CHANGED.notify_all()
 
 
-def ordered(a: tuple[Any, int], b: tuple[Any, int]) -> bool:
-    """Would CUDA finish node a (stream, index) before starting node b? Stream order, plus waits on events."""
+def follows(a: tuple[Any, int], b: tuple[Any, int], waited_on: Callable[[Any, int], Any]) -> bool:
+    """Does node b (stream, index) come after node a, through its stream's order and the events it waited
+    on? `waited_on(stream, index)`: the node a wait at that index waits for, or None (not a wait)."""
     a_stream, a_index = a
     stack, seen = [b], set()
     while stack:
@@ -325,10 +326,20 @@ def ordered(a: tuple[Any, int], b: tuple[Any, int]) -> bool:
             continue
         seen.add((id(stream), index))
         stack.append((stream, index - 1))
-        op = stream.ops[index]
-        if op[0] == "wait" and op[2] is not None:
-            stack.append((op[2].stream, op[2].index))
+        source = waited_on(stream, index)
+        if source is not None:
+            stack.append(source)
     return False
+
+
+def ordered(a: tuple[Any, int], b: tuple[Any, int]) -> bool:
+    """Would CUDA finish node a (stream, index) before starting node b? Stream order, plus waits on events."""
+
+    def waited_on(stream: Any, index: int) -> tuple[Any, int] | None:
+        op = stream.ops[index]
+        return (op[2].stream, op[2].index) if op[0] == "wait" and op[2] is not None else None
+
+    return follows(a, b, waited_on)
 
 
 # -- pending buffers and the host's touches ------------------------------------------------------------------------

@@ -227,19 +227,12 @@ class FakeGraph:
 
 def _joined_back(graph: FakeGraph, stream: Any, index: int, origin: Any, origin_index: int) -> bool:
     """Does the origin's log at origin_index wait, through captured events, for `stream`'s op at `index`?"""
-    stack, seen = [(origin, origin_index)], set()
-    while stack:
-        s, i = stack.pop()
-        if s is stream and i >= index:
-            return True
-        if i < 0 or (id(s), i) in seen:
-            continue
-        seen.add((id(s), i))
-        stack.append((s, i - 1))
+
+    def waited_on(s: Any, i: int) -> tuple[Any, int] | None:
         kind, event = graph.joined[s][i]
-        if kind == "wait" and event is not None and event.captured_at is not None:
-            stack.append(event.captured_at)
-    return False
+        return event.captured_at if kind == "wait" and event is not None else None
+
+    return fake_device.follows((stream, index), (origin, origin_index), waited_on)
 
 
 def _poison(t: torch.Tensor) -> None:
