@@ -4,6 +4,7 @@ single-thread model. Skipped without GPUs (tests/conftest.py)."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from helpers.gpus import gpus_or_skip, run_gpus
 import threadpar
 from threadpar.errors import GraphCaptureError
 from threadpar.parallel import DistributedDataParallel
+from threadpar.runtime.autograd_threads import backward_on_this_thread
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
 TEMPLATE = mlp()
@@ -65,6 +67,28 @@ def test_a_host_read_is_refused_at_capture_on_a_gpu():
 
     with pytest.raises((GraphCaptureError, RuntimeError), match="captur"):
         run_gpus(body, 1)
+
+
+def test_a_tensor_made_from_host_data_cannot_be_captured_on_a_gpu():
+    """What the double's rule for aten::lift_fresh mirrors (tests/fakes/fake_graph.py): torch.tensor(data,
+    device=cuda) copies from pageable host memory and synchronizes the stream (Copy.cu, memcpy_and_sync)."""
+    gpus_or_skip(1)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with pytest.raises(RuntimeError, match=r"captur|not permitted"), torch.cuda.graph(graph, stream=stream):
+        torch.tensor(3.0, device="cuda")
+
+
+def test_backward_runs_on_the_calling_thread_with_multithreading_off_on_a_gpu():
+    """What the double's device threads mirror (tests/fakes/fake_autograd_thread.py): a CUDA backward runs on
+    autograd's device thread, unless the calling thread turned multithreading off (engine.cpp, ready_queue)."""
+    gpus_or_skip(1)
+    seen: list[int] = []
+    w = torch.ones(2, device="cuda", requires_grad=True)
+    w.register_post_accumulate_grad_hook(lambda _: seen.append(threading.get_ident()))
+    (w * 2).sum().backward()
+    with backward_on_this_thread(True):
+        (w * 2).sum().backward()
+    assert seen[0] != threading.get_ident() and seen[1] == threading.get_ident()
 
 
 def test_a_graphed_1f1b_pipeline_matches_its_eager_steps_on_two_gpus():
