@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.sim_gpu import to_host
 
 import threadpar
 from threadpar import ReduceOp
@@ -29,14 +30,16 @@ DTYPES = [
 
 
 def make(rank: int, key: int, shape, dtype) -> torch.Tensor:
+    """A tensor of random values on this rank's device (made on the host, the same on every backend)."""
     g = torch.Generator().manual_seed(7919 * rank + key)
     if dtype == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(
-            shape, generator=g, dtype=torch.complex128 if dtype.is_complex else torch.float64
-        ).to(dtype)
-    return torch.randint(0 if dtype == torch.uint8 else -3, 4, shape, generator=g).to(dtype)
+        made = torch.rand(shape, generator=g) > 0.5
+    elif dtype.is_floating_point or dtype.is_complex:
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        made = torch.randn(shape, generator=g, dtype=wide).to(dtype)
+    else:
+        made = torch.randint(0 if dtype == torch.uint8 else -3, 4, shape, generator=g).to(dtype)
+    return made.to(threadpar.get_device())
 
 
 def valid_ops(dtype, ops=tuple(ReduceOp)):
@@ -53,7 +56,7 @@ def valid_ops(dtype, ops=tuple(ReduceOp)):
 
 def workload(groups, dtypes=DTYPES, shapes=((3, 4),), ops=tuple(ReduceOp), p2p=True):
     """Every collective (and point to point: `p2p`); returns {key: output} for comparison between backends."""
-    rank, out, key = threadpar.get_rank(), {}, 0
+    rank, out, key, dev = threadpar.get_rank(), {}, 0, threadpar.get_device()
     for group in groups:
         g = threadpar.get_group(group)
         n, root = g.size(), g.ranks[-1]
@@ -70,10 +73,10 @@ def workload(groups, dtypes=DTYPES, shapes=((3, 4),), ops=tuple(ReduceOp), p2p=T
                     threadpar.reduce(t, dst=root, op=op, group=group)
                     out[("reduce", op, *tag)] = t
                     parts = [make(rank, key + 100 + i, shape, dtype) for i in range(n)]
-                    y = torch.empty(shape, dtype=dtype)
+                    y = torch.empty(shape, dtype=dtype, device=dev)
                     threadpar.reduce_scatter(y, parts, op=op, group=group)
                     out[("reduce_scatter", op, *tag)] = y
-                    y = torch.empty(shape, dtype=dtype)
+                    y = torch.empty(shape, dtype=dtype, device=dev)
                     threadpar.reduce_scatter_tensor(y, torch.stack(parts), op=op, group=group)
                     out[("reduce_scatter_tensor", op, *tag)] = y
                 pair = [x.clone(), make(rank, key + 50, (5,), dtype)]
@@ -82,32 +85,34 @@ def workload(groups, dtypes=DTYPES, shapes=((3, 4),), ops=tuple(ReduceOp), p2p=T
                 t = x.clone()
                 threadpar.broadcast(t, src=root, group=group)
                 out[("broadcast", *tag)] = t
-                lst = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+                lst = [torch.empty(shape, dtype=dtype, device=dev) for _ in range(n)]
                 threadpar.all_gather(lst, x, group=group)
                 out[("all_gather", *tag)] = lst
-                whole = torch.empty((n, *shape), dtype=dtype)
+                whole = torch.empty((n, *shape), dtype=dtype, device=dev)
                 threadpar.all_gather_into_tensor(whole, x, group=group)
                 out[("all_gather_into_tensor", *tag)] = whole
-                y = torch.empty(shape, dtype=dtype)
+                y = torch.empty(shape, dtype=dtype, device=dev)
                 chunks = [make(rank, key + 200 + i, shape, dtype) for i in range(n)]
                 threadpar.scatter(y, chunks if rank == root else None, src=root, group=group)
                 out[("scatter", *tag)] = y
-                outs = [torch.empty(shape, dtype=dtype) for _ in range(n)] if rank == root else None
+                outs = (
+                    [torch.empty(shape, dtype=dtype, device=dev) for _ in range(n)] if rank == root else None
+                )
                 threadpar.gather(x, outs, dst=root, group=group)
                 out[("gather", *tag)] = outs
-        sends = [torch.full((g.rank() + d + 1, 2), 10.0 * rank + d) for d in range(n)]
-        recvs = [torch.empty((s + g.rank() + 1, 2)) for s in range(n)]
+        sends = [torch.full((g.rank() + d + 1, 2), 10.0 * rank + d, device=dev) for d in range(n)]
+        recvs = [torch.empty((s + g.rank() + 1, 2), device=dev) for s in range(n)]
         threadpar.all_to_all(recvs, sends, group=group)
         out["all_to_all", str(group)] = recvs
         threadpar.barrier(group=group)
-    noncontiguous = (torch.arange(12.0).reshape(3, 4) * (rank + 1)).t()
+    noncontiguous = (torch.arange(12.0, device=dev).reshape(3, 4) * (rank + 1)).t()
     threadpar.all_reduce(noncontiguous, op="MAX")
     out["noncontiguous"] = noncontiguous
     if not p2p:
         return out
     world = threadpar.get_world_size()
-    threadpar.send(torch.arange(3.0) + rank, dst=(rank + 1) % world, tag=rank)
-    got = torch.empty(3)
+    threadpar.send(torch.arange(3.0, device=dev) + rank, dst=(rank + 1) % world, tag=rank)
+    got = torch.empty(3, device=dev)
     src = threadpar.recv(got, src=(rank - 1) % world, tag=(rank - 1) % world)
     out["p2p"] = (src, got)
     return out
@@ -130,7 +135,7 @@ def assert_same(actual, expected, where):
 
 def compare(fake, world_size, *args, **layout):
     expected = run_ranks(workload, world_size, *args, **layout)
-    actual = run_fake_gpus(lambda: workload(*args), world_size, fake, **layout)
+    actual = to_host(run_fake_gpus(lambda: workload(*args), world_size, fake, **layout))
     for rank in range(world_size):
         assert actual[rank].keys() == expected[rank].keys()
         for key in expected[rank]:
@@ -166,12 +171,12 @@ def test_each_member_issues_its_own_call_on_its_own_communicator_and_current_str
     def body():
         rank, device = threadpar.get_rank(), threadpar.get_device()
         mine = fake.current_stream(device)
-        t = torch.full((4,), float(rank))
+        t = torch.full((4,), float(rank), device=device)
         produced = fake.mark(mine, "produce")
         threadpar.all_reduce(t, group="TP")  # the group's first: creates the communicators
         threadpar.all_reduce(t, group="TP")  # issued by the rank thread itself
         consumed = fake.mark(mine, "consume")
-        return t, mine, produced, consumed
+        return t.cpu(), mine, produced, consumed
 
     results = run_fake_gpus(body, 4, fake, tp=2)
     calls = fake.calls_named("all_reduce")
@@ -196,8 +201,8 @@ def test_an_async_op_returns_at_once_and_its_stream_waits_for_the_late_peer():
     def body():
         device = threadpar.get_device()
         mine = fake.current_stream(device)
-        threadpar.all_reduce(torch.ones(1))  # the communicators exist from here on
-        t = torch.ones(3)
+        threadpar.all_reduce(torch.ones(1, device=device))  # the communicators exist from here on
+        t = torch.ones(3, device=device)
         if threadpar.get_rank() == 1:
             assert late.wait(30)  # rank 1 issues its part only once rank 0 has checked everything below
         work = threadpar.all_reduce(t, async_op=True)
@@ -219,7 +224,7 @@ def test_an_async_op_returns_at_once_and_its_stream_waits_for_the_late_peer():
         assert work.is_completed() and work.is_success()
         return t
 
-    for t in run_fake_gpus(body, 2, fake):
+    for t in to_host(run_fake_gpus(body, 2, fake)):
         torch.testing.assert_close(t, torch.full((3,), 2.0))
 
 
@@ -230,16 +235,16 @@ def test_send_and_recv_are_nccl_calls_on_the_pairs_own_communicators_and_streams
         rank, device = threadpar.get_rank(), threadpar.get_device()
         mine = fake.current_stream(device)
         if rank == 0:
-            t = torch.arange(4.0)
+            t = torch.arange(4.0, device=device)
             produced = fake.mark(mine, "produce")
             threadpar.send(t, dst=1)
             t.mul_(10)  # send returned: the stream may write t again (the message is a snapshot)
             work = threadpar.isend(t, dst=1, tag=1)
             return produced, work
-        got = torch.empty(4)
+        got = torch.empty(4, device=device)
         threadpar.recv(got, src=0)
         consumed = fake.mark(mine, "consume")
-        return got, consumed, threadpar.get_group().recv_tensor(src=0, tag=1)
+        return got.cpu(), consumed, threadpar.get_group().recv_tensor(src=0, tag=1).cpu()
 
     (produced, work), (got, consumed, second) = run_fake_gpus(body, 2, fake)
     sends = [
@@ -261,9 +266,10 @@ def test_scatter_gather_all_to_all_are_grouped_sends_and_receives_on_the_groups_
     fake = FakeCuda()
 
     def body():
-        rank = threadpar.get_rank()
-        t = torch.empty(2)
-        threadpar.scatter(t, [torch.full((2,), float(i)) for i in range(3)] if rank == 2 else None, src=2)
+        rank, dev = threadpar.get_rank(), threadpar.get_device()
+        t = torch.empty(2, device=dev)
+        chunks = [torch.full((2,), float(i), device=dev) for i in range(3)]
+        threadpar.scatter(t, chunks if rank == 2 else None, src=2)
         return t
 
     assert [t[0].item() for t in run_fake_gpus(body, 3, fake)] == [0.0, 1.0, 2.0]
@@ -277,7 +283,7 @@ def test_sub_groups_get_their_own_cliques_and_later_launches_reuse_them():
 
     def body():
         for group in (None, "TP", "DP"):
-            threadpar.all_reduce(torch.ones(2), group=group)
+            threadpar.all_reduce(torch.ones(2, device=threadpar.get_device()), group=group)
 
     run_fake_gpus(body, 4, fake, tp=2)
     first = {c.comm.uid for c in fake.calls}
@@ -290,7 +296,7 @@ def test_sub_groups_get_their_own_cliques_and_later_launches_reuse_them():
 
 def test_tensors_must_be_on_the_ranks_device():
     def body():
-        with pytest.raises(ConfigError, match=r"rank \d runs on cpu but passed a tensor on meta"):
-            threadpar.all_reduce(torch.empty(3, device="meta"))
+        with pytest.raises(ConfigError, match=r"rank \d runs on simgpu:\d but passed a tensor on cpu"):
+            threadpar.all_reduce(torch.empty(3))  # (a host tensor: NCCL takes device memory only)
 
     run_fake_gpus(body, 2, FakeCuda(), timeout=1.0)

@@ -15,13 +15,15 @@ A small simulation rather than a mock:
   CUDA error (`device_error`). NCCL's asynchronous error is `fake.nccl.async_error_code`.
 - Several FakeCudas sharing one `FakeFabric` are the GPUs of several simulated processes
   (`run_fake_gpu_processes`): their NCCL cliques span them.
-Devices are CPU devices, and every thread has its own default stream: the general case of ranks that
-compute on their own streams (on a real GPU, threads share the device's default stream unless told not to).
-A rank's autograd device thread (`autograd_thread=True`) uses its rank's streams, as the engine runs
-backward ops on their forward ops' streams. Each rank thread has a GPU of its own, a fake index
-(fake_device_index.py) its streams carry: an event recorded on one GPU's stream cannot be recorded on
-another's (FakeEvent.record), as in torch. Its logs (`calls`, `copies`, `recorded`) hold tensors weakly
-(`TensorRecord`), so they never keep alive what threadpar let go of.
+Devices are the double's GPUs, `simgpu:i` (sim_gpu.py: device tensors whose memory is host memory, which torch
+keeps apart from host tensors), and every thread has its own default stream per device: the general case of
+ranks that compute on their own streams (on a real GPU, threads share the device's default stream unless told
+not to). A copy between host and device runs as CUDA runs it (`copy`: synchronous unless non_blocking with
+pinned memory, then a kernel on the current stream). A rank's autograd device thread (`autograd_thread=True`)
+uses its rank's streams, as the engine runs backward ops on their forward ops' streams. Each rank thread has a
+GPU of its own, its current device (fake_device_index.py), which its streams carry: an event recorded on one
+GPU's stream cannot be recorded on another's (FakeEvent.record), as in torch. Its logs (`calls`, `copies`,
+`recorded`) hold tensors weakly (`TensorRecord`), so they never keep alive what threadpar let go of.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from threadpar.comm.nccl import bootstrap
 from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceLocks
 from threadpar.comm.nccl.watchdog import Watchdog
-from threadpar.errors import RankFailedError
+from threadpar.errors import GraphCaptureError, RankFailedError
 from threadpar.runtime.launch import _Launch, process_world
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv
@@ -44,7 +46,7 @@ from threadpar.runtime.world import World
 from threadpar.testing import raise_root_cause
 from threadpar.topology import Layout
 
-from . import fake_device, fake_graph
+from . import fake_device, fake_graph, sim_gpu
 from .fake_autograd_thread import device_threads
 from .fake_device import DeviceTouch, TensorRecord
 from .fake_device_index import current_streams, fake_device_index
@@ -71,11 +73,9 @@ class Node(NamedTuple):
 
 
 class FakeStream:
-    def __init__(
-        self, fake: FakeCuda, name: str, device: torch.device, priority: int = 0, device_index: int = 0
-    ) -> None:
+    def __init__(self, fake: FakeCuda, name: str, device: torch.device, priority: int = 0) -> None:
         self.fake, self.name, self.device, self.priority = fake, name, device, priority
-        self.device_index = device_index  # the fake GPU it belongs to (fake_device_index.py)
+        self.device_index = _gpu_of(device)  # the fake GPU it belongs to
         self.ops: list[tuple] = []  # what was enqueued, in order (the log `ordered` reads)
         self.done_upto = -1  # the device has run every op up to this one (fake_device.advance)
         self.kernels: dict[int, Any] = {}  # node index -> NCCL kernel not yet run there
@@ -138,7 +138,7 @@ class FakeEvent:
         self.captured_at: tuple[FakeStream, int] | None = None  # (stream, index in the capture's log)
 
     def record(self, stream: FakeStream | None = None) -> None:
-        stream = stream or self.fake.current_stream(torch.device("cpu"))
+        stream = stream or self.fake.current_stream(sim_gpu.device(fake_device_index()))
         with self.fake.lock:
             # An event belongs to one device: c10/cuda/CUDAEvent.h, CUDAEvent::record, creates the CUDA event
             # lazily on the first recording stream's device and then TORCH_CHECKs that every later recording
@@ -234,6 +234,7 @@ class FakeCuda:
         turns autograd's multithreading off, and the engine runs backward on the rank thread, as the double
         then does (a thread that turns it off, e.g. graphed_step's capture, runs its backward itself too).
         watchdog_interval: the watchdog's period (tests look more often than torch's 100 ms)."""
+        sim_gpu.install()  # (the double's GPUs are a device of torch's, registered on first use: once per process)
         self.lock = threading.RLock()  # guards the fake's own records
         self.lazy = LAZY_DEFAULT[0] if lazy is None else lazy
         self.autograd_thread = autograd_thread
@@ -263,13 +264,13 @@ class FakeCuda:
         once per device and never destroyed: the 33rd request gets the 1st stream again. Priorities outside
         the device's range are clamped (torch.cuda.Stream's docs); the double's range is [-1, 0]. The device
         is the calling thread's fake GPU (fake_device_index.py): each GPU has pools of its own."""
-        level, gpu = min(max(priority, -1), 0), fake_device_index()
+        level, gpu = min(max(priority, -1), 0), _gpu_of(device)
         key = (device, gpu, level)
         with self.lock:
             pool = self._pools.get(key)
             if pool is None:
                 pool = [
-                    FakeStream(self, f"pool{level}.{i}@gpu{gpu}", device, level, gpu)
+                    FakeStream(self, f"pool{level}.{i}@gpu{gpu}", sim_gpu.device(gpu), level)
                     for i in range(STREAMS_PER_POOL)
                 ]
                 self._pools[key] = pool
@@ -280,11 +281,14 @@ class FakeCuda:
         return stream
 
     def current_stream(self, device: torch.device) -> FakeStream:
+        """The calling thread's current stream on `device` (its own default stream until on_streams)."""
+        device = sim_gpu.device(_gpu_of(device))
         current = current_streams(self)
-        if device not in current:
-            name = f"default[{threading.current_thread().name}]"
-            current[device] = FakeStream(self, name, device, device_index=fake_device_index())
-        return current[device]
+        stream = current.get(device)
+        if stream is None:
+            name = f"default[{threading.current_thread().name}]@gpu{device.index}"
+            stream = current[device] = FakeStream(self, name, device)
+        return stream
 
     def event(self) -> FakeEvent:
         return FakeEvent(self)
@@ -294,7 +298,7 @@ class FakeCuda:
         current = current_streams(self)
         saved = dict(current)
         for stream in streams:
-            current[stream.device] = stream
+            current[sim_gpu.device(stream.device_index)] = stream
         try:
             yield
         finally:
@@ -325,6 +329,43 @@ class FakeCuda:
             dst.copy_(src)
         with self.lock:
             self.copies.append(FakeCopy(TensorRecord(dst), TensorRecord(src), src_stream, dst_stream, node))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, what: str, sync: bool, index: int) -> None:
+        """sim_gpu.CopyModel: a copy between host and GPU `index` (dst, src: host memory), as
+        aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda, runs it on the current stream:
+        - synchronous (`non_blocking=False`, or pageable host memory): at::cuda::memcpy_and_sync, the copy and a
+          cudaStreamSynchronize, so the host waits for everything the stream holds; refused in a capture
+          (cudaErrorStreamCaptureUnsupported, 900: CUDA's stream capture forbids a synchronization);
+        - asynchronous (`non_blocking=True` with pinned host memory): cudaMemcpyAsync, a kernel on the stream
+          that runs when the stream reaches it: the host touching either buffer before a synchronization
+          that orders it is a race (fake_device.DeviceTouch reports it); in a capture, a node of the graph
+          (the capture's recorder replays the copy, reading the host memory anew at each replay)."""
+        stream = self.current_stream(sim_gpu.device(index))
+        graph = self.capturing
+        if sync:
+            if graph is not None and (graph.thread == threading.get_ident() or stream.capture is not None):
+                raise GraphCaptureError(
+                    f"{what} in a step being captured as a CUDA graph: a copy between host and device without "
+                    "non_blocking=True and pinned host memory synchronizes the stream (Copy.cu: memcpy_and_sync; "
+                    f"CUDA: cudaErrorStreamCaptureUnsupported, error 900), at\n  {fake_graph.user_line()}\n"
+                    "Keep the value on the device (make tensors with device=..., move data before the step), or "
+                    "copy with non_blocking=True from or to pinned memory."
+                )
+            stream.synchronize()
+            with fake_device.inside_double(), torch.no_grad():
+                dst.copy_(src)
+            return
+        if stream.capture is not None:
+            with fake_device.inside_double(), torch.no_grad():
+                dst.copy_(src)
+            return
+        op = fake_device.DeviceOp(f"{what} (non_blocking)", 1, _run_copy)
+        part = fake_device.Part(op, 0, self, src, dst)
+        op.parts[0] = part
+        node = stream._append("copy", what)
+        with self.lock:
+            self.copies.append(FakeCopy(TensorRecord(dst), TensorRecord(src), stream, stream, node))
+        fake_device.enqueue([fake_device.Kernel(stream, node.index, [part])], self.lazy)
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         with self.lock:
@@ -410,22 +451,38 @@ class FakeCuda:
 
     def touch_mode(self) -> DeviceTouch:
         """The DeviceTouch of a rank thread of this process (its current streams, its races)."""
-        streams = current_streams(self)
-        return DeviceTouch(
-            self, lambda: streams.get(torch.device("cpu")) or self.current_stream(torch.device("cpu"))
-        )
+        return DeviceTouch(self, self.current_stream)
 
     def run_everything(self) -> None:
         """The end of a launch: every stream runs to its end (a hang there is reported)."""
         self.synchronize(torch.device("cpu"))
 
 
-def _on_device(fake: FakeCuda, fn):
-    """`fn` on a rank thread of a double's launch: under DeviceTouch (fake_device.py)."""
+def _gpu_of(device: torch.device) -> int:
+    """The fake GPU a device names: simgpu:i is GPU i; a device without an index, the thread's current one."""
+    if device.type == sim_gpu.DEVICE_TYPE and device.index is not None:
+        return device.index
+    return fake_device_index()
+
+
+def _run_copy(op: fake_device.DeviceOp) -> str | None:
+    part = op.parts[0]
+    assert part.input is not None and part.output is not None
+    part.output.copy_(part.input)
+    return None
+
+
+def on_device(fake: FakeCuda, fn, touch: bool = True):
+    """`fn` on a rank thread of a double's launch: its copies on the fake's streams (sim_gpu.bind) and, with
+    `touch`, under DeviceTouch (fake_device.py)."""
 
     def body() -> Any:
-        with fake.touch_mode():
-            return fn()
+        previous = sim_gpu.bind(fake)
+        try:
+            with fake.touch_mode() if touch else contextlib.nullcontext():
+                return fn()
+        finally:
+            sim_gpu.bind(previous)
 
     return body
 
@@ -447,7 +504,7 @@ def run_fake_gpus(
     world = World(
         layout=Layout.build(world_size, **layout),
         backend=backend,
-        devices=(torch.device("cpu"),) * world_size,
+        devices=tuple(sim_gpu.device(r) for r in range(world_size)),
         timeout=timeout,
         seed=0,
         intraop_threads=1,
@@ -461,7 +518,7 @@ def run_fake_gpus(
             device_threads() if fake.autograd_thread else contextlib.nullcontext(),
             fake_device.watch_host_reads(),
         ):
-            results = _Launch(world, _on_device(fake, fn) if nccl else fn, (), {}).run()
+            results = _Launch(world, on_device(fake, fn, touch=nccl), (), {}).run()
     except RankFailedError as failed:
         failed.error.add_note(f"(raised on rank {failed.rank})")
         raise failed.error from None
@@ -507,7 +564,7 @@ def launch_fake_gpu_processes(
                 ),
                 Layout.build(processes * threads, **layout),
                 backend,
-                (torch.device("cpu"),) * threads,
+                tuple(sim_gpu.device(r) for r in range(threads)),
                 1,
                 cuda=fakes[p],
             )
@@ -515,7 +572,7 @@ def launch_fake_gpu_processes(
                 device_threads() if fakes[p].autograd_thread else contextlib.nullcontext(),
                 fake_device.watch_host_reads(),
             ):
-                outcomes[p] = _Launch(world, _on_device(fakes[p], fn), (), {}).run()
+                outcomes[p] = _Launch(world, on_device(fakes[p], fn, touch=backend == "nccl"), (), {}).run()
             fakes[p].run_everything()
         except BaseException as error:
             outcomes[p] = error

@@ -42,6 +42,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from . import sim_gpu
+
 # One lock runs every fake device of every simulated process (a collective spans several FakeCudas);
 # CHANGED is notified whenever something a waiting host could need happened (a part issued, an abort).
 RUN_LOCK = threading.RLock()
@@ -51,11 +53,13 @@ WAIT_TIMEOUT_S = 10.0
 
 
 class TensorRecord:
-    """What the double remembers about a tensor it saw: its address and type, and a weak reference."""
+    """What the double remembers about a tensor it saw: its address and type, and a weak reference (of a device
+    tensor, its memory: sim_gpu.host)."""
 
     __slots__ = ("_ptr", "_ref", "dtype", "numel", "shape")
 
     def __init__(self, tensor: torch.Tensor) -> None:
+        tensor = sim_gpu.host(tensor)
         self._ptr = tensor.data_ptr()
         self.dtype, self.shape, self.numel = tensor.dtype, tuple(tensor.shape), tensor.numel()
         self._ref = weakref.ref(tensor)
@@ -73,7 +77,7 @@ class TensorRecord:
         return live
 
     def refers_to(self, tensor: torch.Tensor) -> bool:
-        return self._ref() is tensor
+        return self._ref() is sim_gpu.host(tensor)
 
 
 class Blocked(NamedTuple):
@@ -455,7 +459,7 @@ def host_read(t: torch.Tensor) -> None:
     a GPU tensor's would be copied first): checked as an aten op reading `t` would be."""
     touch = active_touch()
     if touch is not None and _PENDING and not getattr(_local, "inside", 0):
-        touch._touch_named("a host read (tolist/numpy)", t, False)
+        touch._touch_named("a host read (tolist/numpy)", t, False, None)
 
 
 _patch_lock = threading.Lock()
@@ -495,10 +499,10 @@ class DeviceTouch(TorchDispatchMode):
     """On a rank thread of a double's launch: a host op on the buffer of a pending NCCL operation waits for
     it if the op's stream is ordered after it, and is a race otherwise (see the module docstring)."""
 
-    def __init__(self, fake: Any, streams: Callable[[], Any]) -> None:
+    def __init__(self, fake: Any, streams: Callable[[torch.device], Any]) -> None:
         super().__init__()
         self.fake = fake
-        self._streams = streams  # the current stream of the thread the mode stands for
+        self._streams = streams  # device -> the current stream of the thread the mode stands for
 
     def __enter__(self) -> DeviceTouch:
         stack = getattr(_local, "touches", None)
@@ -532,17 +536,24 @@ class DeviceTouch(TorchDispatchMode):
                     self._touch(func, t, write)
 
     def _touch(self, func: Any, t: torch.Tensor, write: bool) -> None:
-        if is_traceable_wrapper_subclass(t):  # (DTensor, AsyncCollectiveTensor: what they hold is read; the
-            # op they dispatch again with it runs below this mode, unseen)
+        if is_traceable_wrapper_subclass(t):  # (the double's device tensors, DTensor, AsyncCollectiveTensor:
+            # what they hold is read; the op they dispatch again with it runs below this mode, unseen)
+            device = t.device if t.device.type != "cpu" else None
             names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
             for name in names:
                 inner = getattr(t, name)
                 if isinstance(inner, torch.Tensor):
-                    self._touch(func, inner, write)
+                    if inner.device.type == "cpu" and not is_traceable_wrapper_subclass(inner):
+                        self._touch_named(func.name(), inner, write, device)
+                    else:
+                        self._touch(func, inner, write)
             return
-        self._touch_named(func.name(), t, write)
+        self._touch_named(func.name(), t, write, None)
 
-    def _touch_named(self, what: str, t: torch.Tensor, write: bool) -> None:
+    def _touch_named(self, what: str, t: torch.Tensor, write: bool, device: torch.device | None) -> None:
+        """`t` is the memory touched (a host tensor); `device`, the GPU whose op touches it (its current stream
+        orders the op), or None for the host itself, which is ordered after a pending operation only once it
+        synchronized with it (and then the operation has run)."""
         span = _span(t)
         if span is None:
             return
@@ -557,17 +568,21 @@ class DeviceTouch(TorchDispatchMode):
                 part = access.part
                 if part.op.done or part.kernel is None:
                     continue
-                stream = self._streams()
                 kernel = part.kernel
-                if stream is kernel.stream or ordered(
-                    (kernel.stream, kernel.index), (stream, len(stream.ops) - 1)
+                stream = None if device is None else self._streams(device)
+                if stream is not None and (
+                    stream is kernel.stream
+                    or ordered((kernel.stream, kernel.index), (stream, len(stream.ops) - 1))
                 ):
                     demand(kernel.stream, kernel.index, f"{what} on a buffer of {part.op.name}")
                     continue
+                where = (
+                    f"{stream!r}" if stream is not None else "the host (which did not synchronize with it)"
+                )
                 message = (
                     f"race: {what} {'writes' if write else 'reads'} a buffer that {part.op.name} "
                     f"{'writes' if access.write else 'reads'} on {kernel.stream!r}, which has not run yet and is "
-                    f"not ordered before {stream!r} (a GPU would read or clobber it depending on timing): wait "
+                    f"not ordered before {where} (a GPU would read or clobber it depending on timing): wait "
                     "on the operation's Work (or its stream) before touching its buffers"
                 )
                 self.fake.report_race(message)

@@ -1,33 +1,27 @@
-"""Which fake GPU a thread is on: the double's stand-in for CUDA's current device.
+"""Which fake GPU a thread is on: the double's CUDA current device.
 
-With the double every tensor is on the CPU, yet each rank thread of a process drives a GPU of its own
-(threadpar's RankContext.enter calls torch.cuda.set_device(world.devices[rank]) on real GPUs). The double
-names that GPU by the thread's rank within its process (RankContext.thread_rank), so streams and events know
-their device (fake_cuda_nccl.py: FakeStream.device_index, FakeEvent.record). A thread outside any rank is on
-device 0, CUDA's default current device. In the shared mode (`sharing_gpus`, issue 29) a launch's ranks share
-`gpus` fake GPUs: rank thread r is on fake GPU r % gpus, as launch places more ranks than GPUs round-robin
-(threadpar/runtime/devices.py), so ranks on one GPU share its stream pools and may wait on each other's events,
-which torch allows on one device (c10/cuda/CUDAEvent.h: CUDAEvent::record checks the recording stream's device
-only). The autograd mode's device threads are bound to their caller's
-device (`bound_to`), as the engine's device thread of GPU i runs with device i current
-(torch/csrc/autograd/engine.cpp: Engine::thread_init sets the worker's device).
+Each rank thread of a process drives a GPU of its own: threadpar's RankContext.enter makes its device current
+(`torch.get_device_module(device).set_device(device)`; on the double the device is `simgpu:i`, sim_gpu.py), and
+the current device is per thread, as CUDA's is (c10/cuda/CUDAFunctions.cpp: cudaSetDevice is per host thread).
+So the calling thread's fake GPU is its current simgpu device (`fake_device_index`), 0 for a thread that never
+set one, as for CUDA; streams and events know their device from it (fake_cuda_nccl.py: FakeStream.device_index,
+FakeEvent.record). Ranks that share a GPU (a launch placing more ranks than GPUs round-robin,
+threadpar/runtime/devices.py) have the same device, so they share its stream pools and may wait on each other's
+events, which torch allows on one device (c10/cuda/CUDAEvent.h: CUDAEvent::record checks the recording stream's
+device only). The autograd mode's device threads are bound to their caller's device (`bound_to`), as the
+engine's device thread of GPU i runs with device i current (torch/csrc/autograd/engine.cpp: Engine::thread_init
+sets the worker's device).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterator
 
-from threadpar.runtime import context
-from threadpar.runtime.world import World
+from . import sim_gpu
 
 _local = threading.local()
-# The shared mode's launches: World -> how many fake GPUs its ranks share (weak: a finished launch drops out).
-# Written by the launching thread, read by every rank thread: guarded by _gpus_lock (DESIGN.md rule 10).
-_gpus_of: weakref.WeakKeyDictionary[World, int] = weakref.WeakKeyDictionary()
-_gpus_lock = threading.Lock()
 
 
 def current_streams(fake: object) -> dict:
@@ -49,41 +43,19 @@ def all_current_streams() -> dict:
 
 
 def fake_device_index() -> int:
-    """The calling thread's fake GPU: a binding (`bound_to`), else its rank within its process (modulo the
-    shared mode's GPUs), else 0."""
-    bound = getattr(_local, "index", None)
-    if bound is not None:
-        return bound
-    if not context.in_rank():
-        return 0
-    ctx = context.current()
-    with _gpus_lock:
-        gpus = _gpus_of.get(ctx.world)
-    return ctx.thread_rank if gpus is None else ctx.thread_rank % gpus
-
-
-@contextlib.contextmanager
-def sharing_gpus(world: World, gpus: int) -> Iterator[None]:
-    """While open, `world`'s rank threads share `gpus` fake GPUs (rank thread r on r % gpus)."""
-    if gpus < 1:
-        raise ValueError(f"gpus={gpus}: the ranks need at least one fake GPU to share")
-    with _gpus_lock:
-        _gpus_of[world] = gpus
-    try:
-        yield
-    finally:
-        with _gpus_lock:
-            _gpus_of.pop(world, None)
+    """The calling thread's fake GPU: its current simgpu device (0 unless set)."""
+    return sim_gpu.current_device()
 
 
 @contextlib.contextmanager
 def bound_to(index: int, streams: dict | None = None) -> Iterator[None]:
     """Make `index` the calling thread's fake GPU while open, and `streams` (all_current_streams() of
     another thread) its current streams."""
-    saved, saved_streams = getattr(_local, "index", None), getattr(_local, "streams", None)
-    _local.index = index
+    saved, saved_streams = sim_gpu.current_device(), getattr(_local, "streams", None)
+    sim_gpu.set_device(index)
     _local.streams = streams
     try:
         yield
     finally:
-        _local.index, _local.streams = saved, saved_streams
+        sim_gpu.set_device(saved)
+        _local.streams = saved_streams

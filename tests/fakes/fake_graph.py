@@ -19,9 +19,16 @@ CUDA's capture rules the double enforces (each raises what CUDA or torch would, 
   captured on a non-default stream");
 - one capture underway per process (torch docs, notes/cuda.rst "Constraints": "Within a process, only one
   capture may be underway at a time"; c10/cuda/CUDACachingAllocator.cpp asserts `captures_underway.empty()`);
-- no host synchronization on the capturing thread: `.item()`, `nonzero`, data-dependent branches,
+- no host synchronization on the capturing thread: `.item()` of a device tensor, `nonzero`, data-dependent
+  branches, a copy between host and device that is not asynchronous (sim_gpu.py, fake_cuda_nccl's `copy`),
   synchronize of a stream, an event or the device (cudaErrorStreamCaptureUnsupported, 900); threadpar
   captures with capture_error_mode="thread_local", so other threads' calls are theirs;
+- only work on a capturing stream is captured (CUDA programming guide, "Stream Capture": capture records the
+  work launched into the capturing streams): host ops (on host tensors) and device ops on a stream that never
+  joined the capture run once, at capture time, and are not replayed; a device op's host tensor argument (a
+  0-dim scalar, read at launch: a kernel argument) is read once, at capture, and frozen into the graph, which
+  the double refuses, naming the fix (make it a device tensor): the fused optimizers read a host lr so
+  (aten/src/ATen/native/cuda/FusedAdamWKernel.cu takes `lr.item()` of a host lr tensor);
 - an event last recorded in a capture cannot be queried, synchronized or waited on from outside it
   (cudaErrorCapturedEvent, 907); a capturing stream cannot wait on an event recorded outside the capture
   (cudaErrorStreamCaptureIsolation, 905);
@@ -48,7 +55,7 @@ from torch.utils._pytree import tree_flatten
 
 from threadpar.errors import GraphCaptureError
 
-from . import fake_device
+from . import fake_device, sim_gpu
 
 # aten ops that make the host wait for the device (the host reads a value, or an output's shape depends on
 # the data): CUDA refuses the copy to the host during capture (cudaErrorStreamCaptureUnsupported).
@@ -62,11 +69,6 @@ _HOST_SYNCS = {
     "aten::_unique2": "unique (its output's size depends on the data)",
     "aten::equal": "torch.equal (returns a Python bool)",
     "aten::item": "a host read of a tensor's value (.item())",
-    # torch.tensor(data, device=...) / torch.as_tensor: host data copied to the device by a synchronizing copy
-    # (aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda: non_blocking=False -> memcpy_and_sync, which
-    # calls cudaStreamSynchronize). The double cannot tell a tensor meant for the host: all of its are "device".
-    "aten::lift_fresh": "torch.tensor(data) (host data copied to the device with a stream synchronize; make it "
-    "with torch.full / new_zeros, or before the step)",
 }
 
 UNSUPPORTED = 900  # cudaErrorStreamCaptureUnsupported
@@ -146,7 +148,7 @@ class FakeGraph:
     def before_write(self, t: torch.Tensor) -> None:
         """Keep what a tensor that existed before the capture held, the first time the capture writes it."""
         try:
-            storage = t.untyped_storage()
+            storage = sim_gpu.host(t).untyped_storage()
         except RuntimeError:
             return
         address = storage.data_ptr()
@@ -155,6 +157,7 @@ class FakeGraph:
         self._snapshots[address] = (storage, storage.clone())
 
     def allocated(self, t: torch.Tensor) -> None:
+        t = sim_gpu.host(t)
         try:
             address = t.untyped_storage().data_ptr()
         except RuntimeError:
@@ -200,7 +203,7 @@ class FakeGraph:
         fake = self.fake
         if fake.capturing is not None and fake.capturing.thread == threading.get_ident():
             raise cuda_error(UNSUPPORTED, "operation not permitted when stream is capturing", "a replay")
-        launch = fake.current_stream(torch.device("cpu"))
+        launch = fake.current_stream(sim_gpu.device(self.origin.device_index))
         streams = {self.origin: launch}
         start = fake.event()
         start.record(launch)
@@ -264,7 +267,22 @@ class CaptureRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if getattr(fake_device._local, "inside", 0):  # (the double's own work, not the step's)
             return func(*args, **kwargs)
+        device, host_tensor = _devices(args, kwargs)
+        if device is None:  # host work: not captured, it runs now and never again
+            return func(*args, **kwargs)
+        graph = self.graph
+        stream = graph.fake.current_stream(device)
+        if stream.capture is not graph:  # a stream outside the capture: its work runs now, once
+            return func(*args, **kwargs)
         name = func.name()
+        if host_tensor is not None and func not in _MOVES_DATA:
+            raise GraphCaptureError(
+                f"a host tensor ({tuple(host_tensor.shape)} {host_tensor.dtype}) is read by {name} on {device} in a "
+                "step being captured as a CUDA graph: a device op reads a host value once, when it is launched "
+                "(a kernel argument; a fused optimizer's host lr: FusedAdamWKernel.cu reads lr.item()), so the "
+                f"graph would replay the value of the capture for ever, at\n  {user_line()}\nMake it a device "
+                "tensor (torch.tensor(value, device=device) before the step, updated in place with fill_/copy_)."
+            )
         why = _HOST_SYNCS.get(name)
         if why is not None:
             raise GraphCaptureError(
@@ -273,9 +291,10 @@ class CaptureRecorder(TorchDispatchMode):
                 f"{user_line()}\nKeep the value on the device (torch.where instead of a branch; an optimizer "
                 "with capturable=True; no printing), or leave that code out of the graphed step."
             )
-        graph = self.graph
         for generator in _generators(func, args, kwargs):
-            graph.remember_generator(generator)
+            graph.remember_generator(
+                sim_gpu.default_generator(device.index) if generator is None else generator
+            )
         schema = func._schema
         for i, argument in enumerate(schema.arguments):
             if argument.alias_info is not None and argument.alias_info.is_write:
@@ -290,9 +309,26 @@ class CaptureRecorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     graph.allocated(t)
         if not func.is_view:
-            stream = graph.fake.current_stream(torch.device("cpu"))
             graph.entries.append(_Aten(func, tuple(args), dict(kwargs), outs, stream))
         return result
+
+
+# The ops whose host tensor arguments are data being moved (a copy), not a value a kernel reads at launch.
+_MOVES_DATA = frozenset({torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default})
+
+
+def _devices(args: tuple, kwargs: dict) -> tuple[torch.device | None, torch.Tensor | None]:
+    """The GPU an op runs on (its first device tensor's), or None for host work; and a host tensor among its
+    arguments, if any."""
+    device, host_tensor = None, None
+    for value in (*args, *kwargs.values()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                if sim_gpu.is_device(t):
+                    device = device or t.device
+                elif t.device.type == "cpu" and host_tensor is None:
+                    host_tensor = t
+    return device, host_tensor
 
 
 def _generators(func: Any, args: tuple, kwargs: dict):
@@ -332,11 +368,13 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
     for generator in generators:
         graph.remember_generator(generator)
     ok = False
+    bound = sim_gpu.bind(fake)  # (the capturing thread's copies are this process's: its capture refuses them)
     try:
         with fake.on_streams(stream), CaptureRecorder(graph):
             yield
         ok = True
     finally:
+        sim_gpu.bind(bound)
         try:
             for joined in graph.joined:
                 joined.capture = None

@@ -60,7 +60,7 @@ import torch
 
 from threadpar.errors import NcclError
 
-from . import fake_device, fake_graph
+from . import fake_device, fake_graph, sim_gpu
 from .fake_device import DeviceOp, HangError, Kernel, Part
 from .fake_nccl_math import INVALID_ARGUMENT, INVALID_USAGE, check_op, compute, nccl_error
 
@@ -525,6 +525,10 @@ class FakeNccl:
         assert stream is not None, f"{function}: no stream"
         self._check_buffers(function, send if send is not None else recv, recv, reduces)
         self._check_stream(function, comm, stream)
+        send, recv = (
+            self._memory(function, send, comm, "sendbuff"),
+            self._memory(function, recv, comm, "recvbuff"),
+        )
         if racing:
             self._enter_device(comm.device, function)  # held until the group's end
         self.group_start()  # (an operation outside a group is a group of its own: src/collectives.cc)
@@ -546,6 +550,27 @@ class FakeNccl:
                 assert t.dtype == dtype and t.is_contiguous(), (
                     f"{function}: buffers must be contiguous {dtype}"
                 )
+
+    def _memory(
+        self, function: str, t: torch.Tensor | None, comm: FakeComm, name: str
+    ) -> torch.Tensor | None:
+        """The device memory of a buffer: a tensor on the communicator's GPU. NCCL's kernels read and write
+        device memory; src/misc/argcheck.cc, CudaPtrCheck, names "%s %p is not a valid pointer" and "%s
+        allocated on device %d mismatchs with NCCL device %d" when pointer checks are on (NCCL_CHECK_POINTERS),
+        and without them a host buffer faults the kernel (an illegal address): a violation either way."""
+        if t is None:
+            return None
+        if not sim_gpu.is_device(t):
+            raise self._violation(
+                f"{function}: {name} is a tensor on {t.device}, not GPU memory (argcheck.cc, CudaPtrCheck: not a "
+                "valid pointer; unchecked, the kernel faults): NCCL takes device tensors"
+            )
+        if t.device.index != comm.device:
+            raise self._violation(
+                f"{function}: {name} allocated on device {t.device.index} mismatchs with NCCL device {comm.device} "
+                "(argcheck.cc, CudaPtrCheck)"
+            )
+        return sim_gpu.host(t)
 
     def _check_stream(self, function: str, comm: FakeComm, stream: Any) -> None:
         """CUDA C Programming Guide, "Stream and Event Behavior": a kernel launch fails if it is issued to a

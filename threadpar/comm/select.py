@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from threadpar.comm.backend import Backend, BackendSite
+from threadpar.comm.common.gpu import is_gpu
 from threadpar.errors import ConfigError
 
 
@@ -37,7 +38,7 @@ def select_backend(
         from threadpar.comm.threads.group import ThreadsGroup
 
         order = None
-        if site.cuda is not None or any(site.devices[r].type == "cuda" for r in ranks):
+        if site.cuda is not None or any(is_gpu(site.devices[r]) for r in ranks):
             from threadpar.comm.threads.stream_order import StreamOrder
 
             order = StreamOrder(site.cuda_api(), [site.devices[r] for r in ranks])

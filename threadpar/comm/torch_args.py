@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from threadpar.comm.common.gpu import device_of_index, is_gpu
 from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 
@@ -69,9 +70,9 @@ def seconds(op: str, timeout: object) -> float | None:
     return value
 
 
-def _as_device(value: object) -> torch.device:
+def _as_device(value: object, device: torch.device) -> torch.device:
     if isinstance(value, int) and not isinstance(value, bool):
-        return torch.device("cuda", value)  # torch: a bare index names a CUDA device
+        return device_of_index(value, device)  # torch: a bare index names a CUDA device
     return torch.device(value)  # type: ignore[call-overload]
 
 
@@ -85,7 +86,7 @@ def check_device_ids(op: str, device_ids: object, device: torch.device) -> None:
     if device.type == "cpu":
         return
     try:
-        given = _as_device(device_ids[0])
+        given = _as_device(device_ids[0], device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"{op}: device_ids={device_ids!r} names no device{_pass(device)}") from None
     if given != device:
@@ -99,7 +100,7 @@ def check_device_id(op: str, device_id: object, device: torch.device) -> None:
     if device_id is None:
         return
     try:
-        given = _as_device(device_id)
+        given = _as_device(device_id, device)
     except (RuntimeError, TypeError):
         raise ConfigError(
             f"{op}: device_id={device_id!r} names no device; pass {_device_arg(device)}"
@@ -131,8 +132,8 @@ def check_backend(op: str, backend: object, launch_backend: str, device: torch.d
 
 
 def _device_arg(device: torch.device) -> str:
-    return f"device_id={device.index}" if device.type == "cuda" else "device_id=None"
+    return f"device_id={device.index}" if is_gpu(device) else "device_id=None"
 
 
 def _pass(device: torch.device) -> str:
-    return f"; pass device_ids=[{device.index}] (this rank's device) or None" if device.type == "cuda" else ""
+    return f"; pass device_ids=[{device.index}] (this rank's device) or None" if is_gpu(device) else ""

@@ -24,11 +24,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from threadpar.comm.common.gpu import is_gpu
+
 
 def shares_gpu(devices: Sequence[torch.device], local_ranks: Sequence[int], rank: int) -> bool:
     """Whether `rank`'s CUDA device is also the device of another rank of this process."""
     mine = devices[rank]
-    return mine.type == "cuda" and sum(1 for r in local_ranks if devices[r] == mine) > 1
+    return is_gpu(mine) and sum(1 for r in local_ranks if devices[r] == mine) > 1
 
 
 @contextlib.contextmanager

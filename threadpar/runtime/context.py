@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from threadpar.comm import rank_groups
+from threadpar.comm.common.gpu import is_gpu, set_current_device
 from threadpar.comm.common.worker import CommWorker
 from threadpar.errors import NotInRankError
 from threadpar.runtime.param_table import ParamTable
@@ -48,8 +49,8 @@ class RankContext:
         rank_groups.bind(self.groups)
         pin_calling_thread(self.world.rank_cpus)
         torch.set_num_threads(self.world.intraop_threads)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        if is_gpu(self.device):
+            set_current_device(self.device)
 
 
 def current() -> RankContext:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from threadpar.comm.common.gpu import is_gpu
 from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError, Terminated
 from threadpar.runtime.autograd_threads import backward_on_this_thread, shares_gpu
 from threadpar.runtime.compiling import rank_thread_contexts
@@ -443,7 +444,7 @@ def process_world(
     threads = config.threads_per_process
     if threads is None:
         raise ConfigError("a process of a multi-process job needs config.threads_per_process")
-    store = bootstrap_store(env, devices[0].type == "cuda", config.timeout)
+    store = bootstrap_store(env, is_gpu(devices[0]), config.timeout)
     processes = Processes(env, threads, store, config.timeout)
     processes.handshake(
         {

@@ -29,6 +29,15 @@ def derive_seed(base_seed: int, *keys: int | str) -> int:
 
 
 def make_generator(device: torch.device, seed: int) -> torch.Generator:
-    generator = torch.Generator(device=device)
+    """A generator on `device`, seeded. A PrivateUse1 backend registered from Python cannot make generators
+    (torch/csrc/acc/Module.cpp leaves the hooks' getNewGenerator to the base, which raises): its ranks get a
+    host generator, which such a backend's random ops take (the CUDA double's do: tests/fakes/sim_gpu.py)."""
+    on = device
+    if device.type == torch._C._get_privateuse1_backend_name() and device.type != "privateuseone":
+        try:
+            torch.Generator(device=device)
+        except (RuntimeError, NotImplementedError):
+            on = torch.device("cpu")
+    generator = torch.Generator(device=on)
     generator.manual_seed(seed)
     return generator

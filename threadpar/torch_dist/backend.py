@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from threadpar.comm.rank_groups import current_groups
@@ -42,8 +43,14 @@ def _create(options: Any, backend_options: Any) -> ThreadparProcessGroup:
 
 
 def register() -> None:
-    """Register the backend with torch.distributed once per process (idempotent)."""
+    """Register the backend with torch.distributed once per process (idempotent), for the host, CUDA and the
+    process's PrivateUse1 accelerator if it has one (the CUDA double's simgpu: threadpar treats it as a GPU,
+    comm/common/gpu.py), which may have been registered after the backend: it is added then."""
+    accelerator = torch._C._get_privateuse1_backend_name()
     with _register_lock:
-        if BACKEND_NAME.upper() in dist.Backend._plugins:
-            return
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        if BACKEND_NAME.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        devices = dist.Backend.backend_capability[BACKEND_NAME]
+        if accelerator != "privateuseone" and accelerator not in devices:
+            dist.Backend.backend_capability[BACKEND_NAME] = [*devices, accelerator]
+            dist.Backend.default_device_backend_map.setdefault(accelerator, BACKEND_NAME)

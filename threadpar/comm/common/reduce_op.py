@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from threadpar.comm.common.gpu import is_gpu
 from threadpar.errors import ConfigError
 
 
@@ -65,7 +66,7 @@ def accumulate_(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp,
     Ranks sharing GPUs on the threads backend may hold their tensors on different devices: those are
     copied to `acc`'s device first (on the calling thread's current streams).
     """
-    if others and acc.device.type == "cuda":
+    if others and is_gpu(acc.device):
         others = [p if p.device == acc.device else p.to(acc.device, non_blocking=True) for p in others]
     if op is ReduceOp.AVG and count == 2 and len(others) == 1 and acc.dtype.is_floating_point:
         # (a + b) / 2 in one pass over memory instead of two (add_, div_); it cannot overflow either.

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from threadpar.comm.common.gpu import is_gpu
 from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.functional import get_group
 from threadpar.comm.group import ProcessGroup
@@ -115,7 +116,7 @@ def scale_grads_by_norm_(
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, _), same in by_kind.items():
         factor = coef.to(device)
-        if foreach or (foreach is None and device.type in ("cpu", "cuda")):
+        if foreach or (foreach is None and (device.type == "cpu" or is_gpu(device))):
             torch._foreach_mul_(same, factor)
         else:
             for grad in same:

@@ -17,19 +17,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from threadpar.comm.common.gpu import is_gpu
 from threadpar.errors import ConfigError
 
 
 def _index(value: object, what: str) -> int:
-    """A CUDA device index from an int or a torch.device/str (torch's _get_device_index)."""
+    """A GPU device index from an int or a torch.device/str (torch's _get_device_index)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     try:
         device = torch.device(value)  # type: ignore[call-overload]
     except (RuntimeError, TypeError):
         raise ConfigError(f"DistributedDataParallel: {what}={value!r} names no device") from None
-    if device.type != "cuda" or device.index is None:
-        raise ConfigError(f"DistributedDataParallel: {what}={value!r} is not a CUDA device with an index")
+    if not is_gpu(device) or device.index is None:
+        raise ConfigError(f"DistributedDataParallel: {what}={value!r} is not a GPU device with an index")
     return device.index
 
 
@@ -67,7 +68,7 @@ def resolve_device_ids(
 
 
 def _expected(device: torch.device) -> str:
-    return f"[{device.index}]" if device.type == "cuda" else "None"
+    return f"[{device.index}]" if is_gpu(device) else "None"
 
 
 def check_unsupported(**options: Any) -> None:

@@ -1,0 +1,152 @@
+"""The double's GPU device (tests/fakes/sim_gpu.py): device tensors that torch treats as a device of their own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from fakes import sim_gpu
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+DEV: torch.device
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _device():
+    global DEV
+    sim_gpu.install()
+    DEV = sim_gpu.device(1)
+
+
+def test_device_tensors_compute_what_host_tensors_compute():
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 5), torch.randn(5, 3)
+    da, db = a.to(DEV), b.to(DEV)
+    assert (da.device, da.is_simgpu, type(da).__name__) == (DEV, True, "DeviceTensor")
+    out = torch.nn.functional.gelu(da @ db).softmax(-1)
+    assert out.device == DEV
+    torch.testing.assert_close(out.cpu(), torch.nn.functional.gelu(a @ b).softmax(-1))
+
+
+def test_autograd_and_an_optimizer_step_match_the_host():
+    torch.manual_seed(0)
+    host = torch.nn.Linear(5, 3)
+    dev = torch.nn.Linear(5, 3).to(DEV)
+    dev.load_state_dict(host.state_dict())
+    x = torch.randn(7, 5)
+    for model, inputs in ((host, x), (dev, x.to(DEV))):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(inputs).pow(2).mean().backward()
+        optimizer.step()
+    assert dev.weight.grad.device == DEV
+    torch.testing.assert_close(dev.weight.grad.cpu(), host.weight.grad)
+    torch.testing.assert_close(dev.weight.detach().cpu(), host.weight.detach())
+
+
+def test_views_and_in_place_ops_write_the_same_memory():
+    t = torch.zeros(2, 4, device=DEV)
+    t[1, 1:3].add_(5)
+    t.t()[0].fill_(1)
+    assert t.tolist() == [[1, 0, 0, 0], [1, 5, 5, 0]]
+    u = torch.ones(2, 2, device=DEV)
+    u.t_()
+    assert u.shape == (2, 2) and u.device == DEV
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["add", "add_scalar", "mm", "cat", "where_scalar", "mul_", "index_cpu"],
+)
+def test_mixing_host_and_device_tensors_is_refused_where_torch_refuses_it(name):
+    """Our device's check against torch's own model of device propagation (FakeTensor with fake CUDA tensors):
+    each op is refused by both or by neither."""
+
+    def run(d, host):
+        x = torch.ones(3, 4, device=d)
+        ops = {
+            "add": lambda: x + host(torch.ones(3, 4)),
+            "add_scalar": lambda: x + host(torch.tensor(2.0)),
+            "mm": lambda: x @ host(torch.ones(4, 2)),
+            "cat": lambda: torch.cat([x, host(torch.ones(3, 4))]),
+            "where_scalar": lambda: torch.where(x > 0, x, host(torch.tensor(0.0))),
+            "mul_": lambda: x.mul_(host(torch.ones(3, 4))),
+            "index_cpu": lambda: x[host(torch.tensor([0, 2]))],
+        }
+        try:
+            ops[name]()
+        except RuntimeError as error:
+            return "refused" if "same device" in str(error) else f"other: {error}"
+        return "ran"
+
+    ours = run(DEV, lambda t: t)
+    expected = {"index_cpu": "ran"}.get(name)  # TensorAdvancedIndexing.cpp moves host indices to the device
+    if expected is None:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            expected = run(torch.device("cuda", 0), lambda t: t)
+    assert ours == expected
+
+
+def test_a_device_tensor_is_read_on_the_host_only_through_a_copy():
+    t = torch.arange(3.0, device=DEV)
+    assert t.tolist() == [0.0, 1.0, 2.0]
+    assert t.sum().item() == 3.0
+    with pytest.raises(TypeError, match="can't convert simgpu:1 device type tensor to numpy"):
+        t.numpy()
+    assert "0." not in repr(t)  # (a repr does not read the device)
+
+
+def test_factories_without_an_index_use_the_threads_current_device():
+    seen = []
+
+    def worker():
+        seen.append(torch.empty(1, device="simgpu").device)
+        sim_gpu.set_device(3)
+        seen.append(torch.zeros(1, device="simgpu").device)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [sim_gpu.device(0), sim_gpu.device(3)]
+    assert torch.get_device_module("simgpu").current_device() == 0  # (this thread's: untouched)
+
+
+def test_random_ops_draw_from_the_devices_own_generator():
+    module = torch.get_device_module("simgpu")
+    torch.manual_seed(0)
+    sim_gpu.default_generator(1).manual_seed(7)
+    first = torch.randn(4, device=DEV).cpu()
+    torch.manual_seed(0)  # (the host's generator: not the device's)
+    sim_gpu.default_generator(1).manual_seed(7)
+    assert torch.equal(torch.randn(4, device=DEV).cpu(), first)
+    module.manual_seed_all(3)
+    state = module.get_rng_state(DEV)
+    drawn = torch.nn.functional.dropout(torch.ones(64, device=DEV), 0.5).cpu()
+    module.set_rng_state(state, DEV)
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(64, device=DEV), 0.5).cpu(), drawn)
+    assert set(drawn.tolist()) == {0.0, 2.0}
+
+
+def test_pinned_host_memory():
+    pageable = torch.ones(3)
+    pinned = pageable.pin_memory()
+    assert pinned.is_pinned() and not pageable.is_pinned()
+    assert torch.equal(pinned, pageable)
+    assert pinned.to(DEV, non_blocking=True).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_backward_on_another_thread_of_a_device_above_zero():
+    """The engine's device threads cannot serve the double's devices (sim_gpu._backward_without_device_threads):
+    a backward with multithreading on runs on the calling thread instead of failing engine.cpp's assert."""
+    grads = []
+
+    def worker():
+        torch.autograd.set_multithreading_enabled(True)
+        x = torch.ones(3, device=sim_gpu.device(5), requires_grad=True)
+        (x * 3).sum().backward()
+        grads.append(x.grad.cpu())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert grads and grads[0].tolist() == [3.0, 3.0, 3.0]
