@@ -8,13 +8,15 @@ import time
 
 import pytest
 import torch
+from fakes import sim_gpu
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.sim_gpu import to_host
 
 import threadpar
 from threadpar import GraphCaptureError
 from threadpar.parallel import DistributedDataParallel
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("capturable_on_cpu", "fake_mode")]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fake_mode")]
 
 STEPS = 8
 
@@ -34,11 +36,14 @@ def data(world: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tenso
 def reference(
     template: torch.nn.Module, batches, world: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One thread, the whole batch: the losses (mean of the ranks' losses) and the parameters at the end."""
-    model = copy.deepcopy(template)
+    """One thread, the whole batch, on a GPU of the double (capturable AdamW's arithmetic): the losses (mean of
+    the ranks' losses) and the parameters at the end, on the host."""
+    gpu = sim_gpu.device(0)
+    model = copy.deepcopy(template).to(gpu)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True)
     losses = []
     for x, y in batches:
+        x, y = x.to(gpu), y.to(gpu)
         opt.zero_grad(set_to_none=False)
         per_rank = [
             torch.nn.functional.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world), y.chunk(world))
@@ -46,14 +51,14 @@ def reference(
         loss = torch.stack(per_rank).mean()
         loss.backward()
         opt.step()
-        losses.append(loss.detach())
-    return losses, [p.detach() for p in model.parameters()]
+        losses.append(loss.detach().cpu())
+    return losses, [p.detach().cpu() for p in model.parameters()]
 
 
 def ddp_body(template, batches, warmup, graphed=True):
     def body():
-        rank, world = threadpar.get_rank(), threadpar.get_world_size()
-        model = DistributedDataParallel(copy.deepcopy(template))
+        rank, world, dev = threadpar.get_rank(), threadpar.get_world_size(), threadpar.get_device()
+        model = DistributedDataParallel(copy.deepcopy(template).to(dev))
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True)
 
         def train(x, y):
@@ -68,8 +73,8 @@ def ddp_body(template, batches, warmup, graphed=True):
         step = threadpar.graphed_step(train, warmup_steps=warmup) if graphed else train
         losses = []
         for x, y in batches:
-            losses.append(step(x.chunk(world)[rank], y.chunk(world)[rank]).clone())
-        return losses, [p.detach().clone() for p in model.parameters()], step
+            losses.append(step(x.chunk(world)[rank].to(dev), y.chunk(world)[rank].to(dev)).cpu())
+        return losses, [p.detach().cpu() for p in model.parameters()], step
 
     return body
 
@@ -96,9 +101,10 @@ def graphed_and_eager(make, world: int, *, warmup: int = 2, steps: int = 6, **la
         def body():
             train, state, batch = make()
             step = threadpar.graphed_step(train, warmup_steps=warmup) if graphed else train
-            losses = [step(*batch(i)).detach().clone() for i in range(steps)]
+            dev = threadpar.get_device()
+            losses = [step(*(a.to(dev) for a in batch(i))).detach().cpu() for i in range(steps)]
             replays = step.replays if graphed else None
-            return torch.stack(losses), [t.detach().clone() for t in state()], replays
+            return torch.stack(losses), [t.detach().cpu() for t in state()], replays
 
         fake = FakeCuda()
         results = run_fake_gpus(body, world, fake, **layout)
@@ -129,7 +135,7 @@ def test_a_tensor_and_sequence_parallel_gpt_with_ddp_and_clipping_graphs_as_it_r
 
     def make():
         tp = TensorParallel(group=threadpar.get_group("TP"), sequence_parallel=True)
-        model = parallelize_chunk(GPT(config), tp=tp)
+        model = parallelize_chunk(GPT(config).to(threadpar.get_device()), tp=tp)
         model.load_state_dict(dense)
         model = DistributedDataParallel(model)
         criterion = GPTLoss(config, tp, None)
@@ -162,7 +168,7 @@ def test_zero_graphs_as_it_runs_eagerly(stage):
 
     def make():
         rank = threadpar.get_rank()
-        model = DistributedDataParallel(copy.deepcopy(template), bucket_cap_mb=0)
+        model = DistributedDataParallel(copy.deepcopy(template).to(threadpar.get_device()), bucket_cap_mb=0)
         opt = ZeroRedundancyOptimizer(
             model.parameters(), torch.optim.AdamW, stage=stage, lr=0.01, capturable=True
         )
@@ -191,7 +197,7 @@ def test_dropout_draws_anew_at_every_replay_as_eager_steps_do():
 
     def make():
         rank = threadpar.get_rank()
-        model = DistributedDataParallel(copy.deepcopy(template))
+        model = DistributedDataParallel(copy.deepcopy(template).to(threadpar.get_device()))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         generator = threadpar.get_generator()
 
@@ -220,9 +226,10 @@ def test_python_in_the_step_runs_once_at_capture_so_a_branch_is_frozen_as_on_a_g
             return x * 2 if mode[0] == "double" else x * 3
 
         step = threadpar.graphed_step(step_fn, warmup_steps=1)
-        out = [step(torch.full((2,), float(i))).clone() for i in range(2)]
+        dev = threadpar.get_device()
+        out = [step(torch.full((2,), float(i), device=dev)).cpu() for i in range(2)]
         mode[0] = "triple"  # (eager code would change; the graph replays what was captured)
-        out += [step(torch.full((2,), float(i))).clone() for i in range(2, 4)]
+        out += [step(torch.full((2,), float(i), device=dev)).cpu() for i in range(2, 4)]
         return torch.stack(out)
 
     for result in run_fake_gpus(body, 1, FakeCuda()):
@@ -233,7 +240,7 @@ def run_refused(step_fn, *, warmup=1, world=2, calls=3):
     def body():
         step = threadpar.graphed_step(step_fn, warmup_steps=warmup)
         for i in range(calls):
-            step(torch.full((4,), float(i)))
+            step(torch.full((4,), float(i), device=threadpar.get_device()))
 
     return run_fake_gpus(body, world, FakeCuda())
 
@@ -255,7 +262,7 @@ def test_a_non_capturable_optimizer_is_refused_at_capture():
     template = mlp()
 
     def body():
-        model = copy.deepcopy(template)
+        model = copy.deepcopy(template).to(threadpar.get_device())
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # capturable=False: step() reads its step count
 
         def train(x):
@@ -265,9 +272,10 @@ def test_a_non_capturable_optimizer_is_refused_at_capture():
 
         step = threadpar.graphed_step(train, warmup_steps=1)
         for _ in range(2):
-            step(torch.ones(2, 6))
+            step(torch.ones(2, 6, device=threadpar.get_device()))
 
-    with pytest.raises(GraphCaptureError, match="capturable=True"):
+    # (torch/optim/optimizer.py, _accelerator_graph_capture_health_check)
+    with pytest.raises(RuntimeError, match="graph capture of step.*AdamW but param_groups' capturable is False"):
         run_fake_gpus(body, 1, FakeCuda())
 
 
@@ -287,8 +295,8 @@ def test_a_groups_first_collective_inside_the_capture_is_refused_with_what_to_do
 def test_point_to_point_in_the_step_is_captured_from_the_rehearsal_and_replayed():
     # (more in test_cuda_graphs_pipeline.py) rank 0 sends two messages, rank 1 receives them in the other order
     def make():
-        rank = threadpar.get_rank()
-        state = torch.zeros(3)
+        rank, dev = threadpar.get_rank(), threadpar.get_device()
+        state = torch.zeros(3, device=dev)
 
         def train(x):
             if rank == 0:
@@ -296,7 +304,7 @@ def test_point_to_point_in_the_step_is_captured_from_the_rehearsal_and_replayed(
                 threadpar.send(x[:2] + 1, 1, tag=2)
                 return x.sum()
             first = threadpar.get_group().recv_tensor(0, tag=2)
-            second = torch.empty(3)
+            second = torch.empty(3, device=dev)
             threadpar.recv(second, 0, tag=1)
             state.add_(second)
             return first.sum() * second.sum()
@@ -322,12 +330,13 @@ def test_a_receive_from_any_source_inside_the_capture_is_refused():
 def test_new_shapes_after_the_capture_are_refused_clearly():
     def body():
         step = threadpar.graphed_step(lambda x: x * 2, warmup_steps=1)
-        step(torch.ones(3))
-        step(torch.ones(3))
+        dev = threadpar.get_device()
+        step(torch.ones(3, device=dev))
+        step(torch.ones(3, device=dev))
         with pytest.raises(
             threadpar.ConfigError, match=r"argument 0 is float32\[4\], captured as float32\[3\]"
         ):
-            step(torch.ones(4))
+            step(torch.ones(4, device=dev))
         with pytest.raises(threadpar.ConfigError, match="warmup_steps must be an int >= 1"):
             threadpar.graphed_step(lambda x: x, warmup_steps=0)
 
@@ -351,7 +360,7 @@ def test_on_the_threads_backend_the_step_runs_eagerly(monkeypatch):
 
 def test_a_replay_whose_peer_never_replays_is_named_by_the_watchdog():
     def body():
-        t = torch.ones(2)
+        t = torch.ones(2, device=threadpar.get_device())
 
         def step_fn(x):
             threadpar.all_reduce(x)
@@ -372,30 +381,38 @@ def test_a_replay_whose_peer_never_replays_is_named_by_the_watchdog():
         run_fake_gpus(body, 2, FakeCuda(), timeout=1.0)
 
 
-def test_a_learning_rate_held_in_a_tensor_changes_inside_the_graph():
-    """A schedule reaches a graphed optimizer through a tensor lr updated in place (torch's capturable
-    optimizers read it on the device); a float lr is frozen into the graph at capture."""
+def test_a_learning_rate_held_in_a_device_tensor_changes_inside_the_graph():
+    """A schedule reaches a graphed optimizer through a device tensor lr updated in place (torch's capturable
+    optimizers read it on the device); a float lr is frozen into the graph at capture, and so is a host tensor's
+    value, which the capture refuses (the fused kernels read a host lr with lr.item() when launched:
+    FusedAdamWKernel.cu)."""
     template = mlp()
 
-    def body():
-        model = copy.deepcopy(template)
-        lr = torch.tensor(0.01)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True)
+    def run(lr_device):
+        def body():
+            dev = threadpar.get_device()
+            model = copy.deepcopy(template).to(dev)
+            lr = torch.tensor(0.01, device=dev if lr_device == "device" else "cpu")
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True)
 
-        def train(x):
-            opt.zero_grad(set_to_none=False)
-            model(x).square().mean().backward()
-            opt.step()
+            def train(x):
+                opt.zero_grad(set_to_none=False)
+                model(x).square().mean().backward()
+                opt.step()
 
-        step = threadpar.graphed_step(train, warmup_steps=1)
-        x = torch.ones(2, 6)
-        step(x)  # (the warm-up)
-        moved = []
-        for rate in (0.01, 0.0):  # the schedule's values: the replays take them
-            lr.fill_(rate)
-            before = [p.detach().clone() for p in model.parameters()]
-            step(x)
-            moved.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
-        return step.replays, moved
+            step = threadpar.graphed_step(train, warmup_steps=1)
+            x = torch.ones(2, 6, device=dev)
+            step(x)  # (the warm-up)
+            moved = []
+            for rate in (0.01, 0.0):  # the schedule's values: the replays take them
+                lr.fill_(rate)
+                before = [p.detach().clone() for p in model.parameters()]
+                step(x)
+                moved.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+            return step.replays, moved
 
-    assert run_fake_gpus(body, 1, FakeCuda()) == [(2, [True, False])]
+        return run_fake_gpus(body, 1, FakeCuda())
+
+    assert run("device") == [(2, [True, False])]
+    with pytest.raises(GraphCaptureError, match=r"(?s)a host tensor.*Make it a device tensor"):
+        run("host")

@@ -22,7 +22,7 @@ from threadpar.parallel import (
 )
 from threadpar.pipeline import PipelineParallel
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("capturable_on_cpu", "fake_mode")]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("fake_mode")]
 
 STEPS, WARMUP = 6, 2
 
@@ -33,7 +33,7 @@ def pipeline_step(
     """make() for graphed_and_eager: a pipelined GPT-like model stepping AdamW (capturable) on each stage."""
 
     def make():
-        model = make_model(layers)
+        model = make_model(layers).to(threadpar.get_device())
         chunks = my_chunks(model, v)
         if ddp:
             chunks = [DistributedDataParallel(c, bucket_cap_mb=0, first_bucket_cap_mb=0) for c in chunks]
@@ -106,7 +106,8 @@ def test_a_pipelined_step_graphs_when_backward_runs_on_autograd_device_threads()
         def body():
             train, _, batch = pipeline_step("1f1b", 1, 4)()
             step = threadpar.graphed_step(train, warmup_steps=WARMUP) if graphed else train
-            return torch.stack([step(*batch(i)).detach().clone() for i in range(STEPS)])
+            dev = threadpar.get_device()
+            return torch.stack([step(*(t.to(dev) for t in batch(i))).detach().cpu() for i in range(STEPS)])
 
         return run_fake_gpus(body, 2, fake, pp=2)
 
@@ -122,7 +123,7 @@ def test_ring_attention_with_context_parallel_graphs_as_it_runs_eagerly(cp):
     template = torch.nn.Linear(dim, 3 * dim)
 
     def make():
-        proj = copy.deepcopy(template)
+        proj = copy.deepcopy(template).to(threadpar.get_device())
         opt = torch.optim.AdamW(proj.parameters(), lr=0.05, capturable=True)
 
         def train(x):  # x: [batch, heads, length / cp, dim], this rank's part of the sequence
@@ -149,7 +150,8 @@ def test_a_pipeline_across_two_processes_graphs_as_it_runs_eagerly():
         def body():
             train, _, batch = pipeline_step("1f1b", 1, 4)()
             step = threadpar.graphed_step(train, warmup_steps=WARMUP) if graphed else train
-            return torch.stack([step(*batch(i)).detach().clone() for i in range(STEPS)])
+            dev = threadpar.get_device()
+            return torch.stack([step(*(t.to(dev) for t in batch(i))).detach().cpu() for i in range(STEPS)])
 
         fakes = fake_gpu_processes(2)
         return [r for process in run_fake_gpu_processes(body, fakes, 1, pp=2) for r in process]

@@ -150,3 +150,19 @@ def test_backward_on_another_thread_of_a_device_above_zero():
     thread.start()
     thread.join()
     assert grads and grads[0].tolist() == [3.0, 3.0, 3.0]
+
+
+def test_autocast_casts_as_cuda_does():
+    """CUDA's policies (aten/src/ATen/autocast_mode.h's lists): a matmul in the autocast dtype, a loss and a
+    softmax's result in float32, float64 left alone."""
+    x, w = torch.randn(4, 8, device=DEV), torch.randn(8, 3, device=DEV)
+    with torch.autocast(DEV.type, dtype=torch.float16):
+        product = x @ w
+        loss = torch.nn.functional.mse_loss(product, torch.zeros(4, 3, device=DEV))
+        soft = torch.softmax(product, dim=-1)
+        wide = x.double() @ w.double()
+        linear = torch.nn.functional.linear(x, w.t())
+    assert (product.dtype, loss.dtype, soft.dtype, wide.dtype, linear.dtype) == (
+        torch.float16, torch.float32, torch.float32, torch.float64, torch.float16,
+    )  # fmt: skip
+    torch.testing.assert_close(product.float().cpu(), (x.cpu().half() @ w.cpu().half()).float())

@@ -34,6 +34,10 @@ CUDA's capture rules the double enforces (each raises what CUDA or torch would, 
   (cudaErrorStreamCaptureIsolation, 905);
 - a stream that joined the capture (waited on a captured event) must be joined back into the origin stream
   before the capture ends (cudaErrorStreamCaptureUnjoined, 904);
+- torch's optimizers refuse a step in a capture unless capturable (torch/optim/optimizer.py,
+  `_accelerator_graph_capture_health_check`: "Attempting CUDA graph capture of step() ... but param_groups'
+  capturable is False"), a check torch makes for CUDA and XPU only, so the double makes it for its device
+  (`_optimizer_health_check`, a global step pre-hook);
 - NCCL: the communicators of one group call all captured by one graph or none (src/group.cc, "Either none or
   all communicators in a ncclGroup() can be CUDA graph captured"; src/enqueue.cc,
   ncclPlannerSetCapturingGraph), in fake_nccl.py.
@@ -50,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -256,6 +261,34 @@ def _run_again(entry: _Aten) -> None:
                 out.copy_(value)
 
 
+_capturing = threading.local()  # .graph: the graph the calling thread captures into, if any
+
+
+def _optimizer_health_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch/optim/optimizer.py, Optimizer._accelerator_graph_capture_health_check, for the double's device
+    (torch checks the accelerator types cuda and xpu only), in the optimizers whose step() calls it: those with
+    a `capturable` option (SGD has none: its step keeps no count on the host)."""
+    if (
+        getattr(_capturing, "graph", None) is not None
+        and "capturable" in optimizer.defaults
+        and not all(group["capturable"] for group in optimizer.param_groups)
+    ):
+        raise RuntimeError(
+            f"Attempting CUDA graph capture of step() for an instance of {type(optimizer).__name__} but "
+            "param_groups' capturable is False."
+        )
+
+
+_hooks_lock = threading.Lock()
+_hooks: list[Any] = []
+
+
+def _install_optimizer_health_check() -> None:
+    with _hooks_lock:
+        if not _hooks:
+            _hooks.append(register_optimizer_step_pre_hook(_optimizer_health_check))
+
+
 class CaptureRecorder(TorchDispatchMode):
     """The capturing thread's aten ops: refused if they sync the host, else run and recorded."""
 
@@ -318,9 +351,11 @@ _MOVES_DATA = frozenset({torch.ops.aten.copy_.default, torch.ops.aten._to_copy.d
 
 
 def _devices(args: tuple, kwargs: dict) -> tuple[torch.device | None, torch.Tensor | None]:
-    """The GPU an op runs on (its first device tensor's), or None for host work; and a host tensor among its
-    arguments, if any."""
-    device, host_tensor = None, None
+    """The GPU an op runs on (a factory's device, or its first device tensor's), or None for host work; and a host
+    tensor among its arguments, if any."""
+    made_on = kwargs.get("device")
+    device = made_on if isinstance(made_on, torch.device) and made_on.type == sim_gpu.DEVICE_TYPE else None
+    host_tensor = None
     for value in (*args, *kwargs.values()):
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, torch.Tensor):
@@ -347,6 +382,7 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
         )  # aten/src/ATen/cuda/CUDAGraph.cpp, capture_begin
     if graph.state != "new":
         raise RuntimeError("a CUDAGraph can be captured once (make a new one to capture again)")
+    _install_optimizer_health_check()
     # (the recorder is the capturing thread's: backward on a device thread would go unseen; graphed_step turns
     # them off for its capture)
     if fake.autograd_thread and torch._C._is_multithreading_enabled():
@@ -369,11 +405,13 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
         graph.remember_generator(generator)
     ok = False
     bound = sim_gpu.bind(fake)  # (the capturing thread's copies are this process's: its capture refuses them)
+    _capturing.graph = graph
     try:
         with fake.on_streams(stream), CaptureRecorder(graph):
             yield
         ok = True
     finally:
+        _capturing.graph = None
         sim_gpu.bind(bound)
         try:
             for joined in graph.joined:

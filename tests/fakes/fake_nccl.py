@@ -516,7 +516,8 @@ class FakeNccl:
             # 0..%d range)" -> ncclInvalidArgument (peers of send/recv alike: "invalid peer")
             raise nccl_error(function, INVALID_ARGUMENT, f"root/peer {root} is not in [0, {comm.size})")
 
-    def _queue(self, name, args, comm, stream, send, recv, *, reduces=False, racing=True, **extra) -> None:
+    def _queue(self, name, args, comm, stream, send, recv, *, reduces=False, racing=True, replay=False, **extra):
+        """`replay`: a graph's captured call again, its buffers the device memory recorded at capture."""
         function = _C_NAMES[name]
         self._check_usable(comm, function)
         self._check_ready(comm, function)
@@ -525,10 +526,9 @@ class FakeNccl:
         assert stream is not None, f"{function}: no stream"
         self._check_buffers(function, send if send is not None else recv, recv, reduces)
         self._check_stream(function, comm, stream)
-        send, recv = (
-            self._memory(function, send, comm, "sendbuff"),
-            self._memory(function, recv, comm, "recvbuff"),
-        )
+        if not replay:
+            send = self._memory(function, send, comm, "sendbuff")
+            recv = self._memory(function, recv, comm, "recvbuff")
         if racing:
             self._enter_device(comm.device, function)  # held until the group's end
         self.group_start()  # (an operation outside a group is a group of its own: src/collectives.cc)
@@ -730,7 +730,7 @@ class FakeNccl:
         try:
             for q in queued:
                 self._queue(q.name, q.args, q.comm, streams.get(q.stream, q.stream), q.input, q.output,
-                            reduces=q.name in _REDUCING, racing=False, **q.extra)  # fmt: skip
+                            reduces=q.name in _REDUCING, racing=False, replay=True, **q.extra)  # fmt: skip
         finally:
             self.group_end()
 

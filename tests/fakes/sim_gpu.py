@@ -47,13 +47,15 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from . import sim_gpu_autocast
 
 DEVICE_TYPE = "simgpu"
 DEVICE_COUNT = 8  # the double's GPUs per process (a node's worth; ranks beyond share them round-robin)
 
 _install_lock = threading.Lock()
 _installed: list[bool] = []
+_DEVICES: list[torch.device] = []  # simgpu:0 .. simgpu:DEVICE_COUNT-1, made once at install
 
 
 def install() -> None:
@@ -71,6 +73,7 @@ def install() -> None:
         torch._register_device_module(DEVICE_TYPE, _DeviceModule())
         torch._C._acc.register_python_privateuseone_hook(_Hooks())
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+        _DEVICES.extend(torch.device(DEVICE_TYPE, i) for i in range(DEVICE_COUNT))
         _register_kernels()
         _backward_without_device_threads()
         _pinned_memory_methods()
@@ -81,7 +84,9 @@ def device(index: int) -> torch.device:
     """The double's GPU `index` (the device is registered with torch on first use)."""
     if not _installed:
         install()
-    return torch.device(DEVICE_TYPE, index)
+    if not 0 <= index < DEVICE_COUNT:
+        raise ValueError(f"{DEVICE_TYPE}:{index}: the double has {DEVICE_COUNT} GPUs per process (0..{DEVICE_COUNT - 1})")
+    return _DEVICES[index]
 
 
 def is_device(t: object) -> bool:
@@ -199,9 +204,7 @@ class DeviceTensor(torch.Tensor):
             strides=host_tensor.stride(),
             storage_offset=host_tensor.storage_offset(),
             dtype=host_tensor.dtype,
-            layout=host_tensor.layout,
-            device=torch.device(DEVICE_TYPE, index),
-            requires_grad=False,
+            device=_DEVICES[index],
             storage_size=_VIRTUAL_BYTES,
         )
         wrapper._host = host_tensor
@@ -279,21 +282,39 @@ _CROSS_DEVICE = frozenset(
 
 
 class _OpInfo:
-    __slots__ = ("aliases", "generator", "written")
+    """What the device needs to know of an op, from its schema, once."""
+
+    __slots__ = ("generator", "returned", "written")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
-        # any output aliasing an input (a view, an in-place or out= op): torch's helper fixes the wrappers up
-        self.aliases = func.is_view or any(r.alias_info is not None for r in schema.returns)
-        # the (position, name) of every argument the op writes (in place, out=)
+        arguments = schema.arguments
+        # the (position, name) of every argument the op writes (in place, out=, an inplace_view op)
         self.written = tuple(
-            (i, a.name)
-            for i, a in enumerate(schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
+            (i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        # for each return: the (position, name) of the written argument it is (an in-place or out= op returns
+        # its argument itself: the caller gets the same tensor back), or None (a new tensor, or a view)
+        returned = []
+        for r in schema.returns:
+            alias = r.alias_info
+            found = None
+            if alias is not None and alias.is_write:
+                found = next(
+                    (
+                        (i, a.name)
+                        for i, a in enumerate(arguments)
+                        if a.alias_info is not None and a.alias_info.before_set == alias.before_set
+                    ),
+                    None,
+                )
+            returned.append(found)
+        self.returned: tuple[tuple[int, str] | None, ...] | None = (
+            tuple(returned) if any(r is not None for r in returned) else None
         )
         # the position and name of a Generator? argument, if the op draws random numbers
         self.generator: tuple[int, str] | None = next(
-            ((i, a.name) for i, a in enumerate(schema.arguments) if "Generator" in str(a.type)), None
+            ((i, a.name) for i, a in enumerate(arguments) if "Generator" in str(a.type)), None
         )
 
 
@@ -326,19 +347,28 @@ class _Devices:
         self.host_indices = False  # an indexing op's host indices (copied to the device: _copy_host_indices)
 
     def unwrap(self, value: Any) -> Any:
-        if isinstance(value, DeviceTensor):
+        if type(value) is DeviceTensor:
             if self.device is None:
                 self.device = value.device
             elif value.device != self.device:
                 _mismatch(self.device, value.device)
             return value._host
         if isinstance(value, torch.Tensor):
-            if value.dim() != 0 and value.device.type == "cpu" and self.host is None:
+            if isinstance(value, DeviceTensor):  # (a subclass of it: as itself)
+                return self.unwrap_device(value)
+            if self.host is None and value.device.type == "cpu" and value.dim() != 0:
                 self.host = value
             return value
-        if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
+        if type(value) in (list, tuple) and value and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(self.unwrap(v) for v in value)
         return value
+
+    def unwrap_device(self, value: DeviceTensor) -> torch.Tensor:
+        if self.device is None:
+            self.device = value.device
+        elif value.device != self.device:
+            _mismatch(self.device, value.device)
+        return value._host
 
     def check(self) -> None:
         if self.host is not None and self.device is not None:
@@ -356,18 +386,21 @@ def _mismatch(a: torch.device, b: torch.device) -> None:
 
 
 def _compute(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run `func` on the host memory of its device tensors, and give back device tensors: new wrappers for new
+    tensors and views, the very arguments for what an in-place or out= op returns (their sizes following the
+    host's: _match_host)."""
     devices = _Devices(func)
-    host_args = tuple(devices.unwrap(a) for a in args)
-    host_kwargs = {k: devices.unwrap(v) for k, v in kwargs.items()}
+    unwrap = devices.unwrap
+    host_args = tuple([unwrap(a) for a in args])
+    host_kwargs = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
     devices.check()
     if devices.host_indices and bound() is not None:
         _copy_host_indices(devices, host_args, host_kwargs)
     target = devices.device
-    if (
-        "device" in host_kwargs and host_kwargs["device"] is not None
-    ):  # (a factory-like op: new_empty, *_like)
-        target = _normalize(torch.device(host_kwargs["device"]))
-        host_kwargs["device"] = torch.device("cpu")
+    made_on = host_kwargs.get("device") if host_kwargs else None
+    if made_on is not None:  # (a factory-like op: new_empty, *_like)
+        target = _normalize(torch.device(made_on))
+        host_kwargs["device"] = _HOST
     info = _info(func)
     if info.generator is not None and target is not None and target.type == DEVICE_TYPE:
         host_args = _use_device_generator(info.generator, host_args, host_kwargs, target.index)
@@ -379,10 +412,21 @@ def _compute(func: Any, args: tuple, kwargs: dict) -> Any:
                 _match_host(w)
     if target is None or target.type != DEVICE_TYPE:
         return out
-    wrapped = _wrap_outputs(out, target.index)
-    if info.aliases:
-        return return_and_correct_aliasing(func, args, kwargs, wrapped)
-    return wrapped
+    index = target.index
+    if info.returned is None:
+        return DeviceTensor(out, index) if type(out) is torch.Tensor else _wrap_outputs(out, index)
+    outs = out if isinstance(out, tuple) else (out,)
+    results = []
+    for value, source in zip(outs, info.returned):
+        if source is not None:
+            position, name = source
+            results.append(args[position] if position < len(args) else kwargs[name])
+        else:
+            results.append(_wrap_outputs(value, index))
+    return tuple(results) if isinstance(out, tuple) else results[0]
+
+
+_HOST = torch.device("cpu")
 
 
 def _copy_host_indices(devices: _Devices, args: tuple, kwargs: dict) -> None:
@@ -524,7 +568,7 @@ def _register_kernels() -> None:
     lib.impl("empty_strided", empty_strided, "PrivateUse1")
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
-    _libraries.append(lib)
+    _libraries.extend([lib, *sim_gpu_autocast.register(lib, DEVICE_TYPE)])
 
 
 def _pinned_memory_methods() -> None:
@@ -624,6 +668,12 @@ class _DeviceModule:
     @staticmethod
     def set_device(index: int | torch.device | str) -> None:
         set_device(index)
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """What torch.autocast accepts on the device (torch/amp/autocast_mode.py asks a PrivateUse1 module): a
+        GPU's half types. The casts are CUDA's (sim_gpu_autocast.py)."""
+        return [torch.float16, torch.bfloat16]
 
     @staticmethod
     def manual_seed(seed: int) -> None:
