@@ -10,7 +10,7 @@ from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
 import threadpar
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("capturable_on_cpu")]
+pytestmark = [pytest.mark.timeout(120)]
 
 
 LAYOUTS = {  # name -> DemoConfig's layout options (4 ranks)

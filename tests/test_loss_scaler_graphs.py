@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.sim_gpu import to_host
 from helpers.ddp_reference import rank_slice
 
 import threadpar
@@ -42,9 +43,9 @@ def test_step_on_device_equals_the_host_step_and_one_ranks_overflow_skips_everyw
     steps = 5
 
     def body():
-        rank = threadpar.get_rank()
+        rank, dev = threadpar.get_rank(), threadpar.get_device()
         g = torch.Generator().manual_seed(rank)
-        start = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+        start = [torch.randn(4, 3, generator=g).to(dev), torch.randn(5, generator=g).to(dev)]
         runs = {}
         for path in ("host", "device"):
             params = [torch.nn.Parameter(t.clone()) for t in start]
@@ -52,7 +53,7 @@ def test_step_on_device_equals_the_host_step_and_one_ranks_overflow_skips_everyw
         g = torch.Generator().manual_seed(100 + rank)
         history = []
         for step in range(steps):
-            grads = [torch.randn(p.shape, generator=g) for p in start]
+            grads = [torch.randn(p.shape, generator=g).to(dev) for p in start]
             record = {}
             for path, (params, opt, scaler) in runs.items():
                 for p, grad in zip(params, grads):
@@ -67,10 +68,10 @@ def test_step_on_device_equals_the_host_step_and_one_ranks_overflow_skips_everyw
                     skipped,
                     scaler.scale,
                     scaler.skipped_steps,
-                    [p.detach().clone() for p in params],
+                    [p.detach().cpu() for p in params],
                 )
             history.append(record)
-        return history, {path: opt.state_dict()["state"] for path, (_, opt, _) in runs.items()}
+        return history, {path: to_host(opt.state_dict()["state"]) for path, (_, opt, _) in runs.items()}
 
     for history, states in run_on(runner, body, 4):
         for step, record in enumerate(history):
@@ -127,7 +128,7 @@ def test_zero_forwards_the_flag_to_its_fused_optimizer(stage):
 
 
 # graphed ---------------------------------------------------------------------------------------------------------
-@pytest.mark.usefixtures("capturable_on_cpu", "fake_mode")
+@pytest.mark.usefixtures("fake_mode")
 def test_a_graphed_ddp_step_with_loss_scaling_equals_the_eager_one_with_an_overflow_in_a_replay():
     """fp32 parameters, the loss scaled (scaling needs no fp16); rank 1's batch at step 4 (a replay) makes an
     inf in the gradient of a parameter outside DDP (its own), so only the agreed flag skips rank 0. The
@@ -142,9 +143,11 @@ def test_a_graphed_ddp_step_with_loss_scaling_equals_the_eager_one_with_an_overf
 
     def run(graphed: bool):
         def body():
-            rank = threadpar.get_rank()
-            model = DistributedDataParallel(copy.deepcopy(template))
-            local = torch.nn.Parameter(torch.ones(()))  # (this rank's own: its gradient is not reduced)
+            rank, dev = threadpar.get_rank(), threadpar.get_device()
+            model = DistributedDataParallel(copy.deepcopy(template).to(dev))
+            local = torch.nn.Parameter(
+                torch.ones((), device=dev)
+            )  # (this rank's own: its gradient is not reduced)
             params = [*model.parameters(), local]
             opt = torch.optim.AdamW(params, lr=0.01, capturable=True, fused=True)
             scaler = LossScaler(init_scale=2.0**4, growth_interval=2)
@@ -162,15 +165,14 @@ def test_a_graphed_ddp_step_with_loss_scaling_equals_the_eager_one_with_an_overf
             step = threadpar.graphed_step(train, warmup_steps=warmup) if graphed else train
             out = []
             for i in range(steps):
-                loss, found = step(
-                    rank_slice(xs[i], rank, world), rank_slice(ys[i], rank, world), zs[i, rank]
-                )
+                batch = (rank_slice(xs[i], rank, world), rank_slice(ys[i], rank, world), zs[i, rank])
+                loss, found = step(*(t.to(dev) for t in batch))
                 out.append(
                     (
-                        loss.clone(),
-                        found.clone(),
-                        scaler.scale_tensor.clone(),
-                        [p.detach().clone() for p in params],
+                        loss.cpu(),
+                        found.cpu(),
+                        scaler.scale_tensor.cpu(),
+                        [p.detach().cpu() for p in params],
                     )
                 )
             return out, scaler.skipped_steps, step.replays if graphed else None

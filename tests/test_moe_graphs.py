@@ -26,7 +26,7 @@ from threadpar.parallel import (
 from threadpar.parallel.expert_parallel.routing import assign, assign_slots, expert_capacity
 from threadpar.testing import run_ranks
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("capturable_on_cpu", "fake_mode")]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("fake_mode")]
 
 HIDDEN, FFN, TOKENS = 8, 16, 12
 
@@ -180,11 +180,12 @@ def make_moe_step(cfg: MoEConfig, ep: int, **moe_kwargs):
     ]
 
     def make():
-        dp = threadpar.get_group("DP")
+        dp, dev = threadpar.get_group("DP"), threadpar.get_device()
         ep_group, _ = expert_parallel_groups(ep)
-        moe = MoE(cfg, ep_group, **moe_kwargs)
+        moe = MoE(cfg, ep_group, device=dev, **moe_kwargs)
         moe.load_state_dict(dense)
-        model = DistributedDataParallel(torch.nn.Sequential(copy.deepcopy(first), moe, copy.deepcopy(last)))
+        layers = (copy.deepcopy(first).to(dev), moe, copy.deepcopy(last).to(dev))
+        model = DistributedDataParallel(torch.nn.Sequential(*layers))
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True)
         half = 4 // dp.size()
 
@@ -248,7 +249,8 @@ def test_a_padded_moe_forward_and_backward_alone_replay_what_eager_calls_compute
     xs = [randn(TOKENS, HIDDEN, seed=50 + i) for i in range(4)]
 
     def body():
-        moe = MoE(cfg, expert_parallel_groups(2)[0])
+        dev = threadpar.get_device()
+        moe = MoE(cfg, expert_parallel_groups(2)[0], device=dev)
         moe.load_state_dict(dense)
 
         def step(x):
@@ -257,8 +259,9 @@ def test_a_padded_moe_forward_and_backward_alone_replay_what_eager_calls_compute
             return x.grad
 
         graphed = threadpar.graphed_step(step, warmup_steps=1)
-        got = [graphed(x).clone() for x in xs]  # eager, captured (and replayed), replayed, replayed
-        want = [step(x) for x in xs]
+        on_device = [x.to(dev) for x in xs]
+        got = [graphed(x).cpu() for x in on_device]  # eager, captured (and replayed), replayed, replayed
+        want = [step(x).cpu() for x in on_device]
         assert moe.last_stats.capacity == expert_capacity(TOKENS, 2, 4, 0.75)
         return graphed.replays, got, want
 

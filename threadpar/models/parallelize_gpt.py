@@ -270,25 +270,25 @@ def parallelize_gpt(
         config.n_layer, layout.pp, coords.pp, chunks_per_stage, schedule_placement(schedule)
     )
     last_chunk = layout.pp * chunks_per_stage - 1
-    chunks = [
-        parallelize_chunk(
-            GPTChunk(
-                config,
-                range(start, end),
-                first=chunk == 0,
-                last=chunk == last_chunk,
-                recompute=recompute,
-                autocast_dtype=autocast_dtype,
-            ),
-            tp=tp,
-            cp=cp,
-            ep=ep_group,
-        )
-        for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk)
-    ]
-    # On this rank's GPU (a no-op on CPU threads) before the dense weights load there.
-    device = get_device()
-    chunks = [c.to(device) for c in chunks]
+    # Made on this rank's device (torch's device context: every factory there), never moved: the dense
+    # weights load there, and nothing holds a parameter that .to() would have to replace.
+    with torch.device(get_device()):
+        chunks = [
+            parallelize_chunk(
+                GPTChunk(
+                    config,
+                    range(start, end),
+                    first=chunk == 0,
+                    last=chunk == last_chunk,
+                    recompute=recompute,
+                    autocast_dtype=autocast_dtype,
+                ),
+                tp=tp,
+                cp=cp,
+                ep=ep_group,
+            )
+            for chunk, (start, end) in zip(info.chunk_ids, info.layer_ranges_per_chunk)
+        ]
     load_model_state(chunks, dense_state)
     if compile is not None:
         keep_dynamo_out_of_comm()  # the TP mappings' collectives break the blocks' graphs, untraced

@@ -6,6 +6,8 @@ rank its own `torch.Generator`, seeded from the launch's base seed and keys such
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -32,12 +34,17 @@ def make_generator(device: torch.device, seed: int) -> torch.Generator:
     """A generator on `device`, seeded. A PrivateUse1 backend registered from Python cannot make generators
     (torch/csrc/acc/Module.cpp leaves the hooks' getNewGenerator to the base, which raises): its ranks get a
     host generator, which such a backend's random ops take (the CUDA double's do: tests/fakes/sim_gpu.py)."""
-    on = device
-    if device.type == torch._C._get_privateuse1_backend_name() and device.type != "privateuseone":
-        try:
-            torch.Generator(device=device)
-        except (RuntimeError, NotImplementedError):
-            on = torch.device("cpu")
-    generator = torch.Generator(device=on)
+    generator = torch.Generator(device=device if _makes_generators(device.type) else "cpu")
     generator.manual_seed(seed)
     return generator
+
+
+@functools.lru_cache
+def _makes_generators(device_type: str) -> bool:
+    if device_type != torch._C._get_privateuse1_backend_name():
+        return True
+    try:
+        torch.Generator(device=device_type)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
