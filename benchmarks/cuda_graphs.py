@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib
 import statistics
 import sys
 import time
@@ -124,21 +123,6 @@ def gpu_tables(steps: int, rounds: int) -> None:
 
 
 # -- the CPU model ----------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def capturable_on_cpu():
-    """torch's capturable optimizers accept the double's CPU tensors (as tests/conftest.py's fixture)."""
-    modules = [importlib.import_module(f"torch.optim.{name}") for name in ("optimizer", "adam")]
-    original = modules[0]._get_capturable_supported_devices
-    devices = [*original(), "cpu"]
-    for module in modules:
-        module._get_capturable_supported_devices = lambda supports_xla=True: devices
-    try:
-        yield
-    finally:
-        for module in modules:
-            module._get_capturable_supported_devices = original
-
-
 # The double's frames, and torch's Python that runs its dispatch modes (DeviceTouch, the recorder): on a GPU
 # neither exists, so neither is counted (nor what they call).
 DOUBLE_FILES = (
@@ -184,7 +168,7 @@ def _ddp_mlp(steps: int) -> Any:
 
     def make() -> tuple[Any, Any]:
         rank = threadpar.get_rank()
-        model = DistributedDataParallel(copy.deepcopy(template))
+        model = DistributedDataParallel(copy.deepcopy(template).to(threadpar.get_device()))
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True)
 
         def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -208,9 +192,8 @@ def _pipeline(steps: int) -> Any:
     data = [make_batch(8, seed=10 + i) for i in range(steps)]
 
     def make() -> tuple[Any, Any]:
-        pipe = PipelineParallel(
-            my_chunks(make_model(4), 1), loss_fn=lm_loss, schedule="1f1b", num_microbatches=4
-        )
+        model = make_model(4).to(threadpar.get_device())
+        pipe = PipelineParallel(my_chunks(model, 1), loss_fn=lm_loss, schedule="1f1b", num_microbatches=4)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.01, capturable=True)
 
         def train(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -239,19 +222,19 @@ def cpu_model(steps: int) -> list[list[str]]:
             def body() -> tuple[torch.Tensor, int]:
                 train, batch = make()
                 step = threadpar.graphed_step(train, warmup_steps=2) if graphed else train
-                losses, counter = [], CallCounter()
+                losses, counter, dev = [], CallCounter(), threadpar.get_device()
                 for i in range(steps):
+                    inputs = [t.to(dev) for t in batch(i)]  # (the copy to the device: outside the count)
                     if i == steps - 1 and threadpar.get_rank() == 0:
                         with counter.counting():
-                            losses.append(step(*batch(i)).clone())
+                            losses.append(step(*inputs).clone())
                     else:
-                        losses.append(step(*batch(i)).clone())
-                return torch.stack(losses), counter.calls
+                        losses.append(step(*inputs).clone())
+                return torch.stack(losses).cpu(), counter.calls
 
             return run_fake_gpus(body, 2, FakeCuda(), **layout)
 
-        with capturable_on_cpu():
-            graphed, eager = run(True), run(False)
+        graphed, eager = run(True), run(False)
         same = all(torch.equal(g[0], e[0]) for g, e in zip(graphed, eager))
         rows.append([name, str(same), str(eager[0][1]), str(graphed[0][1]),
                      f"{eager[0][1] / max(1, graphed[0][1]):.0f}x"])  # fmt: skip

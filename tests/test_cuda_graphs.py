@@ -10,7 +10,6 @@ import pytest
 import torch
 from fakes import sim_gpu
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
-from fakes.sim_gpu import to_host
 
 import threadpar
 from threadpar import GraphCaptureError
@@ -275,7 +274,9 @@ def test_a_non_capturable_optimizer_is_refused_at_capture():
             step(torch.ones(2, 6, device=threadpar.get_device()))
 
     # (torch/optim/optimizer.py, _accelerator_graph_capture_health_check)
-    with pytest.raises(RuntimeError, match="graph capture of step.*AdamW but param_groups' capturable is False"):
+    with pytest.raises(
+        RuntimeError, match="graph capture of step.*AdamW but param_groups' capturable is False"
+    ):
         run_fake_gpus(body, 1, FakeCuda())
 
 
@@ -416,3 +417,14 @@ def test_a_learning_rate_held_in_a_device_tensor_changes_inside_the_graph():
     assert run("device") == [(2, [True, False])]
     with pytest.raises(GraphCaptureError, match=r"(?s)a host tensor.*Make it a device tensor"):
         run("host")
+
+
+def test_an_argument_on_the_host_is_refused_at_capture_naming_the_fix():
+    def body():
+        step = threadpar.graphed_step(lambda x, y: x * y, warmup_steps=1)
+        on_device, on_host = torch.ones(3, device=threadpar.get_device()), torch.ones(())
+        step(on_device, on_host)  # (eager: a 0-dim host tensor is a scalar a kernel takes)
+        with pytest.raises(threadpar.ConfigError, match=r"argument 1 \(float32\[\]\) is on cpu.*\.to\("):
+            step(on_device, on_host)
+
+    run_fake_gpus(body, 1, FakeCuda())

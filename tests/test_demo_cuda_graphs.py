@@ -125,3 +125,21 @@ def test_on_cpu_threads_the_demo_runs_its_graphed_step_eagerly(tmp_path, capsys)
     assert main([*argv, "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert "CUDA graphs" in captured.out and "loss" in captured.out
+
+
+def test_the_demos_gpu_path_runs_end_to_end_on_the_doubles_gpus(tmp_path, capsys):
+    """`python -m threadpar.demo --gpus 8` as a GPU node runs it: the library places the ranks on 8 GPUs of
+    the nccl backend (here the double's, simgpu:0..7) and every step's tensors live there."""
+    from fakes.fake_cuda_nccl import simulated_gpus
+
+    from threadpar.demo.__main__ import main
+
+    argv = ["--gpus", "8", "--steps", "3", "--seq-len", "16", "--batch-size", "8", "--out", str(tmp_path)]
+    fake = FakeCuda()
+    with simulated_gpus(fake, 8):
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "8 ranks on 8 GPUs (NCCL)" in out and "loss" in out
+    used = {c.stream.device_index for c in fake.calls}
+    assert used == set(range(8)) and fake.calls_named("all_reduce")  # (every GPU issued NCCL calls)
+    assert not fake.nccl.violations

@@ -39,6 +39,7 @@ from threadpar.comm.nccl import bootstrap
 from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceLocks
 from threadpar.comm.nccl.watchdog import Watchdog
 from threadpar.errors import GraphCaptureError, RankFailedError
+from threadpar.runtime.devices import Gpus, gpus_of
 from threadpar.runtime.launch import _Launch, process_world
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.process_env import ProcessEnv
@@ -55,7 +56,7 @@ from .fake_nccl import FakeComm, FakeFabric, FakeNccl
 
 __all__ = [
     "FakeComm", "FakeCuda", "FakeFabric", "FakeNccl", "fake_gpu_processes", "launch_fake_gpu_processes",
-    "run_fake_gpu_processes", "run_fake_gpus",
+    "run_fake_gpu_processes", "run_fake_gpus", "simulated_gpus",
 ]  # fmt: skip
 
 # The mode of FakeCudas made without lazy=: [False] (an operation runs once its parts are all issued), or [True]
@@ -525,6 +526,22 @@ def run_fake_gpus(
     if nccl:
         fake.run_everything()
     return results
+
+
+@contextlib.contextmanager
+def simulated_gpus(fake: FakeCuda, count: int = sim_gpu.DEVICE_COUNT):
+    """While open, threadpar.launch (and the demo) in this process place GPU ranks on `count` of the double's
+    GPUs (simgpu:i, `fake` their CUDA and NCCL), as they would on CUDA's: the code a GPU runs, launched the way
+    a user launches it (runtime/devices.gpus_of). Rank threads copy through `fake` (sim_gpu.process_model);
+    they run without DeviceTouch (run_fake_gpus adds it)."""
+    if not 1 <= count <= sim_gpu.DEVICE_COUNT:
+        raise ValueError(f"count={count}: the double has 1 to {sim_gpu.DEVICE_COUNT} GPUs per process")
+    with (
+        gpus_of(Gpus(sim_gpu.DEVICE_TYPE, lambda: count, fake)),
+        sim_gpu.process_model(fake),
+        device_threads() if fake.autograd_thread else contextlib.nullcontext(),
+    ):
+        yield
 
 
 def fake_gpu_processes(processes: int, fabric: FakeFabric | None = None, **options: Any) -> list[FakeCuda]:

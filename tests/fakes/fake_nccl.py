@@ -516,7 +516,9 @@ class FakeNccl:
             # 0..%d range)" -> ncclInvalidArgument (peers of send/recv alike: "invalid peer")
             raise nccl_error(function, INVALID_ARGUMENT, f"root/peer {root} is not in [0, {comm.size})")
 
-    def _queue(self, name, args, comm, stream, send, recv, *, reduces=False, racing=True, replay=False, **extra):
+    def _queue(
+        self, name, args, comm, stream, send, recv, *, reduces=False, racing=True, replay=False, **extra
+    ):
         """`replay`: a graph's captured call again, its buffers the device memory recorded at capture."""
         function = _C_NAMES[name]
         self._check_usable(comm, function)

@@ -40,9 +40,10 @@ its memory; every op costs a Python call; timings, memory limits and kernels' nu
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -85,7 +86,9 @@ def device(index: int) -> torch.device:
     if not _installed:
         install()
     if not 0 <= index < DEVICE_COUNT:
-        raise ValueError(f"{DEVICE_TYPE}:{index}: the double has {DEVICE_COUNT} GPUs per process (0..{DEVICE_COUNT - 1})")
+        raise ValueError(
+            f"{DEVICE_TYPE}:{index}: the double has {DEVICE_COUNT} GPUs per process (0..{DEVICE_COUNT - 1})"
+        )
     return _DEVICES[index]
 
 
@@ -134,8 +137,32 @@ def bind(model: CopyModel | None) -> CopyModel | None:
     return previous
 
 
+_process_model: list[
+    CopyModel
+] = []  # the process's default while simulated_gpus runs; guarded by _model_lock
+_model_lock = threading.Lock()
+
+
 def bound() -> CopyModel | None:
-    return getattr(_local, "model", None)
+    """The calling thread's copy model: its own binding, else the process's (a launch on the double's GPUs
+    through threadpar.launch: fake_cuda_nccl.simulated_gpus)."""
+    model = getattr(_local, "model", None)
+    if model is None and _process_model:
+        with _model_lock:
+            model = _process_model[-1] if _process_model else None
+    return model
+
+
+@contextlib.contextmanager
+def process_model(model: CopyModel) -> Iterator[None]:
+    """While open, threads bound to no copy model use `model`."""
+    with _model_lock:
+        _process_model.append(model)
+    try:
+        yield
+    finally:
+        with _model_lock:
+            _process_model.remove(model)
 
 
 # -- generators: one default per device index --------------------------------------------------------------------------
@@ -219,6 +246,10 @@ class DeviceTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner: dict, index: int, outer_size: Any, outer_stride: Any) -> DeviceTensor:
         return DeviceTensor(inner["_host"], index)
+
+    # No Python layer above the dispatcher: a GPU tensor has none (and it costs a call per op); the device is
+    # all in __torch_dispatch__, below autograd.
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

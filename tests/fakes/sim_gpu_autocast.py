@@ -84,7 +84,10 @@ def _kernel(op: Any, policy: str, device_type: str) -> Any:
                 low = torch.get_autocast_dtype(device_type)
                 args, kwargs = _cast(args, low, device_type), _cast(kwargs, low, device_type)
             elif policy == "fp32":
-                args, kwargs = _cast(args, torch.float32, device_type), _cast(kwargs, torch.float32, device_type)
+                args, kwargs = (
+                    _cast(args, torch.float32, device_type),
+                    _cast(kwargs, torch.float32, device_type),
+                )
             elif policy == "set_opt_dtype":
                 if args and _eligible(args[0], device_type):
                     kwargs = {**kwargs, "dtype": torch.float32}
@@ -103,7 +106,7 @@ def register(lib: Any, device_type: str) -> list[Any]:
     """CUDA's autocast policies, for CUDA's op lists, on the AutocastPrivateUse1 key of `lib` (aten IMPL); every
     other op falls through the key, as autocast_mode.cpp's `TORCH_LIBRARY_IMPL(_, AutocastCUDA, m)` makes them
     (a fallthrough fallback). Returns the libraries to keep alive."""
-    fallback = torch.library.Library("_", "IMPL")  # noqa: TID251
+    fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     for policy, ops in (
         ("lower", LOWER_PRECISION_FP),

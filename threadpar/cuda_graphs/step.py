@@ -111,8 +111,15 @@ class GraphedStep:
     # capture ----------------------------------------------------------------------------------------------------
     def _capture(self, args: tuple, kwargs: dict) -> None:
         leaves, self._spec = tree_flatten((args, kwargs))
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.device != self._ctx.device:
+                raise ConfigError(
+                    f"graphed step on rank {self._ctx.rank}: argument {i} ({spec(leaf)}) is on {leaf.device}, not on "
+                    f"this rank's device {self._ctx.device}: a CUDA graph reads its inputs from device memory, which "
+                    "each call copies them into; move it with .to(threadpar.get_device()) before the step"
+                )
         self._static = [_static_copy(leaf) for leaf in leaves]
-        self._plain = not kwargs and all(type(a) is torch.Tensor for a in args)
+        self._plain = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
         static_args, static_kwargs = tree_unflatten(self._static, self._spec)
         ctx, world = self._ctx, self._ctx.world
         cuda, runtime = world.cuda_api(), world.nccl_runtime()
@@ -151,9 +158,10 @@ class GraphedStep:
             for static, new in zip(self._static, args):
                 if new is not static:
                     if (
-                        type(new) is not torch.Tensor
+                        not isinstance(new, torch.Tensor)
                         or new.shape != static.shape
                         or new.dtype != static.dtype
+                        or new.device != static.device
                     ):
                         break  # (the general path below says what is wrong)
                     static.copy_(new)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,12 +28,49 @@ def say_once(message: str) -> None:
     print(f"threadpar: {message}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs this process's launches place ranks on: CUDA's (torch.cuda and the NCCL library torch loaded),
+    unless a stand-in is installed with `gpus_of` (the tests' CUDA/NCCL double: tests/fakes)."""
+
+    device_type: str
+    count: Callable[[], int]
+    runtime: Any = None  # the CudaApi and NcclRuntime of these GPUs (comm/common/cuda_seam.py); None: CUDA's
+
+
+CUDA = Gpus("cuda", lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0)
+_gpus: list[Gpus] = [CUDA]  # the process's GPUs: the last installed; guarded by _gpus_lock
+_gpus_lock = threading.Lock()
+
+
+def process_gpus() -> Gpus:
+    """The GPUs a launch places its ranks on now (read once per launch, when it places them)."""
+    with _gpus_lock:
+        return _gpus[-1]
+
+
+@contextlib.contextmanager
+def gpus_of(gpus: Gpus) -> Iterator[None]:
+    """While open, launches in this process (threadpar.launch, the demo) run their GPU ranks on `gpus`: how
+    the tests run the code a GPU runs on the CUDA/NCCL double. Process-wide, as torch.cuda is."""
+    with _gpus_lock:
+        _gpus.append(gpus)
+    try:
+        yield
+    finally:
+        with _gpus_lock:
+            _gpus.remove(gpus)
+
+
 def cuda_device_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return process_gpus().count()
 
 
 def nccl_built() -> bool:
     """Whether NCCL can run here: CUDA, and a libnccl that loads (CUDA builds may lack it, e.g. some ROCm ones)."""
+    runtime = process_gpus().runtime
+    if runtime is not None:
+        return bool(runtime.nccl_available())
     from threadpar.comm.nccl.cuda_api import nccl_runtime  # here: the nccl package loads only when asked
 
     return nccl_runtime().nccl_available()
@@ -66,7 +105,7 @@ def _requested_ids(devices: object) -> list[int] | None:
         for d in devices:
             if isinstance(d, (torch.device, str)):
                 d = torch.device(d)
-                if d.type != "cuda":
+                if d.type not in ("cuda", process_gpus().device_type):
                     raise ConfigError(
                         f"devices lists CUDA devices; {d} is not one (use devices='cpu' for CPU threads)"
                     )
@@ -147,8 +186,8 @@ def resolve_placement(
                 f"this torch build ({torch.__version__}) has no NCCL: {world_size} ranks on {world_size} "
                 "GPU(s) use backend 'threads' (collectives through shared memory, not NCCL)"
             )
-            return Placement(world_size, "threads", tuple(torch.device("cuda", i) for i in ids), fallback)
-        devs = tuple(torch.device("cuda", i) for i in ids)
+            return Placement(world_size, "threads", tuple(_gpu(i) for i in ids), fallback)
+        devs = tuple(_gpu(i) for i in ids)
         return Placement(world_size, "threads" if backend == "threads" else "nccl", devs)
 
     if ids is not None and len(ids) != world_size:
@@ -161,12 +200,16 @@ def resolve_placement(
     return Placement(world_size, "threads", tuple(torch.device("cpu") for _ in range(world_size)), note)
 
 
+def _gpu(index: int) -> torch.device:
+    return torch.device(process_gpus().device_type, index)
+
+
 def _shared_placement(world_size: int, ids: list[int], backend: str, named: bool) -> Placement:
     """Several ranks on one GPU: rank r on ids[r % len(ids)] (round-robin; a list as long as the world names
     each rank's GPU itself), over the threads backend, which orders each cross-rank access with events on the
     ranks' own streams (comm/threads/stream_order.py). Each such rank thread runs its backward itself
     (runtime/autograd_threads.py)."""
-    devices = tuple(torch.device("cuda", ids[r % len(ids)]) for r in range(world_size))
+    devices = tuple(_gpu(ids[r % len(ids)]) for r in range(world_size))
     gpus = len(set(ids))
     if backend == "nccl":
         raise ConfigError(

@@ -32,7 +32,7 @@ from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRa
 from threadpar.runtime.autograd_threads import backward_on_this_thread, shares_gpu
 from threadpar.runtime.compiling import rank_thread_contexts
 from threadpar.runtime.context import RankContext, leave
-from threadpar.runtime.devices import cuda_device_count, resolve_placement, say_once
+from threadpar.runtime.devices import cuda_device_count, process_gpus, resolve_placement, say_once
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.peer_processes import Processes
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
@@ -394,6 +394,7 @@ def _one_process_world(config: LaunchConfig, threads: int | None) -> World:
         timeout=config.timeout,
         seed=config.seed,
         intraop_threads=intraop_threads,
+        cuda=None if on_cpu else process_gpus().runtime,
         torch_distributed=config.torch_distributed,
         rank_cpus=rank_cpus,
     )
@@ -414,7 +415,14 @@ def _multi_process_world(env: ProcessEnv, config: LaunchConfig, threads: int) ->
         config = dataclasses.replace(config, check_collectives=True)
     rank_cpus, intraop_threads = _rank_cores(config, on_cpu, threads, env.local_rank, env.local_count)
     return process_world(
-        env, config, layout, placement.backend, placement.devices, intraop_threads, rank_cpus=rank_cpus
+        env,
+        config,
+        layout,
+        placement.backend,
+        placement.devices,
+        intraop_threads,
+        cuda=None if on_cpu else process_gpus().runtime,
+        rank_cpus=rank_cpus,
     )
 
 
