@@ -275,7 +275,7 @@ def test_a_non_capturable_optimizer_is_refused_at_capture():
 
     # (torch/optim/optimizer.py, _accelerator_graph_capture_health_check)
     with pytest.raises(
-        RuntimeError, match="graph capture of step.*AdamW but param_groups' capturable is False"
+        RuntimeError, match=r"graph capture of step.*AdamW but param_groups' capturable is False"
     ):
         run_fake_gpus(body, 1, FakeCuda())
 
