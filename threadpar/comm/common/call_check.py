@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from threadpar.comm.common.mismatch import header, member_lines
+
 CONTROL_BYTES = 4096  # fixed, so that even disagreeing processes exchange messages of one size
 HEADER_BYTES = 128  # 8 bytes of hash, then the description's text (truncated)
 INLINE_BYTES = CONTROL_BYTES - HEADER_BYTES
@@ -42,16 +44,11 @@ def mismatch(
 ) -> str | None:
     """None if every process described the same call, else a message showing each process's call.
     `rows` are the gathered control messages, `me` this process's row."""
-    headers = rows[:, :HEADER_BYTES]
-    if all(torch.equal(h, headers[me]) for h in headers):
+    rows_head = rows[:, :HEADER_BYTES]
+    if all(torch.equal(h, rows_head[me]) for h in rows_head):
         return None
-    lines = [
-        f"collective mismatch on group '{name}' (global ranks {list(ranks)}) across processes at its "
-        f"call #{seq}: members must call the same collectives, with the same dtypes and shapes, in the same "
-        "order"
-    ]
-    for p, header in zip(procs, headers):
-        text = bytes(header[8:].tolist()).rstrip(b"\0").decode(errors="replace")
-        mark = "" if torch.equal(header, headers[me]) else f"   <-- differs from process {procs[me]}"
-        lines.append(f"  process {p}: {text}{mark}")
-    return "\n".join(lines)
+    members = []
+    for p, row in zip(procs, rows_head):
+        raw = bytes(row.tolist())
+        members.append((f"process {p}", raw, raw[8:].rstrip(b"\0").decode(errors="replace")))
+    return "\n".join([header(name, ranks, seq, " across processes"), *member_lines(members)])

@@ -3,9 +3,11 @@
 A backend whose members issue their own calls (nccl: each rank thread calls NCCL itself) cannot compare
 the members' calls at a meeting, since there is none. Instead each member leaves its call's description
 in the slot of its sequence number and goes on. The first member's call is the slot's reference: every
-later member compares its own call with it and, if they differ, raises CollectiveMismatchError naming the
-calls entered so far before it issues its own (the others' kernels then wait for it on the device until
-the launch's stop aborts them), so a mismatched call never reaches NCCL. Calls whose members legitimately
+later member compares its own call with it and, if they differ, raises CollectiveMismatchError before it
+issues its own (the others' kernels then wait for it on the device until the launch's stop aborts them).
+The message names whose call differs from the majority's, whatever order the members came in
+(comm/common/mismatch.py): the raising member, which will never issue, first waits a little (`wait_s`) for
+the slot's other entries, so that a first entrant in the minority is named as such. Calls whose members legitimately
 differ (all_to_all's split sizes) are compared whole by the member that completes the slot, before it
 issues. A slot lives from its first entry to its last, so a member running ahead keeps one small slot per
 call ahead.
@@ -28,6 +30,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from threadpar.comm.common import mismatch
+from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.rendezvous import Call
 from threadpar.errors import CollectiveMismatchError
 
@@ -66,10 +70,22 @@ class _Slot:
 
 
 class CallLedger:
-    def __init__(self, name: str, ranks: Sequence[int], group_ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        ranks: Sequence[int],
+        group_ranks: Sequence[int] | None = None,
+        *,
+        wait_s: float = 0.0,
+        abort: AbortSignal | None = None,
+    ) -> None:
         """`ranks`: the global ranks of the members that enter here (in member order); `group_ranks`: the
-        whole group's, when some members live in other processes (messages name the group by them)."""
+        whole group's, when some members live in other processes (messages name the group by them).
+        `wait_s`: how long a member whose call differs waits for the others' entries before it raises (so
+        that the message names the minority), cut short by `abort`."""
         self.name = name
+        self._wait_s = wait_s
+        self._abort = abort
         self.ranks = tuple(ranks)
         self.group_ranks = self.ranks if group_ranks is None else tuple(group_ranks)
         self.size = len(self.ranks)
@@ -97,9 +113,9 @@ class CallLedger:
                 slot.entries.append(member)
             elif call.op == first.op and call.op in self._compare:
                 slot.entries.append((member, call))  # (compared whole once complete)
-            else:  # (left out of the slot: this member never issues it)
-                entries = sorted([*slot.calls(), (member, call)], key=lambda e: e[0])
-                raise CollectiveMismatchError(self._describe(seq, entries, first, "differ"))
+            else:  # (entered as a differing call: this member never issues it)
+                slot.entries.append((member, call))
+                raise CollectiveMismatchError(self._describe(seq, self._settled(slot), "differ"))
         if len(slot.entries) < self.size or self._slots.pop(seq, None) is not slot:
             return False
         entries = slot.calls()  # (complete: every member's)
@@ -108,8 +124,17 @@ class CallLedger:
         if compare is not None and any(c != slot.first for c in calls):
             problem = compare(calls, self._members) if all(c.op == calls[0].op for c in calls) else "differ"
             if problem is not None:
-                raise CollectiveMismatchError(self._describe(seq, entries, slot.first, problem))
+                raise CollectiveMismatchError(self._describe(seq, entries, problem))
         return True
+
+    def _settled(self, slot: _Slot) -> list[tuple[int, Call]]:
+        """The slot's entries once every member entered, or `wait_s` passed, or the launch stopped."""
+        deadline = time.monotonic() + self._wait_s
+        while len(slot.entered()) < self.size and time.monotonic() < deadline:
+            if self._abort is not None and self._abort.is_set:
+                break
+            time.sleep(0.001)
+        return slot.calls()
 
     def missing(self, seq: int) -> list[int]:
         """The global ranks that have not entered call #seq while some have (empty: all or none have)."""
@@ -132,16 +157,12 @@ class CallLedger:
             out.append(Overdue(seq, slot.first, issued, missing, slot.since))
         return out
 
-    def _describe(self, seq: int, entries: list[tuple[int, Call]], first: Call, problem: str) -> str:
-        """`entries`: (member, call) of the members that entered; `first`: the slot's reference call."""
-        lines = [
-            f"collective mismatch on group '{self.name}' (global ranks {list(self.group_ranks)}) at its call #{seq}: "
-            "members must call the same collectives, with the same dtypes and shapes, in the same order"
-        ]
-        reference = next(m for m, c in entries if c == first)
-        for m, call in entries:
-            mark = "" if call == first else f"   <-- differs from rank {self.ranks[reference]}"
-            lines.append(f"  rank {self.ranks[m]}: {call}{mark}")
+    def _describe(self, seq: int, entries: list[tuple[int, Call]], problem: str) -> str:
+        """`entries`: (member, call) of the members that entered."""
+        entered = {m for m, _ in entries}
+        members = [(f"rank {self.ranks[m]}", call, str(call)) for m, call in entries]
+        missing = [f"rank {r}" for m, r in enumerate(self.ranks) if m not in entered]
+        lines = [mismatch.header(self.name, self.group_ranks, seq), *mismatch.member_lines(members, missing)]
         if problem != "differ":
             lines.append(problem)
         return "\n".join(lines)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from threadpar.comm.common import mismatch
 from threadpar.comm.common.abort import POLL_INTERVAL_S, AbortSignal
 from threadpar.errors import (
     CollectiveMismatchError,
@@ -252,14 +253,8 @@ class Rendezvous:
         first = slot.calls[0]
         if all(c == first for c in slot.calls):
             return None
-        lines = [
-            f"collective mismatch on group '{self.name}' (global ranks {list(self.group_ranks)}) at its call #{seq}: "
-            "members must call the same collectives, with the same dtypes and shapes, in the same order"
-        ]
-        for m, call in enumerate(slot.calls):
-            mark = "" if call == first else "   <-- differs from rank " + str(self.ranks[0])
-            lines.append(f"  rank {self.ranks[m]}: {call}{mark}")
-        return "\n".join(lines)
+        members = [(f"rank {self.ranks[m]}", call, str(call)) for m, call in enumerate(slot.calls)]
+        return "\n".join([mismatch.header(self.name, self.group_ranks, seq), *mismatch.member_lines(members)])
 
     def _raise(self, slot: Slot, seq: int) -> None:
         if isinstance(slot.error, str):

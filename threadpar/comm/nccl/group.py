@@ -50,6 +50,9 @@ Issue = Callable[[Any], None]
 # How long the watchdog waits for a device's launch lock before it leaves that device's communicators
 # unaborted (a connector stuck in a blocking NCCL call holds it; aborting meanwhile is unsafe: comm.py).
 ABORT_LOCK_WAIT_S = 5.0
+# How long a member whose call differs waits for the other members' calls, so that its error names the
+# minority whatever the arrival order (call_ledger.py); it never issues, so no peer waits for it meanwhile.
+MISMATCH_WAIT_S = 2.0
 
 
 class _Probe:
@@ -101,7 +104,9 @@ class NcclGroup(NcclCollectives, NcclPointToPoint):
         self._timeout = world.timeout
         local_ranks = [self.ranks[m] for m in self.local]
         # Calls matched in order without waiting (rule 6); meetings for creating and connecting only.
-        self.ledger = CallLedger(name, local_ranks, self.ranks)
+        self.ledger = CallLedger(
+            name, local_ranks, self.ranks, wait_s=min(world.timeout, MISMATCH_WAIT_S), abort=world.abort
+        )
         for op in ("all_to_all", "all_to_all_single"):  # (their sizes may differ between members)
             self.ledger.compare_with(op, all_to_all_sizes)
         self.meetings = Rendezvous(name, local_ranks, world.abort, world.timeout, group_ranks=self.ranks)

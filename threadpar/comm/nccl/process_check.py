@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from threadpar.comm.common import mismatch
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.errors import CollectiveTimeoutError
 
@@ -78,15 +79,13 @@ class ProcessCheck:
         texts = [store.get(k).decode(errors="replace") for k in keys]
         if all(t == texts[self.me] for t in texts):
             return None
-        lines = [
-            f"collective mismatch on group '{self.name}' (global ranks {list(self.ranks)}) across processes at "
-            f"its call #{seq}: members must call the same collectives, with the same dtypes and shapes, in the "
-            "same order"
-        ]
-        for p, text in zip(self.procs, texts):
-            mark = "" if text == texts[self.me] else f"   <-- differs from process {self.procs[self.me]}"
-            lines.append(f"  process {p}: {text}{mark}")
-        return "\n".join(lines)
+        members = [(f"process {p}", text, text) for p, text in zip(self.procs, texts)]
+        return "\n".join(
+            [
+                mismatch.header(self.name, self.ranks, seq, " across processes"),
+                *mismatch.member_lines(members),
+            ]
+        )
 
     def _describe_missing(self, store: Any, keys: list[str], seq: int, call: object) -> str:
         missing = [i for i, key in enumerate(keys) if not store.check([key])]
