@@ -112,6 +112,8 @@ class _Launch:
             for i, r in enumerate(ranks)
         ]
         world.failure_sink = self._reported
+        if world.backend == "nccl":  # NCCL's settings, checked before any rank starts (bootstrap.py)
+            world.nccl_runtime().prepare_environment()
 
     def _rank_main(self, i: int) -> None:
         # A rank sharing its GPU runs its backward itself, not on the device's one autograd thread, which

@@ -13,6 +13,17 @@ The environment (`prepare_environment`, once per process, before the first commu
 - NCCL_COMM_BLOCKING must not be 0: it makes every communicator nonblocking (src/init.cc, envConfigOverride;
   since 2.17), whose operations then return ncclInProgress and are launched by a new thread each (connector.py
   says why threadpar's are blocking).
+- Settings that make one process's rank threads wait for each other inside NCCL, refused (`REFUSED`), each
+  read in NCCL's source: NCCL_LAUNCH_MODE=GROUP (src/group.cc, doLaunches: `ncclCommIntraBarrierIn` for the
+  communicators of one clique in a process, a host barrier of the rank threads at every launch);
+  NCCL_LAUNCH_ORDER_IMPLICIT=1 (src/enqueue.cc, getImplicitOrder and ncclLaunchPrepare: every launch on a
+  device waits on `comm->context->launchOrder`, the previous NCCL launch on that device, and waits for it to
+  finish where the driver predates CUDA 12.3 or a capture predates 12.9: a send, which runs until its receive
+  does, then holds back every later operation of the device, and crossing point-to-point messages, a
+  pipeline's, deadlock); NCCL_SINGLE_PROC_MEM_REG_ENABLE=1 (src/init.cc turns NVLS buffer registration off
+  when two ranks share a process, this turns it back on; src/transport/nvls.cc registers a buffer with a host
+  all-gather and barriers of the local ranks, ncclShmemAllgather / bootstrapIntraNodeBarrier, inside the
+  launch, with no timeout).
 
 Unique ids across processes: member 0 of a group creates the id and writes it to torch.distributed's store
 (InfiniTrain writes it to a file; the store is already shared by every process of the job); the others wait
@@ -33,6 +44,29 @@ from threadpar.errors import CollectiveTimeoutError, ConfigError
 
 RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
 COMM_BLOCKING = "NCCL_COMM_BLOCKING"
+# variable -> (is a value refused, why, what to do): see the module docstring for the sources
+REFUSED: dict[str, tuple[Callable[[str], bool], str, str]] = {
+    "NCCL_LAUNCH_MODE": (
+        lambda v: v.strip().upper() == "GROUP",
+        "makes every NCCL launch a host barrier of the process's rank threads (src/group.cc, doLaunches)",
+        "unset it or set it to PARALLEL (NCCL's default)",
+    ),
+    "NCCL_LAUNCH_ORDER_IMPLICIT": (
+        lambda v: v.strip() not in ("", "0"),
+        "orders every NCCL launch on a device after the previous one (src/enqueue.cc, ncclLaunchPrepare), up to "
+        "its end on older drivers and in captures: a send waiting for its receive then holds back the device, "
+        "and crossing point-to-point messages (pipelines, ring attention) deadlock; threadpar orders each "
+        "device's calls itself (one thread per GPU, in program order)",
+        "unset it or set it to 0",
+    ),
+    "NCCL_SINGLE_PROC_MEM_REG_ENABLE": (
+        lambda v: v.strip() not in ("", "0"),
+        "turns on NVLS buffer registration across ranks of one process, which registers with a host all-gather "
+        "and barriers of the local ranks inside the launch, without a timeout (src/transport/nvls.cc); one "
+        "rank thread then waits for the others, which a graph capture's turns never let come",
+        "unset it or set it to 0",
+    ),
+}
 _environment_lock = threading.Lock()
 POLL = datetime.timedelta(milliseconds=100)  # how often a store wait looks at the stop signal
 
@@ -40,6 +74,10 @@ POLL = datetime.timedelta(milliseconds=100)  # how often a store wait looks at t
 def prepare_environment() -> None:
     """Set NCCL's environment for threadpar's communicators (see the module docstring); idempotent."""
     with _environment_lock:
+        for name, (refused, why, fix) in REFUSED.items():
+            value = os.environ.get(name)
+            if value is not None and refused(value):
+                raise ConfigError(f"{name}={value!r} {why}: {fix}")
         blocking = os.environ.get(COMM_BLOCKING)
         if blocking is not None and blocking.strip() == "0":
             raise ConfigError(
