@@ -139,5 +139,12 @@ class NcclComm:
     def alive(self) -> bool:
         return self._freed is None
 
+    @property
+    def aborted(self) -> str | None:
+        """Why it was aborted ("aborted: <the launch's reason>"), or None: an operation not yet seen done then
+        never ran to its end (ncclCommAbort ends it; its done event completes all the same)."""
+        freed = self._freed  # (a write-once reference: DESIGN.md rule 10)
+        return freed if freed is not None and freed.startswith("aborted") else None
+
     def __repr__(self) -> str:
         return f"<NcclComm {self.label} on device {self.device}{'' if self.alive else f' ({self._freed})'}>"

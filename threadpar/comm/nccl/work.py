@@ -108,7 +108,20 @@ class NcclWork(Work):
         if self._health is not None:
             self._health.spoil(f"{self._description}: {type(error).__name__}")
 
+    def _check_aborted(self) -> None:
+        """An operation of an aborted communicator never ran to its end, though its done event completes (its
+        kernel was ended): never a success (one seen done before the abort stays done)."""
+        comm = self._comm
+        aborted = None if comm is None else comm.aborted
+        if aborted is not None:
+            raise self._fail(
+                NcclError(
+                    f"{self._description} did not finish: the communicator of {comm.label} was {aborted}"
+                )
+            )
+
     def _check_async_error(self) -> None:
+        self._check_aborted()
         message = None if self._comm is None else self._comm.async_error()
         if message is not None:
             raise self._fail(
@@ -148,6 +161,8 @@ class NcclWork(Work):
         if self._error is not None:
             raise self._error
         self._issued(self._timeout)
+        if not self._done.is_set():
+            self._check_aborted()
         self._cuda.current_stream(self._device).wait_event(self._done_event)
         return True
 
