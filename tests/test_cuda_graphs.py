@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 import time
 
 import pytest
@@ -428,3 +430,80 @@ def test_an_argument_on_the_host_is_refused_at_capture_naming_the_fix():
             step(on_device, on_host)
 
     run_fake_gpus(body, 1, FakeCuda())
+
+
+def test_a_refused_capture_ends_cleanly_and_the_process_captures_again():
+    """A refusal after the capture forked a stream (a send's, joined at the capture's end): the step's GraphCaptureError
+    is what the caller sees, not CUDA's unjoined-fork error 904 (whose failed end of capture would also leave
+    the allocator's capture underway: fake_graph), and the process captures again afterwards."""
+
+    def body():
+        rank, dev, calls = threadpar.get_rank(), threadpar.get_device(), [0]
+
+        def step_fn(x):
+            calls[0] += 1
+            if rank == 1:
+                return threadpar.get_group().recv_tensor(0)
+            threadpar.send(
+                x * 2, 1
+            )  # (captured on the pair's stream: forked, joined back at the capture's end)
+            if calls[0] == 3:  # the capture
+                x.sum().item()  # refused: a host read, with the send's fork still open
+            return x
+
+        step = threadpar.graphed_step(step_fn, warmup_steps=2)
+        for i in range(3):
+            step(torch.full((4,), float(i), device=dev))
+
+    fake = FakeCuda()
+    with pytest.raises(GraphCaptureError, match="_local_scalar_dense") as refused:
+        run_fake_gpus(body, 2, fake)
+    assert "error 904" not in str(refused.value)
+    assert fake.allocator_stuck is None
+
+    def again():
+        step = threadpar.graphed_step(lambda x: x * 3, warmup_steps=1)
+        return [step(torch.ones(2, device=threadpar.get_device())).cpu() for _ in range(3)]
+
+    for results in run_fake_gpus(again, 1, fake):  # the process captures again
+        torch.testing.assert_close(results[-1], torch.full((2,), 3.0))
+
+
+def test_launches_side_by_side_in_one_process_capture_one_at_a_time():
+    """torch's rule is one capture underway per process (notes/cuda.rst, "Constraints"): two launches running at
+    once in one process (a notebook's, a test's) take turns with each other too, not only their own ranks (the
+    process's NCCL watchdog, paused by a capture, is the lock: runtime/capture_turns.py)."""
+    from threadpar.comm.common import graph_capture
+
+    fake = FakeCuda()
+    both_warm, both_capturing = threading.Barrier(2), threading.Barrier(2)
+
+    def double(x):
+        if graph_capture.capturing():  # (inside a capture: give the other launch's capture 2 s to begin too)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_capturing.wait(timeout=2)
+        return x * 2
+
+    def body():
+        step = threadpar.graphed_step(double, warmup_steps=1)
+        x = torch.ones(3, device=threadpar.get_device())
+        step(x)
+        both_warm.wait(30)  # (both launches reach their captures together)
+        return [step(x).cpu() for _ in range(3)][-1]
+
+    outcomes: list = []
+
+    def launch() -> None:
+        try:
+            outcomes.append(run_fake_gpus(body, 1, fake))
+        except BaseException as error:
+            outcomes.append(error)
+
+    threads = [threading.Thread(target=launch) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(outcomes) == 2 and all(isinstance(o, list) for o in outcomes), outcomes
+    for (result,) in outcomes:
+        torch.testing.assert_close(result, torch.full((3,), 2.0))

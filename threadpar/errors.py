@@ -74,3 +74,9 @@ class Terminated(SystemExit):
     def __init__(self, signum: int, signal_name: str) -> None:
         super().__init__(128 + signum)
         self.signal_name = signal_name
+
+
+def add_note(error: BaseException, text: str) -> None:
+    """Attach `text` to an exception's report (Python 3.11+ notes; a no-op before)."""
+    if hasattr(error, "add_note"):
+        error.add_note(text)

@@ -257,6 +257,7 @@ class FakeCuda:
         self.hung = False
         self.device_error: str | None = None  # raised by every event query (a sticky CUDA error)
         self.capturing: FakeGraph | None = None  # the process's capture underway (one at a time)
+        self.allocator_stuck: str | None = None  # a failed capture left the allocator's capture underway
 
     # the CudaApi ------------------------------------------------------------------------------------------------
     def pool_stream(self, device: torch.device, priority: int) -> FakeStream:

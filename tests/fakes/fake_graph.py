@@ -33,7 +33,11 @@ CUDA's capture rules the double enforces (each raises what CUDA or torch would, 
   (cudaErrorCapturedEvent, 907); a capturing stream cannot wait on an event recorded outside the capture
   (cudaErrorStreamCaptureIsolation, 905);
 - a stream that joined the capture (waited on a captured event) must be joined back into the origin stream
-  before the capture ends (cudaErrorStreamCaptureUnjoined, 904);
+  before the capture ends (cudaErrorStreamCaptureUnjoined, 904), also when the step raised inside the capture:
+  torch.cuda.graph's __exit__ ends the capture either way, its 904 replaces the step's error, and
+  CUDAGraph::capture_end (aten/src/ATen/cuda/CUDAGraph.cpp) throws before its pool's endAllocateToPool, so the
+  caching allocator keeps a capture underway and the process's next capture fails (`allocator_stuck`; the
+  real CudaApi ends the pool itself: comm/nccl/cuda_api.py);
 - torch's optimizers refuse a step in a capture unless capturable (torch/optim/optimizer.py,
   `_accelerator_graph_capture_health_check`: "Attempting CUDA graph capture of step() ... but param_groups'
   capturable is False"), a check torch makes for CUDA and XPU only, so the double makes it for its device
@@ -172,19 +176,26 @@ class FakeGraph:
 
     def end(self) -> None:
         """The capture's end: check the joins, and leave memory and generators as a GPU's capture does."""
+        unjoined = self.unjoined()
+        if unjoined is not None:
+            raise unjoined
+        self.restore(poison=True)
+
+    def unjoined(self) -> RuntimeError | None:
+        """cudaStreamEndCapture's error if a stream that joined the capture was not joined back, else None."""
         origin = self.joined.get(self.origin, [])
         for stream, log in self.joined.items():
             if stream is self.origin or not log:
                 continue
             if not _joined_back(self, stream, len(log) - 1, self.origin, len(origin) - 1):
-                raise cuda_error(
+                return cuda_error(
                     UNJOINED,
                     "the capture sequence contains a fork that was not joined to the primary stream",
                     f"{stream!r} did work in the capture of {self.origin!r} that the origin stream never waited for "
                     "(wait on the asynchronous op's Work, or make the origin stream wait on an event recorded "
                     "after it, before the capture ends)",
                 )
-        self.restore(poison=True)
+        return None
 
     def restore(self, poison: bool) -> None:
         """Memory the capture wrote back as it was, what it allocated poisoned, the generators as before."""
@@ -397,6 +408,12 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
                 "only one CUDA graph capture may be underway at a time in a process (torch docs, notes/cuda.rst, "
                 "Constraints; c10/cuda/CUDACachingAllocator.cpp asserts captures_underway.empty())"
             )
+        if fake.allocator_stuck is not None:
+            raise RuntimeError(
+                "the caching allocator still has a capture underway: an earlier capture ended with a CUDA error "
+                f"({fake.allocator_stuck}) before its pool's allocation ended (CUDAGraph::capture_end throws before "
+                "endAllocateToPool), and c10/cuda/CUDACachingAllocator.cpp asserts captures_underway.empty()"
+            )
         fake.capturing = graph
     graph.state, graph.origin, graph.thread = "capturing", stream, threading.get_ident()
     stream.capture = graph
@@ -421,6 +438,10 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
             else:  # (a failed capture: invalidated, as cudaStreamEndCapture says; memory as before)
                 graph.entries.clear()
                 graph.restore(poison=False)
+                unjoined = graph.unjoined()
+                if unjoined is not None:  # (the end of the capture fails too, and that error is what shows)
+                    fake.allocator_stuck = f"error {UNJOINED}"
+                    raise unjoined
         finally:
             graph.state = "captured" if ok else "failed"
             with fake.lock:

@@ -48,13 +48,12 @@ import torch
 from torch import nn
 
 from threadpar.comm.group import ProcessGroup
-from threadpar.errors import ConfigError, RankAborted
+from threadpar.errors import ConfigError, RankAborted, add_note
 from threadpar.parallel.groups import resolve_group
 from threadpar.pipeline.lowering import lower
 from threadpar.pipeline.p2p import (
     Link,
     LocalChannel,
-    add_note,
     check_tag_range,
     gradient_anchor,
     message_tag,

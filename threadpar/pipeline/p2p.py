@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from threadpar.errors import CollectiveTimeoutError, ConfigError
+from threadpar.errors import CollectiveTimeoutError, ConfigError, add_note
 from threadpar.pipeline.packing import is_packed, pack, pack_gradients, unpack, unpack_gradients
 from threadpar.pipeline.structure import flatten, unflatten
 from threadpar.pipeline.timeline import Timeline
@@ -54,12 +54,6 @@ def check_tag_range(num_chunks: int, num_microbatches: int) -> None:
             f"pipeline message tags hold at most {MAX_CHUNKS} chunks and {MAX_MICROBATCHES} microbatches; "
             f"got {num_chunks} chunks and {num_microbatches} microbatches"
         )
-
-
-def add_note(error: BaseException, text: str) -> None:
-    """Attach `text` to an exception's report (Python 3.11+ notes; a no-op before)."""
-    if hasattr(error, "add_note"):
-        error.add_note(text)
 
 
 class Channel(Protocol):

@@ -6,7 +6,10 @@ non-captured CUDA work from other threads during it. So the process's ranks capt
 arrives (its warm-up done), then they capture in rank order while the others wait here on the host (parked:
 no CUDA calls), and none replays before all have captured. A rank's k-th capture pairs with every other
 rank's k-th. Whether concurrent thread-local captures on distinct GPUs are safe is for a GPU to show; until
-then this is the safe order.
+then this is the safe order. Launches running side by side in one process (a notebook's, a test's) take turns
+with each other too: a capture holds the process's NCCL watchdog paused (cuda_graphs/step.py), whose lock is
+the process's (one NcclRuntime per process: comm/nccl/cuda_api.py), so the rule is the process's, as torch's
+is (tests/test_cuda_graphs.py pins it).
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ do instead. Point to point needs more than a flag: a receive learns a message's 
 announcement, which a capture cannot wait for; the step's last eager call before the capture is its
 rehearsal, where the point-to-point layer notes what was sent and received (a `Script`), and the capture
 follows that script (comm/nccl/p2p.py). Work a capture forks onto other streams registers a join
-(`at_end`), run before the capture ends: CUDA refuses a capture with an unjoined fork (error 904).
+(`at_end`), run before the capture ends, also when the step raised inside it: CUDA refuses a capture with an
+unjoined fork (error 904), an error that would replace the step's own (torch.cuda.graph's __exit__ ends the
+capture either way) and leave the caching allocator with a capture underway (CUDAGraph::capture_end throws
+before its pool's endAllocateToPool).
 
 Both marks are thread-local: a rank captures on its own thread (capture_error_mode="thread_local"), and its
 backward runs there during the rehearsal and the capture (cuda_graphs/step.py turns autograd's device
@@ -21,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from threadpar.errors import GraphCaptureError
+from threadpar.errors import GraphCaptureError, add_note
 
 _local = threading.local()
 
@@ -99,10 +102,15 @@ def marked(script: Script | None = None, begin: Any = None) -> Iterator[None]:
     script.begin = begin
     _local.capture, _local.joins = script, []
     try:
-        yield
-        joins, _local.joins = _local.joins, []
-        for join in joins:
-            join()
+        try:
+            yield
+        except BaseException as error:  # (the step's error is what the caller must see: joined still)
+            try:
+                _join(_local.joins)
+            except Exception as join_error:
+                add_note(error, f"joining the capture's forks failed too: {join_error}")
+            raise
+        _join(_local.joins)
         left = script.unfinished()
         if left:
             raise GraphCaptureError(
@@ -111,6 +119,19 @@ def marked(script: Script | None = None, begin: Any = None) -> Iterator[None]:
             )
     finally:
         _local.capture, _local.joins = None, []
+
+
+def _join(joins: list[Callable[[], None]]) -> None:
+    """Run every join (the first failure raised after all ran: a join left out is an unjoined fork)."""
+    _local.joins = []
+    failure: BaseException | None = None
+    for join in joins:
+        try:
+            join()
+        except BaseException as error:
+            failure = failure or error
+    if failure is not None:
+        raise failure
 
 
 def at_end(join: Callable[[], None]) -> None:

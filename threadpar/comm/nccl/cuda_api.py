@@ -26,7 +26,7 @@ from threadpar.comm.nccl import bootstrap
 from threadpar.comm.nccl.library import NcclLibrary, nccl_library
 from threadpar.comm.nccl.resources import CliquePool, CommStreams, DeviceLocks
 from threadpar.comm.nccl.watchdog import Watchdog
-from threadpar.errors import ConfigError
+from threadpar.errors import ConfigError, add_note
 
 __all__ = ["LibraryNcclRuntime", "TorchCuda", "nccl_runtime", "torch_cuda"]
 
@@ -82,7 +82,39 @@ class TorchCuda:
         for generator in generators:
             if register is not None and generator.device.type == "cuda":
                 register(generator)
-        return torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
+        return _ending_its_pool(graph, stream)
+
+
+@contextlib.contextmanager
+def _ending_its_pool(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> Iterator[None]:
+    """torch.cuda.graph(graph, stream, capture_error_mode="thread_local"), whose end of capture, if it fails
+    (a capture CUDA invalidated: cudaStreamEndCapture's error, 900 or 904), still ends the pool's allocation:
+    CUDAGraph::capture_end (aten/src/ATen/cuda/CUDAGraph.cpp) throws before endAllocateToPool, which would leave
+    the caching allocator with a capture underway for the rest of the process. The step's own error, if it
+    raised one, is what propagates (the end's failure becomes a note)."""
+    capture = torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
+    capture.__enter__()
+    try:
+        yield
+    except BaseException as error:
+        try:
+            capture.__exit__(type(error), error, error.__traceback__)
+        except BaseException as end_error:
+            _end_allocation(graph, stream)
+            add_note(error, f"ending the CUDA graph capture failed too: {end_error}")
+        raise
+    try:
+        capture.__exit__(None, None, None)
+    except BaseException:
+        _end_allocation(graph, stream)
+        raise
+
+
+def _end_allocation(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        with contextlib.suppress(RuntimeError):  # (already ended: capture_end got that far)
+            end(stream.device.index, graph.pool())
 
 
 class LibraryNcclRuntime:

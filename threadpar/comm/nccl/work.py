@@ -113,7 +113,7 @@ class NcclWork(Work):
         kernel was ended): never a success (one seen done before the abort stays done)."""
         comm = self._comm
         aborted = None if comm is None else comm.aborted
-        if aborted is not None:
+        if comm is not None and aborted is not None:
             raise self._fail(
                 NcclError(
                     f"{self._description} did not finish: the communicator of {comm.label} was {aborted}"
