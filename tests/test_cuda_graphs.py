@@ -507,3 +507,40 @@ def test_launches_side_by_side_in_one_process_capture_one_at_a_time():
     assert len(outcomes) == 2 and all(isinstance(o, list) for o in outcomes), outcomes
     for (result,) in outcomes:
         torch.testing.assert_close(result, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["clean end", "failed end"])
+def test_a_graphed_steps_graph_is_reset_before_its_communicators_are_freed(fails):
+    """NCCL >= 2.26 waits in the last destroy (or abort) of a clique's communicators until every CUDA graph that
+    captured them is destroyed (src/init.cc, commDestroySync; the double raises where it would wait for ever):
+    the launch's end resets each graphed step's graph first, after a failure too, and a replay after it is
+    refused."""
+    held = []
+
+    def body():
+        x = torch.ones(2, device=threadpar.get_device())
+
+        def step_fn(t):
+            threadpar.all_reduce(t)
+            return t
+
+        step = threadpar.graphed_step(step_fn, warmup_steps=1)
+        for _ in range(3):
+            step(x)
+        held.append(step)  # (the user still holds the step, and so its graph, after the launch)
+        if fails and threadpar.get_rank() == 1:
+            raise RuntimeError("rank 1 fails after its replays")
+
+    fake = FakeCuda()
+    if fails:
+        with pytest.raises(RuntimeError, match="rank 1 fails after its replays"):
+            run_fake_gpus(body, 2, fake)
+    else:
+        run_fake_gpus(body, 2, fake)
+    if not fails:  # (a clean end pools the clique: destroying it later must not wait either)
+        for comm in fake.cliques.drain():
+            comm.destroy()
+    assert not fake.nccl.violations
+    assert len(fake.nccl.aborted if fails else fake.nccl.destroyed) == 2
+    with pytest.raises(threadpar.ConfigError, match="belongs to a launch that has ended"):
+        run_fake_gpus(lambda: held[0](torch.ones(2, device=threadpar.get_device())), 1, fake)

@@ -211,9 +211,20 @@ class FakeGraph:
         self._allocated.clear()
         self._generators.clear()
 
+    def reset(self) -> None:
+        """CUDAGraph.reset: the graph and its executable are destroyed (aten/src/ATen/cuda/CUDAGraph.cpp), and
+        with them the NCCL plans it captured (their reclaim lowers the communicators' localPersistentRefs:
+        NCCL's src/enqueue.cc, reclaimPlan)."""
+        self.entries.clear()
+        if self.state in ("captured", "failed"):
+            self.state = "reset"
+        self.fake.nccl.graph_gone(self)
+
     # replay -----------------------------------------------------------------------------------------------------
     def replay(self) -> None:
         """cudaGraphLaunch on the calling thread's current stream: the origin stream's work goes there."""
+        if self.state == "reset":  # (CUDAGraph::replay: TORCH_CHECK(has_graph_exec_, ...))
+            raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
         if self.state != "captured":
             raise RuntimeError(f"replay of a graph that is {self.state}, not captured")
         fake = self.fake

@@ -52,6 +52,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -281,6 +282,10 @@ class FakeNccl:
         self._connected: set[tuple[Any, ...]] = set()  # connections this process made (lazy ones)
         self._local = threading.local()  # this thread's group: depth and queued operations
         self.violations: list[str] = []  # rules broken (also raised to the caller)
+        # (clique, rank) -> the CUDA graphs that captured work on that communicator (weakly: id -> ref), and
+        # one finalizer per graph (a graph collected without reset is destroyed as well); under _lock.
+        self._graphs: dict[tuple[bytes, int], dict[int, Any]] = {}
+        self._graph_finalizers: dict[int, Any] = {}
         # A nonblocking communicator's call still going on: (clique, rank) -> what it waits for (its init:
         # None; a connecting operation: that DeviceOp), until comm_get_async_error says it is done.
         self._in_progress: dict[tuple[bytes, int], DeviceOp | None] = {}
@@ -395,6 +400,7 @@ class FakeNccl:
                     part.kernel.stream, part.kernel.index, f"ncclCommDestroy waiting for {part.op.name}"
                 )
             self.fabric.abort(comm, "destroyed", [])
+            self._reclaim(comm, "ncclCommDestroy")
         with self._lock:
             self.destroyed.append(comm)
 
@@ -402,8 +408,55 @@ class FakeNccl:
         self._check_usable(comm, "ncclCommAbort")
         with self._on_device(comm.device, "ncclCommAbort"):
             self.fabric.abort(comm, "aborted", self._pending(comm))
+            self._reclaim(comm, "ncclCommAbort")
         with self._lock:
             self.aborted.append(comm)
+
+    # CUDA graphs that captured a communicator's work -------------------------------------------------------------
+    def _captured_by(self, graph: Any, comm: FakeComm) -> None:
+        with self._lock:
+            self._graphs.setdefault((comm.uid, comm.rank), {})[id(graph)] = weakref.ref(graph)
+            if id(graph) not in self._graph_finalizers:  # (a graph dropped without reset is destroyed too)
+                self._graph_finalizers[id(graph)] = weakref.finalize(graph, self._forget_graph, id(graph))
+
+    def graph_gone(self, graph: Any) -> None:
+        """A graph was reset (or collected): its NCCL plans are reclaimed (src/enqueue.cc, reclaimPlan)."""
+        self._forget_graph(id(graph))
+
+    def _forget_graph(self, key: int) -> None:
+        with self._lock:
+            for graphs in self._graphs.values():
+                graphs.pop(key, None)
+            finalizer = self._graph_finalizers.pop(key, None)
+        if finalizer is not None:
+            finalizer.detach()
+
+    def _reclaim(self, comm: FakeComm, function: str) -> None:
+        """The last destroy or abort of a clique's communicators in this process reclaims them all, and NCCL
+        >= 2.26 keeps polling there until every CUDA graph that captured work on any of them is destroyed
+        (src/init.cc, commReclaim -> commDestroySync: "keep polling until all graphs referencing us die",
+        localPersistentRefs): with one alive, the calling thread never returns."""
+        if self._version[:2] < (2, 26):
+            return
+        local = self.fabric.ranks_held_by(comm.uid, self.process)
+        if any((comm.uid, r) not in self.fabric.freed for r in local):
+            return  # (not the last of this process's members: NCCL's finalizeRankCnt not complete)
+        with self._lock:
+            alive = [
+                g
+                for r in local
+                for ref in self._graphs.get((comm.uid, r), {}).values()
+                if (g := ref()) is not None
+            ]
+        if alive:
+            message = (
+                f"{function} of the last of this process's communicators of clique {comm.uid[:8]!r} would wait for "
+                f"ever: {len(alive)} CUDA graph(s) that captured work on them are alive (NCCL >= 2.26, src/init.cc "
+                "commDestroySync: it polls until every graph referencing them is destroyed); reset or drop the "
+                "graphs first"
+            )
+            self._violation(message)
+            raise HangError(message)
 
     def comm_get_async_error(self, comm: FakeComm) -> int:
         self._check_usable(comm, "ncclCommGetAsyncError")
@@ -674,6 +727,7 @@ class FakeNccl:
         if graph is not None:  # recorded into the capture, sent at each replay (fake_graph.py)
             for q in queued:
                 graph.append(q.stream, "nccl")
+                self._captured_by(graph, q.comm)
             graph.entries.append(fake_graph._Nccl(self, list(queued)))
             return SUCCESS
         by_stream: dict[int, list[tuple[_Queued, Part]]] = {}

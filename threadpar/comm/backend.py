@@ -152,3 +152,8 @@ class BackendSite(Protocol):
 
     def nccl_runtime(self) -> NcclRuntime:
         """The NCCL library and process state (only the nccl backend asks for it)."""
+
+    def release_graphs(self, wait: bool) -> None:
+        """Reset every CUDA graph the launch's ranks captured (after their replays finished, if `wait`): called
+        before a communicator is destroyed or aborted, which NCCL >= 2.26 makes wait until every graph that
+        captured it is gone (src/init.cc, commDestroySync)."""

@@ -29,6 +29,7 @@ collectives meet on the host) the step runs eagerly, with a note.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -85,8 +86,17 @@ class GraphedStep:
         self._plain = False  # the arguments are tensors only (the replay's fast path)
         self._watch: _ReplayWatch | None = None
         self._script = graph_capture.Script()  # the rehearsal's point to point (graph_capture.py)
+        self._ended = False  # the launch ended: the graph was reset with it (_release)
+        # Guards _graph against a release from another thread (the watchdog's abort) while the rank replays.
+        self._lock = threading.Lock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ended:
+            raise ConfigError(
+                f"this graphed step of rank {self._ctx.rank} belongs to a launch that has ended: its CUDA graph was "
+                "reset then (NCCL frees no communicator while a graph that captured it lives); make a new "
+                "graphed_step in the new launch"
+            )
         if context.current() is not self._ctx:
             raise ConfigError(
                 f"this graphed step belongs to rank {self._ctx.rank}; each rank makes its own graphed_step"
@@ -106,7 +116,7 @@ class GraphedStep:
 
     @property
     def replays(self) -> int:
-        return max(0, self.calls - self.warmup_steps) if self._graph is not None else 0
+        return max(0, self.calls - self.warmup_steps) if self.capture_seconds is not None else 0
 
     # capture ----------------------------------------------------------------------------------------------------
     def _capture(self, args: tuple, kwargs: dict) -> None:
@@ -151,7 +161,25 @@ class GraphedStep:
         self._graph, self._outputs = world.capture_turns().take(ctx.rank, capture)
         self._watch = _ReplayWatch(self._ctx, cuda)
         runtime.watchdog.watch(self._watch)
-        world.on_close(lambda: runtime.watchdog.unwatch(self._watch))
+        world.on_close(lambda failed: runtime.watchdog.unwatch(self._watch))
+        world.keep_graph(self._release)
+
+    def _release(self, wait: bool) -> None:
+        """Before the launch's communicators are destroyed or aborted (World.release_graphs): NCCL >= 2.26 waits
+        in the last destroy or abort of a clique until every CUDA graph that captured work on it is destroyed
+        (src/init.cc, commDestroySync, localPersistentRefs), so the graph goes first. At a clean end its replays
+        have finished (`wait`: synchronize); on a failure they may be stuck on a peer that never came, so it is
+        reset without waiting (CUDA frees an executing graph once it completes, which the abort makes happen).
+        The rank thread may be replaying (the watchdog aborts from its own thread): `_lock` orders them."""
+        with self._lock:
+            graph, self._graph, self._ended = self._graph, None, True
+        if graph is None:
+            return
+        try:
+            if wait:
+                self._ctx.world.cuda_api().synchronize(self._ctx.device)
+        finally:
+            graph.reset()
 
     def _copy_in(self, args: tuple, kwargs: dict) -> None:
         if self._plain and not kwargs and len(args) == len(self._static):  # (the common case: tensors only)
@@ -195,7 +223,13 @@ class GraphedStep:
                 )
 
     def _replay(self) -> None:
-        self._graph.replay()
+        with self._lock:  # (a release from the watchdog's thread resets the graph: not while it launches)
+            if self._graph is None:
+                raise ConfigError(
+                    f"this graphed step of rank {self._ctx.rank} belongs to a launch that has ended or is stopping: "
+                    "its CUDA graph was reset"
+                )
+            self._graph.replay()
         assert self._watch is not None
         self._watch.replayed(self.replays)
 

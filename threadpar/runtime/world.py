@@ -72,9 +72,10 @@ class World:
         # Where a failure another thread finds for a rank goes (the nccl watchdog): the launch's record, set
         # by _Launch; until then (a World used without a launch) the stop signal alone.
         self.failure_sink: Callable[[int, BaseException], None] | None = None
-        self._lock = threading.Lock()  # guards _capture_turns and _closers
+        self._lock = threading.Lock()  # guards _capture_turns, _closers and _graphs
         self._capture_turns: CaptureTurns | None = None
-        self._closers: list[Callable[[], None]] = []
+        self._closers: list[Callable[[bool], None]] = []
+        self._graphs: list[Callable[[bool], None]] = []  # each captured graph's release (a graphed step's)
 
     @property
     def local_ranks(self) -> range:
@@ -97,10 +98,23 @@ class World:
                 self._capture_turns = CaptureTurns(self.local_ranks, self.abort, self.timeout)
             return self._capture_turns
 
-    def on_close(self, fn: Callable[[], None]) -> None:
-        """Run `fn` when the launch ends, before its groups close (e.g. a graphed step leaves the watchdog)."""
+    def on_close(self, fn: Callable[[bool], None]) -> None:
+        """Run `fn(failed)` when the launch ends, before its groups close."""
         with self._lock:
             self._closers.append(fn)
+
+    def keep_graph(self, release: Callable[[bool], None]) -> None:
+        """A rank captured a CUDA graph: `release(wait)` resets it (release_graphs)."""
+        with self._lock:
+            self._graphs.append(release)
+
+    def release_graphs(self, wait: bool) -> None:
+        """BackendSite.release_graphs: every graph the launch captured is reset, once, before any communicator
+        it may have captured is freed (the launch's end; the watchdog's abort on a failure, which may come first)."""
+        with self._lock:
+            releases, self._graphs = self._graphs, []
+        for release in releases:
+            release(wait)
 
     def close(self, failed: bool) -> None:
         """The launch has ended: every group lets go of what it holds (the nccl backend destroys, pools or,
@@ -108,7 +122,8 @@ class World:
         with self._lock:
             closers, self._closers = self._closers, []
         for closer in closers:
-            closer()
+            closer(failed)
+        self.release_graphs(wait=not failed)
         errors = []
         for backend in self.groups.backends():
             try:

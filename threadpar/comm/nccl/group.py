@@ -425,6 +425,7 @@ class NcclGroup(NcclCollectives, NcclPointToPoint):
         """ncclCommAbort every communicator of this group in this process: kernels waiting for peers that
         will never come end, and every rank waiting on the device is released (nccl.h)."""
         self._health.spoil(f"the launch stopped: {reason}")
+        self._site.release_graphs(wait=False)  # (NCCL frees no communicator a live graph captured)
         for comm in self._communicators():
             comm.abort(reason, ABORT_LOCK_WAIT_S)
 
