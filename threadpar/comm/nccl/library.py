@@ -355,8 +355,42 @@ _library: list[NcclLibrary] = []
 
 
 def nccl_library() -> NcclLibrary:
-    """The process's binding (loaded on first use; raises ConfigError when no NCCL loads)."""
+    """The process's binding (loaded on first use; raises ConfigError when no NCCL loads, or when it is not the
+    NCCL torch uses)."""
     with _library_lock:
         if not _library:
-            _library.append(NcclLibrary())
+            library = NcclLibrary()
+            check_same_nccl_as_torch(library.version(), torch_nccl_version())
+            _library.append(library)
         return _library[0]
+
+
+def torch_nccl_version() -> tuple[int, ...] | None:
+    """The version of the NCCL torch was built with and loaded (torch.cuda.nccl.version()), or None: no NCCL
+    in this torch."""
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return tuple(int(v) for v in version) if isinstance(version, tuple) else None
+
+
+def check_same_nccl_as_torch(loaded: tuple[int, ...], torch_version: tuple[int, ...] | None) -> None:
+    """threadpar must call the NCCL torch loaded: two NCCLs in one process each have their own bootstrap and
+    device state, and a communicator must go back to the library that made it (torch's own collectives, and
+    torch's CUDA graphs' NCCL plans, would belong to the other). A version that differs means another copy."""
+    if torch_version is None or tuple(loaded[:3]) == tuple(torch_version[:3]):
+        return
+    given = os.environ.get(LIBRARY_VARIABLE)
+    where = f"{LIBRARY_VARIABLE}={given!r}" if given else "the first libnccl this process found"
+    loaded_text = ".".join(map(str, loaded[:3]))
+    torch_text = ".".join(map(str, torch_version[:3]))
+    raise ConfigError(
+        f"threadpar loaded NCCL {loaded_text} ({where}), but torch {torch.__version__} uses NCCL {torch_text}: "
+        "two NCCLs in one process do not share communicators or state; "
+        + (
+            f"unset {LIBRARY_VARIABLE} (threadpar then binds torch's copy) or point it at NCCL {torch_text}"
+            if given
+            else f"set {LIBRARY_VARIABLE} to the path of torch's libnccl.so.2 (NCCL {torch_text})"
+        )
+    )
