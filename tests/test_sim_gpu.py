@@ -150,3 +150,37 @@ def test_backward_on_another_thread_of_a_device_above_zero():
     thread.start()
     thread.join()
     assert grads and grads[0].tolist() == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "where", ["tensor_hook", "post_accumulate_grad_hook", "device_op", "queued_callback"]
+)
+def test_an_error_raised_inside_a_backward_reaches_its_caller(where, monkeypatch):
+    """On a GPU the engine unwinds its C++ stream guards and backward() raises the callback's error; the double's
+    device guard is Python, with which the same error used to terminate the process (sim_gpu_engine.py)."""
+
+    class Failed(Exception):
+        pass
+
+    def fail(*args):
+        raise Failed(where)
+
+    w = torch.nn.Parameter(torch.ones(3, device=DEV))
+    y = w * 2
+    if where == "tensor_hook":
+        y.register_hook(fail)
+    elif where == "post_accumulate_grad_hook":
+        w.register_post_accumulate_grad_hook(fail)
+    elif where == "queued_callback":
+        y.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(fail))
+    else:  # the device's own op in a node's backward (C++ calls its __torch_dispatch__)
+        compute = sim_gpu._compute
+        monkeypatch.setattr(sim_gpu, "_compute", lambda func, args, kwargs: fail())
+    with pytest.raises(Failed, match=where) as raised:
+        y.sum().backward()
+    assert raised.traceback[-1].name == "fail"  # (its own traceback)
+    if where == "device_op":
+        monkeypatch.setattr(sim_gpu, "_compute", compute)
+    v = torch.nn.Parameter(torch.ones(3, device=DEV))
+    (v * 3).sum().backward()  # (the device goes on)
+    assert v.grad.tolist() == [3.0] * 3

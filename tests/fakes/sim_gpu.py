@@ -49,6 +49,8 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from . import sim_gpu_engine
+
 DEVICE_TYPE = "simgpu"
 DEVICE_COUNT = 8  # the double's GPUs per process (a node's worth; ranks beyond share them round-robin)
 
@@ -73,6 +75,7 @@ def install() -> None:
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())
         _register_kernels()
         _backward_without_device_threads()
+        sim_gpu_engine.install()
         _pinned_memory_methods()
         _installed.append(True)
 
@@ -218,6 +221,7 @@ class DeviceTensor(torch.Tensor):
         return DeviceTensor(inner["_host"], index)
 
     @classmethod
+    @sim_gpu_engine.dispatch_boundary  # (an error raised into autograd's engine: sim_gpu_engine.py)
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return dispatch(func, args, kwargs or {})
 
@@ -564,7 +568,8 @@ def _backward_without_device_threads() -> None:
     PythonDeviceGuard::deviceCount): a node on simgpu:1 fails engine.cpp's `device.index() <
     device_ready_queues_.size()` assert. So the double runs a device tensor's backward on the calling thread,
     and models the device thread itself where a test asks for it (fake_autograd_thread.py, on top of this)."""
-    original = torch.autograd.graph._engine_run_backward
+    # (an error raised inside the engine reaches the caller: sim_gpu_engine.py)
+    original = sim_gpu_engine.carrying(torch.autograd.graph._engine_run_backward)
 
     def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch._C._is_multithreading_enabled() or not any(
