@@ -184,3 +184,22 @@ def test_an_error_raised_inside_a_backward_reaches_its_caller(where, monkeypatch
     v = torch.nn.Parameter(torch.ones(3, device=DEV))
     (v * 3).sum().backward()  # (the device goes on)
     assert v.grad.tolist() == [3.0] * 3
+
+
+def test_torch_distributed_ops_take_the_device_tensors_themselves():
+    """A functional collective's kernel is any device's (torch/csrc/distributed/c10d/Functional.cpp): it hands the
+    process group the device tensors, and wait_tensor finds the collective's Work by its output tensor."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+
+    import threadpar
+
+    def body():
+        t = torch.full((2,), float(dist.get_rank() + 1), device=threadpar.get_device())
+        out = funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD.group_name))
+        return out.device, out.cpu()
+
+    for rank, (device, out) in enumerate(run_fake_gpus(body, 2, FakeCuda())):
+        assert device == sim_gpu.device(rank)
+        torch.testing.assert_close(out, torch.full((2,), 3.0))

@@ -315,7 +315,16 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     special = _SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
+    if func.namespace in _COMMUNICATION:
+        return func.redispatch(_DEVICE_KERNEL, *args, **kwargs)
     return _compute(func, args, kwargs)
+
+
+# torch.distributed's ops (functional collectives, their waits) have kernels for any device (torch/csrc/distributed/
+# c10d/Functional.cpp: CompositeExplicitAutograd) that call the process group with the tensors themselves, and find
+# a collective's Work by its output tensor (wait_tensor): on the double, its device tensors, never their memory
+_COMMUNICATION = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+_DEVICE_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 
 
 class _Devices:
