@@ -203,3 +203,31 @@ def test_torch_distributed_ops_take_the_device_tensors_themselves():
     for rank, (device, out) in enumerate(run_fake_gpus(body, 2, FakeCuda())):
         assert device == sim_gpu.device(rank)
         torch.testing.assert_close(out, torch.full((2,), 3.0))
+
+
+def test_the_device_modules_streams_are_the_bound_fakecudas():
+    """torch.simgpu's Stream / current_stream / stream / Event (FSDP2 reaches them as its device handle) are the
+    streams of the FakeCuda the thread drives: what they order, the double's device orders."""
+    from fakes.fake_cuda_nccl import FakeCuda
+
+    fake, module = FakeCuda(), torch.get_device_module(DEV)
+    previous = sim_gpu.bind(fake)
+    try:
+        side, main = module.Stream(DEV, priority=-1), module.current_stream(DEV)
+        assert side.device == DEV and side != main and main == module.current_stream(DEV)
+        assert len({main, module.current_stream(DEV)}) == 1  # (one stream, one hash: FSDP2 keys dicts by them)
+        with module.stream(side):
+            assert module.current_stream(DEV) == side and fake.current_stream(DEV) is side.fake_stream
+        assert fake.current_stream(DEV) is main.fake_stream
+        produced = fake.mark(side.fake_stream, "produce on the side stream")
+        unordered = fake.mark(main.fake_stream, "before the wait")
+        main.wait_stream(side)
+        consumed = fake.mark(main.fake_stream, "after the wait")
+        assert fake.ordered(produced, consumed) and not fake.ordered(produced, unordered)
+        event = side.record_event()
+        assert event.query()
+        event.synchronize()
+    finally:
+        sim_gpu.bind(previous)
+    with pytest.raises(RuntimeError, match="bound to none"):
+        module.current_stream()

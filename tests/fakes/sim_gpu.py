@@ -49,7 +49,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from . import sim_gpu_engine
+from . import sim_gpu_engine, sim_gpu_streams
 
 DEVICE_TYPE = "simgpu"
 DEVICE_COUNT = 8  # the double's GPUs per process (a node's worth; ranks beyond share them round-robin)
@@ -614,6 +614,13 @@ class _Guard(torch._C._acc.DeviceGuard):
 
 class _DeviceModule:
     """`torch.simgpu`: the part of torch.cuda's module API that code reaches through torch.get_device_module."""
+
+    # streams and events: the calling rank thread's FakeCuda's (sim_gpu_streams.py)
+    Stream = sim_gpu_streams.Stream
+    Event = sim_gpu_streams.Event
+    current_stream = staticmethod(sim_gpu_streams.current_stream)
+    stream = staticmethod(sim_gpu_streams.stream)
+    synchronize = staticmethod(sim_gpu_streams.synchronize)
 
     @staticmethod
     def is_available() -> bool:
