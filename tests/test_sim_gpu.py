@@ -231,3 +231,24 @@ def test_the_device_modules_streams_are_the_bound_fakecudas():
         sim_gpu.bind(previous)
     with pytest.raises(RuntimeError, match="bound to none"):
         module.current_stream()
+
+
+def test_deepcopy_copies_the_memory_on_the_device():
+    """copy.deepcopy of a device tensor, a parameter and a module (a model's deepcopy before it is parallelized)."""
+    import copy
+
+    module = torch.nn.LayerNorm(3).to(DEV)
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    module.weight.grad = torch.ones(3, device=DEV)
+    copied = copy.deepcopy(module)
+    weight = copied.weight
+    assert isinstance(weight, torch.nn.Parameter) and weight.device == DEV and weight.requires_grad
+    assert sim_gpu.host(weight).data_ptr() != sim_gpu.host(module.weight).data_ptr()  # (memory of its own)
+    torch.testing.assert_close(weight.cpu(), torch.full((3,), 2.0))
+    torch.testing.assert_close(weight.grad.cpu(), torch.ones(3))
+    with torch.no_grad():
+        module.weight.zero_()
+    torch.testing.assert_close(weight.cpu(), torch.full((3,), 2.0))
+    t = torch.arange(6.0, device=DEV).view(2, 3).t()
+    torch.testing.assert_close(copy.deepcopy(t).cpu(), t.cpu())

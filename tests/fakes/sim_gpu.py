@@ -40,6 +40,7 @@ its memory; every op costs a Python call; timings, memory limits and kernels' nu
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Callable
@@ -233,6 +234,28 @@ class DeviceTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         return self._host.untyped_storage()
+
+    def __deepcopy__(self, memo: dict) -> DeviceTensor:
+        """A copy of the memory on the device. torch's Tensor.__deepcopy__ (torch/_tensor.py) copies a tensor's
+        storage, and clones only a wrapper that has none: this one's storage is its host memory's
+        (untyped_storage, below), which that path would make a host storage of the device tensor."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:  # (torch/_tensor.py, Tensor.__deepcopy__)
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at "
+                "the moment."
+            )
+        with torch.no_grad():
+            new = self.clone(memory_format=torch.preserve_format)
+        new.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        for name, value in self.__dict__.items():  # (a parameter's mark, _is_param, and any other attribute)
+            if name != "_host":
+                setattr(new, name, copy.deepcopy(value, memo))
+        memo[id(self)] = new
+        return new
 
     def tolist(self) -> Any:
         # torch/csrc/utils/tensor_list.cpp, tensor_to_list: a tensor not on the host is copied there first
