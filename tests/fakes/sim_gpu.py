@@ -670,6 +670,12 @@ class _DeviceModule:
         set_device(index)
 
     @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """What torch.autocast accepts on the device (torch/amp/autocast_mode.py asks a PrivateUse1 module): a
+        GPU's half types. The casts are CUDA's (sim_gpu_autocast.py)."""
+        return [torch.float16, torch.bfloat16]
+
+    @staticmethod
     def manual_seed(seed: int) -> None:
         """torch.cuda.manual_seed: the current device's generator."""
         default_generator(current_device()).manual_seed(seed)
