@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from threadpar.runtime.rng import derive_seed
+from threadpar.runtime.rng import derive_seed, make_generator
 from threadpar.topology import Coords
 
 TP_REGION = "tensor-parallel-region"
@@ -38,8 +38,7 @@ class RNGTracker:
     def generator(self, name: str = REPLICATED) -> torch.Generator:
         gen = self._generators.get(name)
         if gen is None:
-            gen = self._generators[name] = torch.Generator(device=self.device)
-            gen.manual_seed(self.seed(name))
+            gen = self._generators[name] = make_generator(self.device, self.seed(name))
         return gen
 
     def generators(self) -> list[torch.Generator]:
