@@ -215,7 +215,9 @@ def test_the_device_modules_streams_are_the_bound_fakecudas():
     try:
         side, main = module.Stream(DEV, priority=-1), module.current_stream(DEV)
         assert side.device == DEV and side != main and main == module.current_stream(DEV)
-        assert len({main, module.current_stream(DEV)}) == 1  # (one stream, one hash: FSDP2 keys dicts by them)
+        assert (
+            len({main, module.current_stream(DEV)}) == 1
+        )  # (one stream, one hash: FSDP2 keys dicts by them)
         with module.stream(side):
             assert module.current_stream(DEV) == side and fake.current_stream(DEV) is side.fake_stream
         assert fake.current_stream(DEV) is main.fake_stream
@@ -225,7 +227,7 @@ def test_the_device_modules_streams_are_the_bound_fakecudas():
         consumed = fake.mark(main.fake_stream, "after the wait")
         assert fake.ordered(produced, consumed) and not fake.ordered(produced, unordered)
         event = side.record_event()
-        assert event.query()
+        assert event.query() and side.query()
         event.synchronize()
     finally:
         sim_gpu.bind(previous)

@@ -71,7 +71,10 @@ class Stream:
         return event
 
     def query(self) -> bool:
-        return self.record_event().query()
+        """cudaStreamQuery: has the device run everything enqueued so far? Never blocks."""
+        from . import fake_device  # (fake_device imports sim_gpu, which imports this module)
+
+        return fake_device.query(self.fake_stream, len(self.fake_stream.ops) - 1)
 
     def synchronize(self) -> None:
         self.fake_stream.synchronize()
