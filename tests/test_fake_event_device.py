@@ -7,20 +7,16 @@ import threading
 
 import pytest
 import torch
+from fakes import sim_gpu
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
-from fakes.fake_device_index import bound_to, fake_device_index
+from fakes.fake_device_index import fake_device_index
 
 import threadpar
-
-CPU = torch.device("cpu")
 
 
 def test_an_event_recorded_on_another_devices_stream_fails_as_torch_does():
     fake = FakeCuda()
-    with bound_to(0):
-        s0 = fake.pool_stream(CPU, 0)
-    with bound_to(1):
-        s1 = fake.pool_stream(CPU, 0)
+    s0, s1 = (fake.pool_stream(sim_gpu.device(i), 0) for i in (0, 1))
     assert (s0.device_index, s1.device_index) == (0, 1)
     event = fake.event()
     event.record(s0)
@@ -37,7 +33,7 @@ def test_each_rank_thread_is_its_own_device_and_a_shared_event_cannot_cross():
     shared = fake.event()
 
     def body():
-        stream = fake.current_stream(CPU)
+        stream = fake.current_stream(threadpar.get_device())
         assert stream.device_index == threadpar.get_thread_rank() == fake_device_index()
         if threadpar.get_thread_rank() == 0:
             shared.record(stream)
@@ -54,12 +50,14 @@ def test_a_device_thread_is_on_its_callers_device():
     fake, seen = FakeCuda(autograd_thread=True), {}
 
     def body():
-        w = torch.nn.Parameter(torch.ones(2))
+        device = threadpar.get_device()
+        w, mine = torch.nn.Parameter(torch.ones(2, device=device)), fake.current_stream(device)
         rank = threadpar.get_thread_rank()
+        # (the hook runs on the device thread: its current device, and its stream there the rank's)
         w.register_post_accumulate_grad_hook(
-            lambda p: seen.update({rank: fake.current_stream(CPU).device_index})
+            lambda p: seen.update({rank: (fake_device_index(), fake.current_stream(p.device) is mine)})
         )
         w.sum().backward()
 
     run_fake_gpus(body, 2, fake)
-    assert seen == {0: 0, 1: 1}
+    assert seen == {0: (0, True), 1: (1, True)}

@@ -1,6 +1,6 @@
-"""One contract, two implementations: the same assertions on the NCCL double (CPU, every CI run) and on the
-real NCCL through threadpar's binding (`pytest -m cuda`, one GPU is enough), so each GPU run also checks the
-double. World-1 communicators, because a one-GPU machine cannot hold two ranks of one communicator (NCCL
+"""One contract, two implementations: the same assertions on the NCCL double (on its GPU `simgpu:0`, every CI
+run) and on the real NCCL through threadpar's binding (`pytest -m cuda` on `cuda:0`, one GPU is enough), so
+each GPU run also checks the double. World-1 communicators, because a one-GPU machine cannot hold two ranks of one communicator (NCCL
 refuses it: the duplicate-device case below is itself part of the contract). The double's multi-rank rules
 are in test_nccl_double.py."""
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import sim_gpu
 from fakes.fake_cuda_nccl import FakeCuda
 from helpers.gpus import gpu_count
 
@@ -37,12 +38,8 @@ class Contract:
 def contract(request) -> Iterator[Contract]:
     if request.param == "double":
         fake = FakeCuda()  # (this thread is on fake GPU 0, as the communicators below)
-        yield Contract(
-            fake.nccl,
-            torch.device("cpu"),
-            fake.pool_stream(torch.device("cpu"), 0),
-            lambda: fake.synchronize(torch.device("cpu")),
-        )
+        device = sim_gpu.device(0)  # (the double's GPU 0: NCCL's buffers are device memory)
+        yield Contract(fake.nccl, device, fake.pool_stream(device, 0), lambda: fake.synchronize(device))
         assert not fake.nccl.violations
         return
     if not gpu_count():

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from fakes import fake_device
+from fakes import fake_device, sim_gpu
 from fakes.fake_cuda_nccl import FakeCuda, FakeStream, fake_gpu_processes, run_fake_gpus
 from fakes.fake_device import HangError
 from fakes.fake_device_index import bound_to
@@ -18,7 +18,10 @@ import threadpar
 from threadpar.comm.nccl.library import IN_PROGRESS, SUM, nccl_group
 from threadpar.errors import NcclError
 
-CPU = torch.device("cpu")
+
+def gpu(index=0):
+    """The double's GPU `index` (NCCL's buffers are device memory: a host tensor is a violation)."""
+    return sim_gpu.device(index)
 
 
 def clique(fakes, held, blocking=True):
@@ -43,7 +46,7 @@ def clique(fakes, held, blocking=True):
 
 def stream(fake, device=0, name="s"):
     """A stream of fake GPU `device` (a communicator's calls must use its own device's streams)."""
-    return FakeStream(fake, f"{name}@gpu{device}", CPU, -1, device)
+    return FakeStream(fake, f"{name}@gpu{device}", gpu(device), -1)
 
 
 def issue(fake, comms, call):
@@ -101,7 +104,7 @@ def together(*calls):
 def test_a_call_returns_at_once_and_its_stream_waits_for_the_peers():
     fake = FakeCuda()
     (comms,) = clique([fake], [[0, 1]])
-    xs = [torch.full((2,), 1.0), torch.full((2,), 2.0)]
+    xs = [torch.full((2,), 1.0, device=gpu(0)), torch.full((2,), 2.0, device=gpu(1))]
     streams = [stream(fake, 0), stream(fake, 1)]
     with bound_to(0):
         fake.nccl.all_reduce(xs[0], xs[0], SUM, comms[0], streams[0])  # returns: rank 1 has not called
@@ -116,20 +119,21 @@ def test_a_call_returns_at_once_and_its_stream_waits_for_the_peers():
         fake.nccl.all_reduce(xs[1], xs[1], SUM, comms[1], streams[1])
     waiter.join(10)
     assert not waiter.is_alive() and done.query()
-    fake.synchronize(CPU)
-    assert all(torch.equal(x, torch.full((2,), 3.0)) for x in xs)
+    fake.synchronize(gpu())
+    assert all(torch.equal(x.cpu(), torch.full((2,), 3.0)) for x in xs)
 
 
 def test_a_collective_across_processes_runs_once_every_part_is_issued():
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0, 1], [2]])
-    tensors = [[torch.full((2,), 1.0), torch.full((2,), 2.0)], [torch.full((2,), 4.0)]]
+    values = [[1.0, 2.0], [4.0]]  # process p's member i, on its GPU i
+    tensors = [[torch.full((2,), v, device=gpu(i)) for i, v in enumerate(vs)] for vs in values]
     for p in range(2):
         assert issue(fakes[p], comms[p], lambda i, c, s, p=p: fakes[p].nccl.all_reduce(
             tensors[p][i], tensors[p][i], SUM, c, s)) == [None] * len(comms[p])  # fmt: skip
     for fake in fakes:
-        fake.synchronize(CPU)
-    assert all(torch.equal(t, torch.full((2,), 7.0)) for ts in tensors for t in ts)
+        fake.synchronize(gpu())
+    assert all(torch.equal(t.cpu(), torch.full((2,), 7.0)) for ts in tensors for t in ts)
 
 
 def test_a_reduce_whose_root_has_no_output_fails_its_kernel():
@@ -137,10 +141,14 @@ def test_a_reduce_whose_root_has_no_output_fails_its_kernel():
     comms = clique(fakes, [[0], [1]])
     for p in range(2):
         issue(
-            fakes[p], comms[p], lambda i, c, s, p=p: fakes[p].nccl.reduce(torch.ones(2), None, 1, SUM, c, s)
+            fakes[p],
+            comms[p],
+            lambda i, c, s, p=p: fakes[p].nccl.reduce(
+                torch.ones(2, device=gpu(c.device)), None, 1, SUM, c, s
+            ),
         )
     with pytest.raises(RuntimeError, match="rank 1 is the root, but passed no recvbuff"):
-        fakes[0].synchronize(CPU)
+        fakes[0].synchronize(gpu())
 
 
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
@@ -152,38 +160,38 @@ def test_buffers_too_small_for_the_communicators_size_fail_the_kernel(op):
         n = len(comms[p])  # sized for this process's members, not the clique's 3
 
         def one(i, comm, s):
+            dev = gpu(comm.device)
             if op == "all_gather":
-                fakes[p].nccl.all_gather(torch.ones(2), torch.empty(2 * n), comm, s)
+                fakes[p].nccl.all_gather(torch.ones(2, device=dev), torch.empty(2 * n, device=dev), comm, s)
             else:
-                fakes[p].nccl.reduce_scatter(torch.ones(2 * n), torch.empty(2), SUM, comm, s)
+                fakes[p].nccl.reduce_scatter(
+                    torch.ones(2 * n, device=dev), torch.empty(2, device=dev), SUM, comm, s
+                )
 
         return one
 
     for p in range(2):
         issue(fakes[p], comms[p], call(p))
     with pytest.raises(RuntimeError, match="buffer overrun"):
-        fakes[1].synchronize(CPU)
+        fakes[1].synchronize(gpu())
 
 
 def test_collectives_that_differ_across_ranks_fail_their_kernels():
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0], [1]])
-    issue(
-        fakes[0], comms[0], lambda i, c, s: fakes[0].nccl.all_reduce(torch.ones(2), torch.empty(2), SUM, c, s)
-    )
-    issue(
-        fakes[1], comms[1], lambda i, c, s: fakes[1].nccl.all_reduce(torch.ones(3), torch.empty(3), SUM, c, s)
-    )
+    for p, count in ((0, 2), (1, 3)):  # (each process's one member is on its GPU 0)
+        issue(fakes[p], comms[p], lambda i, c, s, p=p, n=count: fakes[p].nccl.all_reduce(
+            torch.ones(n, device=gpu()), torch.empty(n, device=gpu()), SUM, c, s))  # fmt: skip
     assert "collectives differ" in fakes[0].nccl.fabric.mismatches[0]
     for fake in fakes:
         with pytest.raises(RuntimeError, match="collectives differ"):
-            fake.synchronize(CPU)  # every rank's kernel failed
+            fake.synchronize(gpu())  # every rank's kernel failed
 
 
 def test_operations_of_a_group_launch_at_its_end():
     fake = FakeCuda()
     (comms,) = clique([fake], [[0, 1]])
-    xs = [torch.full((2,), 1.0), torch.full((2,), 2.0)]
+    xs = [torch.full((2,), 1.0, device=gpu(0)), torch.full((2,), 2.0, device=gpu(1))]
     fake.nccl.group_start()  # one thread, both ranks in one group: as ncclCommInitAll's users do
     with bound_to(0):
         fake.nccl.all_reduce(xs[0], xs[0], SUM, comms[0], stream(fake, 0))
@@ -191,19 +199,19 @@ def test_operations_of_a_group_launch_at_its_end():
         fake.nccl.all_reduce(xs[1], xs[1], SUM, comms[1], stream(fake, 1))
     assert not fake.calls  # nothing launched yet
     fake.nccl.group_end()
-    fake.synchronize(CPU)
-    assert all(torch.equal(x, torch.full((2,), 3.0)) for x in xs)
+    fake.synchronize(gpu())
+    assert all(torch.equal(x.cpu(), torch.full((2,), 3.0)) for x in xs)
     assert len(fake.calls_named("all_reduce")) == 2  # one kernel per stream
 
 
 def test_sends_and_receives_match_per_peer_in_order_and_must_agree_on_size():
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0], [1]])
-    got = [torch.empty(2), torch.empty(3)]
+    got = [torch.empty(2, device=gpu()), torch.empty(3, device=gpu())]
 
     def sends(i, comm, s):
-        fakes[0].nccl.send(torch.full((2,), 1.0), 1, comm, s)
-        fakes[0].nccl.send(torch.full((3,), 2.0), 1, comm, s)
+        fakes[0].nccl.send(torch.full((2,), 1.0, device=gpu()), 1, comm, s)
+        fakes[0].nccl.send(torch.full((3,), 2.0, device=gpu()), 1, comm, s)
 
     def recvs(i, comm, s):
         for t in got:
@@ -214,13 +222,14 @@ def test_sends_and_receives_match_per_peer_in_order_and_must_agree_on_size():
         None,
         None,
     ]
-    fakes[1].synchronize(CPU)
+    fakes[1].synchronize(gpu())
+    got = [t.cpu() for t in got]
     assert torch.equal(got[0], torch.full((2,), 1.0)) and torch.equal(got[1], torch.full((3,), 2.0))
 
-    issue(fakes[0], comms[0], lambda i, c, s: fakes[0].nccl.send(torch.ones(2), 1, c, s))
-    issue(fakes[1], comms[1], lambda i, c, s: fakes[1].nccl.recv(torch.empty(5), 0, c, s))  # (connected)
+    issue(fakes[0], comms[0], lambda i, c, s: fakes[0].nccl.send(torch.ones(2, device=gpu()), 1, c, s))
+    issue(fakes[1], comms[1], lambda i, c, s: fakes[1].nccl.recv(torch.empty(5, device=gpu()), 0, c, s))
     with pytest.raises(RuntimeError, match="they must match"):
-        fakes[1].synchronize(CPU)
+        fakes[1].synchronize(gpu())
 
 
 def test_a_send_blocks_its_stream_until_the_receive_runs(short_waits):
@@ -232,16 +241,16 @@ def test_a_send_blocks_its_stream_until_the_receive_runs(short_waits):
 
     def connect(me):  # a grouped exchange first: connected, as threadpar's pairs are
         with bound_to(me), nccl_group(fake.nccl):
-            fake.nccl.send(torch.ones(1), 1 - me, comms[me], streams[me])
-            fake.nccl.recv(torch.empty(1), 1 - me, comms[me], streams[me])
+            fake.nccl.send(torch.ones(1, device=gpu(me)), 1 - me, comms[me], streams[me])
+            fake.nccl.recv(torch.empty(1, device=gpu(me)), 1 - me, comms[me], streams[me])
 
     assert together(lambda: connect(0), lambda: connect(1)) == [None, None]
     for me in (0, 1):
         with bound_to(me):
-            fake.nccl.send(torch.ones(4), 1 - me, comms[me], streams[me])
-            fake.nccl.recv(torch.empty(4), 1 - me, comms[me], streams[me])
+            fake.nccl.send(torch.ones(4, device=gpu(me)), 1 - me, comms[me], streams[me])
+            fake.nccl.recv(torch.empty(4, device=gpu(me)), 1 - me, comms[me], streams[me])
     with pytest.raises(HangError, match="wait for each other in a cycle"):
-        fake.synchronize(CPU)
+        fake.synchronize(gpu())
 
 
 def test_collectives_of_two_groups_in_opposite_orders_on_two_ranks_are_a_hang():
@@ -253,9 +262,10 @@ def test_collectives_of_two_groups_in_opposite_orders_on_two_ranks_are_a_hang():
     for me in (0, 1):
         with bound_to(me):
             for comms in order[me]:
-                fake.nccl.all_reduce(torch.ones(2), torch.empty(2), SUM, comms[me], streams[me])
+                x, y = torch.ones(2, device=gpu(me)), torch.empty(2, device=gpu(me))
+                fake.nccl.all_reduce(x, y, SUM, comms[me], streams[me])
     with pytest.raises(HangError, match="wait for each other in a cycle"):
-        fake.synchronize(CPU)
+        fake.synchronize(gpu())
 
 
 def test_two_threads_issuing_on_one_device_at_once_is_a_violation():
@@ -264,12 +274,13 @@ def test_two_threads_issuing_on_one_device_at_once_is_a_violation():
     other = fake.nccl.comm_init_all([0, 1])  # a second communicator on the same devices
     s0 = stream(fake, 0)
     fake.nccl.group_start()
-    fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0], s0)  # this thread holds device 0
+    fake.nccl.all_reduce(torch.ones(1, device=gpu()), torch.empty(1, device=gpu()), SUM, comms[0], s0)
+    # (this thread holds device 0 now)
     seen = []
 
     def intruder():
         try:
-            fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, other[0], s0)
+            fake.nccl.all_reduce(torch.ones(1, device=gpu()), torch.empty(1, device=gpu()), SUM, other[0], s0)
         except RuntimeError as error:
             seen.append(str(error))
 
@@ -287,14 +298,30 @@ def test_a_stream_of_another_device_is_refused():
     with pytest.raises(
         NcclError, match=r"ncclUnhandledCudaError.*belongs to fake GPU 1, the communicator to GPU 0"
     ):
-        fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0], stream(fake, 1))
+        x, y = torch.ones(1, device=gpu()), torch.empty(1, device=gpu())
+        fake.nccl.all_reduce(x, y, SUM, comms[0], stream(fake, 1))
+
+
+def test_a_host_buffer_or_one_on_another_gpu_is_a_violation():
+    """NCCL's kernels read and write device memory of the communicator's GPU (src/misc/argcheck.cc,
+    CudaPtrCheck; unchecked, a host pointer faults the kernel)."""
+    fake = FakeCuda()
+    (comms,) = clique([fake], [[0, 1]])
+    mine, other = torch.ones(2, device=gpu(0)), torch.ones(2, device=gpu(1))
+    with pytest.raises(RuntimeError, match=r"sendbuff is a tensor on cpu, not GPU memory"):
+        fake.nccl.all_reduce(torch.ones(2), mine, SUM, comms[0], stream(fake, 0))
+    with pytest.raises(RuntimeError, match=r"allocated on device 1 mismatchs with NCCL device 0"):
+        fake.nccl.all_reduce(mine, other, SUM, comms[0], stream(fake, 0))
+    assert len(fake.nccl.violations) == 2 and not fake.calls  # nothing was launched
+    fake.nccl.violations.clear()
 
 
 def test_abort_ends_this_ranks_pending_kernel_and_freed_communicators_fail_loudly():
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0], [1]])
     s = stream(fakes[0], 0)
-    fakes[0].nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0][0], s)  # process 1 never issues it
+    x, y = torch.ones(1, device=gpu()), torch.empty(1, device=gpu())
+    fakes[0].nccl.all_reduce(x, y, SUM, comms[0][0], s)  # process 1 never issues it
     done = fakes[0].event()
     done.record(s)
     assert not done.query()
@@ -302,7 +329,7 @@ def test_abort_ends_this_ranks_pending_kernel_and_freed_communicators_fail_loudl
     assert done.query()  # the kernel ended (its output holds whatever it holds): its stream went on
     for use in (
         lambda: fakes[0].nccl.comm_get_async_error(comms[0][0]),
-        lambda: fakes[0].nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0][0], s),
+        lambda: fakes[0].nccl.all_reduce(x, y, SUM, comms[0][0], s),
         lambda: fakes[0].nccl.comm_abort(comms[0][0]),
     ):
         with pytest.raises(RuntimeError, match="use after free"):
@@ -313,7 +340,8 @@ def test_abort_ends_this_ranks_pending_kernel_and_freed_communicators_fail_loudl
 def test_destroy_waits_for_the_communicators_operations(short_waits):
     fakes = fake_gpu_processes(2)
     comms = clique(fakes, [[0], [1]])
-    fakes[0].nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comms[0][0], stream(fakes[0]))
+    x, y = torch.ones(1, device=gpu()), torch.empty(1, device=gpu())
+    fakes[0].nccl.all_reduce(x, y, SUM, comms[0][0], stream(fakes[0]))
     with pytest.raises(HangError, match="ncclCommDestroy waiting for all_reduce"):
         fakes[0].nccl.comm_destroy(comms[0][0])  # its peer never issues it: on a GPU, for ever
 
@@ -332,7 +360,9 @@ def test_a_nonblocking_communicator_is_in_progress_until_its_peers_join_and_unus
     with pytest.raises(
         NcclError, match=r"ncclInvalidArgument.*before the previous operation returned ncclSuccess"
     ):
-        fake.nccl.all_reduce(torch.ones(1), torch.empty(1), SUM, comm, stream(fake, 0))
+        fake.nccl.all_reduce(
+            torch.ones(1, device=gpu()), torch.empty(1, device=gpu()), SUM, comm, stream(fake, 0)
+        )
     with bound_to(1):
         fake.nccl.comm_init_rank_config(2, uid, 1, 1, False)
     assert fake.nccl.comm_get_async_error(comm) == 0
@@ -345,13 +375,13 @@ def test_a_first_send_connects_its_peer_blocking_the_host_on_a_blocking_communic
     fake = FakeCuda()
     (blocking,) = clique([fake], [[0, 1]])
     with bound_to(0), pytest.raises(HangError, match="connecting send/recv"):
-        fake.nccl.send(torch.ones(2), 1, blocking[0], stream(fake, 0))
+        fake.nccl.send(torch.ones(2, device=gpu(0)), 1, blocking[0], stream(fake, 0))
     (nonblocking,) = clique([fake], [[0, 1]], blocking=False)
     with bound_to(0):
-        fake.nccl.send(torch.ones(2), 1, nonblocking[0], stream(fake, 0))
+        fake.nccl.send(torch.ones(2, device=gpu(0)), 1, nonblocking[0], stream(fake, 0))
         assert fake.nccl.comm_get_async_error(nonblocking[0]) == IN_PROGRESS
     with bound_to(1):
-        fake.nccl.recv(torch.empty(2), 0, nonblocking[1], stream(fake, 1))
+        fake.nccl.recv(torch.empty(2, device=gpu(1)), 0, nonblocking[1], stream(fake, 1))
     with bound_to(0):
         assert fake.nccl.comm_get_async_error(nonblocking[0]) == 0
 
@@ -363,9 +393,9 @@ def test_threadpar_never_calls_torch_cuda_nccl_init_rank():
         torch.cuda.nccl.init_rank(1, b"\0" * 128, 0)
 
     def body():
-        x = torch.ones(2)
+        x = torch.ones(2, device=threadpar.get_device())
         threadpar.all_reduce(x)
-        return x
+        return x.cpu()
 
     for x in run_fake_gpus(body, 2, FakeCuda()):
         assert torch.equal(x, torch.full((2,), 2.0))

@@ -10,6 +10,7 @@ import pathlib
 
 import pytest
 from fakes.fake_cuda_nccl import FakeCuda, FakeNccl
+from fakes.sim_gpu import CopyModel
 
 import threadpar.comm
 from threadpar.comm.backend import Backend
@@ -49,6 +50,7 @@ def parameters(function) -> list[tuple[str, object, object]]:
         (NcclRuntime, FakeCuda),
         (NcclApi, NcclLibrary),
         (NcclApi, FakeNccl),
+        (CopyModel, FakeCuda),  # (the double's own seam: its device's host <-> device copies on the streams)
     ],
     ids=lambda c: c.__name__,
 )

@@ -166,3 +166,107 @@ def test_autocast_casts_as_cuda_does():
         torch.float16, torch.float32, torch.float32, torch.float64, torch.float16,
     )  # fmt: skip
     torch.testing.assert_close(product.float().cpu(), (x.cpu().half() @ w.cpu().half()).float())
+
+
+@pytest.mark.parametrize(
+    "where", ["tensor_hook", "post_accumulate_grad_hook", "device_op", "queued_callback"]
+)
+def test_an_error_raised_inside_a_backward_reaches_its_caller(where, monkeypatch):
+    """On a GPU the engine unwinds its C++ stream guards and backward() raises the callback's error; the double's
+    device guard is Python, with which the same error used to terminate the process (sim_gpu_engine.py)."""
+
+    class Failed(Exception):
+        pass
+
+    def fail(*args):
+        raise Failed(where)
+
+    w = torch.nn.Parameter(torch.ones(3, device=DEV))
+    y = w * 2
+    if where == "tensor_hook":
+        y.register_hook(fail)
+    elif where == "post_accumulate_grad_hook":
+        w.register_post_accumulate_grad_hook(fail)
+    elif where == "queued_callback":
+        y.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(fail))
+    else:  # the device's own op in a node's backward (C++ calls its __torch_dispatch__)
+        compute = sim_gpu._compute
+        monkeypatch.setattr(sim_gpu, "_compute", lambda func, args, kwargs: fail())
+    with pytest.raises(Failed, match=where) as raised:
+        y.sum().backward()
+    assert raised.traceback[-1].name == "fail"  # (its own traceback)
+    if where == "device_op":
+        monkeypatch.setattr(sim_gpu, "_compute", compute)
+    v = torch.nn.Parameter(torch.ones(3, device=DEV))
+    (v * 3).sum().backward()  # (the device goes on)
+    assert v.grad.tolist() == [3.0] * 3
+
+
+def test_torch_distributed_ops_take_the_device_tensors_themselves():
+    """A functional collective's kernel is any device's (torch/csrc/distributed/c10d/Functional.cpp): it hands the
+    process group the device tensors, and wait_tensor finds the collective's Work by its output tensor."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+
+    import threadpar
+
+    def body():
+        t = torch.full((2,), float(dist.get_rank() + 1), device=threadpar.get_device())
+        out = funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD.group_name))
+        return out.device, out.cpu()
+
+    for rank, (device, out) in enumerate(run_fake_gpus(body, 2, FakeCuda())):
+        assert device == sim_gpu.device(rank)
+        torch.testing.assert_close(out, torch.full((2,), 3.0))
+
+
+def test_the_device_modules_streams_are_the_bound_fakecudas():
+    """torch.simgpu's Stream / current_stream / stream / Event (FSDP2 reaches them as its device handle) are the
+    streams of the FakeCuda the thread drives: what they order, the double's device orders."""
+    from fakes.fake_cuda_nccl import FakeCuda
+
+    fake, module = FakeCuda(), torch.get_device_module(DEV)
+    previous = sim_gpu.bind(fake)
+    try:
+        side, main = module.Stream(DEV, priority=-1), module.current_stream(DEV)
+        assert side.device == DEV and side != main and main == module.current_stream(DEV)
+        assert (
+            len({main, module.current_stream(DEV)}) == 1
+        )  # (one stream, one hash: FSDP2 keys dicts by them)
+        with module.stream(side):
+            assert module.current_stream(DEV) == side and fake.current_stream(DEV) is side.fake_stream
+        assert fake.current_stream(DEV) is main.fake_stream
+        produced = fake.mark(side.fake_stream, "produce on the side stream")
+        unordered = fake.mark(main.fake_stream, "before the wait")
+        main.wait_stream(side)
+        consumed = fake.mark(main.fake_stream, "after the wait")
+        assert fake.ordered(produced, consumed) and not fake.ordered(produced, unordered)
+        event = side.record_event()
+        assert event.query() and side.query()
+        event.synchronize()
+    finally:
+        sim_gpu.bind(previous)
+    with pytest.raises(RuntimeError, match="bound to none"):
+        module.current_stream()
+
+
+def test_deepcopy_copies_the_memory_on_the_device():
+    """copy.deepcopy of a device tensor, a parameter and a module (a model's deepcopy before it is parallelized)."""
+    import copy
+
+    module = torch.nn.LayerNorm(3).to(DEV)
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    module.weight.grad = torch.ones(3, device=DEV)
+    copied = copy.deepcopy(module)
+    weight = copied.weight
+    assert isinstance(weight, torch.nn.Parameter) and weight.device == DEV and weight.requires_grad
+    assert sim_gpu.host(weight).data_ptr() != sim_gpu.host(module.weight).data_ptr()  # (memory of its own)
+    torch.testing.assert_close(weight.cpu(), torch.full((3,), 2.0))
+    torch.testing.assert_close(weight.grad.cpu(), torch.ones(3))
+    with torch.no_grad():
+        module.weight.zero_()
+    torch.testing.assert_close(weight.cpu(), torch.full((3,), 2.0))
+    t = torch.arange(6.0, device=DEV).view(2, 3).t()
+    torch.testing.assert_close(copy.deepcopy(t).cpu(), t.cpu())

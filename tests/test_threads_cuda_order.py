@@ -22,15 +22,16 @@ def test_collectives_order_every_peers_earlier_work_before_each_ranks_later_work
     fake = FakeCuda()
 
     def body():
-        stream = fake.current_stream(threadpar.get_device())
+        device = threadpar.get_device()
+        stream = fake.current_stream(device)
         rank, marks = threadpar.get_rank(), []
-        t = torch.full((6,), float(rank))
+        t = torch.full((6,), float(rank), device=device)
         for op in ("all_reduce", "all_gather", "broadcast"):
             before = fake.mark(stream, f"{op} input")
             if op == "all_reduce":
                 threadpar.all_reduce(t)
             elif op == "all_gather":
-                threadpar.all_gather([torch.empty(6) for _ in range(3)], t)
+                threadpar.all_gather([torch.empty(6, device=device) for _ in range(3)], t)
             else:
                 threadpar.broadcast(t, src=2)
             marks.append((before, fake.mark(stream, f"after {op}")))
@@ -48,13 +49,14 @@ def test_a_received_message_is_ordered_after_the_senders_copy():
     fake = FakeCuda()
 
     def body():
-        stream = fake.current_stream(threadpar.get_device())
+        device = threadpar.get_device()
+        stream = fake.current_stream(device)
         if threadpar.get_rank() == 0:
             produced = fake.mark(stream, "produce")
-            threadpar.send(torch.arange(3.0), dst=1)
+            threadpar.send(torch.arange(3.0, device=device), dst=1)
             return produced
         got = threadpar.get_group().recv_tensor(src=0)
-        assert torch.equal(got, torch.arange(3.0))
+        assert got.device == device and torch.equal(got.cpu(), torch.arange(3.0))
         assert any(t.refers_to(got) for t, _ in fake.recorded)  # kept alive for the receiver's stream
         return fake.mark(stream, "consume")
 
@@ -85,6 +87,10 @@ class CudaPrimitivesOnly:
     def __init__(self, fake: FakeCuda) -> None:
         self._fake = fake
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, what: str, sync: bool, index: int) -> None:
+        """The double's model of a host <-> device copy (sim_gpu.CopyModel): its device, not a CUDA primitive."""
+        self._fake.copy(dst, src, what, sync, index)
+
     def __getattr__(self, name: str):
         if name not in {n for n, v in vars(CudaApi).items() if callable(v) and not n.startswith("_")}:
             raise AttributeError(f"{name} is not a CUDA primitive (threadpar.comm.common.cuda_seam.CudaApi)")
@@ -99,11 +105,12 @@ def test_the_threads_backend_orders_streams_with_the_cuda_primitives_alone():
     assert isinstance(primitives, CudaApi) and not isinstance(primitives, NcclRuntime)
 
     def body():
-        stream = fake.current_stream(threadpar.get_device())
-        t = torch.full((4,), float(threadpar.get_rank()))
+        device = threadpar.get_device()
+        stream = fake.current_stream(device)
+        t = torch.full((4,), float(threadpar.get_rank()), device=device)
         before = fake.mark(stream, "input")
         threadpar.all_reduce(t)
-        return before, fake.mark(stream, "after"), t
+        return before, fake.mark(stream, "after"), t.cpu()
 
     results = run_fake_gpus(body, 2, primitives, backend="threads")
     for _, after, t in results:

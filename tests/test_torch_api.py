@@ -10,6 +10,8 @@ import functools
 import pytest
 import torch
 import torch.distributed
+from fakes import sim_gpu
+from fakes.sim_gpu import to_host
 
 import threadpar as dist
 from threadpar import ConfigError, ReduceOp
@@ -170,12 +172,13 @@ BITWISE = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, Red
 BIT_DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.bool]
 
 
-def _bits(rank, dtype, n=6):
+def _bits(rank, dtype, n=6, device=None):
+    """Rank `rank`'s random bits, made on the host (the same on every backend), on `device`."""
     g = torch.Generator().manual_seed(rank + 17)
     if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), generator=g).bool()
+        return torch.randint(0, 2, (n,), generator=g).bool().to(device)
     low, high = (0, 256) if dtype == torch.uint8 else (-100, 100)
-    return torch.randint(low, high, (n,), generator=g).to(dtype)
+    return torch.randint(low, high, (n,), generator=g).to(device, dtype)
 
 
 def _bit_reference(world, dtype, op):
@@ -183,28 +186,30 @@ def _bit_reference(world, dtype, op):
 
 
 def _bitwise_workload():
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank, device = dist.get_world_size(), dist.get_rank(), dist.get_device()
     got = {}
     for dtype in BIT_DTYPES:
         for op in BITWISE:
-            t = _bits(rank, dtype)
+            t = _bits(rank, dtype, device=device)
             dist.all_reduce(t, op=op)
             got["all_reduce", dtype, op] = t
-            t = _bits(rank, dtype)
+            t = _bits(rank, dtype, device=device)
             dist.reduce(t, dst=world - 1, op=op)
             if rank == world - 1:
                 got["reduce", dtype, op] = t
-            rows = torch.cat([_bits(rank, dtype)] * world)  # every member's chunk is its whole input
-            out = torch.empty(6, dtype=dtype)
+            rows = torch.cat(
+                [_bits(rank, dtype, device=device)] * world
+            )  # each member's chunk: its whole input
+            out = torch.empty(6, dtype=dtype, device=device)
             dist.reduce_scatter_tensor(out, rows, op=op)
             got["reduce_scatter", dtype, op] = out
     with pytest.raises(ConfigError, match="bitwise op: it needs an integer or bool tensor"):
-        dist.all_reduce(torch.ones(2), op=ReduceOp.BAND)
+        dist.all_reduce(torch.ones(2, device=device), op=ReduceOp.BAND)
     return got
 
 
 def _check_bitwise(results, world):
-    for got in results:
+    for got in to_host(results):
         for (kind, dtype, op), t in got.items():
             torch.testing.assert_close(
                 t, _bit_reference(world, dtype, op), rtol=0, atol=0, msg=f"{kind} {op}"
@@ -218,17 +223,17 @@ def test_bitwise_ops_match_a_single_thread_reference_on_threads(world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_bitwise_ops_match_a_single_thread_reference_on_the_nccl_double(world):
-    from tests.fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+    from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
     _check_bitwise(run_fake_gpus(_bitwise_workload, world, FakeCuda()), world)
 
 
 def test_the_nccl_double_refuses_a_bitwise_op_as_nccl_does():
     """NCCL has no bitwise reduction: a bitwise ncclRedOp_t never reaches it (threadpar gathers the bytes)."""
-    from tests.fakes.fake_cuda_nccl import FakeCuda
+    from fakes.fake_cuda_nccl import FakeCuda
 
     nccl = FakeCuda().nccl
-    x = torch.ones(1, dtype=torch.int32)
+    x = torch.ones(1, dtype=torch.int32, device=sim_gpu.device(0))
     with pytest.raises(
         RuntimeError, match=r"ncclAllReduce failed: ncclInvalidArgument \(ncclRedOp_t 5 is not"
     ):
@@ -269,7 +274,7 @@ def test_object_collectives_on_threads():
 
 
 def test_object_collectives_on_the_nccl_double():
-    from tests.fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+    from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
     _check_objects(run_fake_gpus(_object_workload, 3, FakeCuda()), 3)
 
@@ -319,7 +324,9 @@ def _missing_rank_body(wait):
         # groups, a wait that nothing can interrupt (issue 20's), which the missing rank would leave pending.
         dist.barrier()
         if dist.get_rank() == 2:
-            dist.recv(torch.empty(1), src=0)  # never sent: rank 2 is "stuck" until the launch stops
+            dist.recv(
+                torch.empty(1, device=dist.get_device()), src=0
+            )  # never sent: rank 2 is "stuck" until the launch stops
         else:
             wait()
 
@@ -346,7 +353,7 @@ def test_a_barrier_with_a_timeout_names_the_rank_that_did_not_arrive(wait):
 
 
 def test_a_barrier_with_a_timeout_on_the_nccl_double_names_the_missing_rank():
-    from tests.fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+    from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
     with pytest.raises(dist.CollectiveTimeoutError, match=r"after 0.5 s .*ranks \[2\] did not arrive"):
         run_fake_gpus(_missing_rank_body(lambda: dist.monitored_barrier(timeout=0.5)), 3, FakeCuda())

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.sim_gpu import to_host
 
 import threadpar
 
@@ -24,18 +25,18 @@ def _threads(body):
 
 
 def _nccl(body):
-    return run_fake_gpus(body, P, FakeCuda(), timeout=20)
+    return to_host(run_fake_gpus(body, P, FakeCuda(), timeout=20))
 
 
 RUNNERS = [pytest.param(_threads, id="threads"), pytest.param(_nccl, id="nccl")]
 
 
-def data(rank: int, shape=(2, 3), dtype=torch.float32) -> torch.Tensor:
-    """Rank `rank`'s input: distinct per rank, reproducible by any thread."""
+def data(rank: int, shape=(2, 3), dtype=torch.float32, device=None) -> torch.Tensor:
+    """Rank `rank`'s input: distinct per rank, reproducible by any thread (made on the host, then on `device`)."""
     g = torch.Generator().manual_seed(100 + rank)
     if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(0, 64, shape, generator=g).to(dtype)
+        return torch.randn(shape, generator=g).to(device, dtype)
+    return torch.randint(0, 64, shape, generator=g).to(device, dtype)
 
 
 ALL = [data(r) for r in range(P)]
@@ -57,20 +58,21 @@ def test_all_reduce_every_op(run):
     }
 
     def body():
+        dev = threadpar.get_device()
         r = dist.get_rank()
         out = {}
         for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
-            t = data(r)
+            t = data(r, device=dev)
             dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
             out[name] = t
-        t = data(r)
+        t = data(r, device=dev)
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         out["PREMUL_SUM"] = t
         for name in ("BAND", "BOR", "BXOR"):
-            t = data(r, dtype=torch.int64)
+            t = data(r, dtype=torch.int64, device=dev)
             dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
             out[name] = t
-        pair = [data(r), data(r, (4,))]
+        pair = [data(r, device=dev), data(r, (4,), device=dev)]
         dist.all_reduce_coalesced(pair)
         out["coalesced"] = pair
         return out
@@ -85,38 +87,39 @@ def test_all_reduce_every_op(run):
 @pytest.mark.parametrize("run", RUNNERS)
 def test_gathers_and_reduce_scatters(run):
     def body():
+        dev = threadpar.get_device()
         r = dist.get_rank()
         out = {}
-        lst = [torch.empty(2, 3) for _ in range(P)]
-        dist.all_gather(lst, data(r))
+        lst = [torch.empty(2, 3, device=dev) for _ in range(P)]
+        dist.all_gather(lst, data(r, device=dev))
         out["all_gather"] = torch.cat(lst)
-        big = torch.empty(2 * P, 3)
-        dist.all_gather_into_tensor(big, data(r))
+        big = torch.empty(2 * P, 3, device=dev)
+        dist.all_gather_into_tensor(big, data(r, device=dev))
         out["into_tensor"] = big
-        outs = [torch.empty(2 * P, 3), torch.empty(P, 2)]
+        outs = [torch.empty(2 * P, 3, device=dev), torch.empty(P, 2, device=dev)]
         with dist._coalescing_manager(async_ops=True) as cm:
-            dist.all_gather_into_tensor(outs[0], data(r))
-            dist.all_gather_into_tensor(outs[1], data(r, (2,)))
+            dist.all_gather_into_tensor(outs[0], data(r, device=dev))
+            dist.all_gather_into_tensor(outs[1], data(r, (2,), device=dev))
         cm.wait()
         out["gather_coalesced"] = outs
-        rs = torch.empty(1, 3)
-        dist.reduce_scatter(rs, [data(r)[i : i + 1] for i in range(P)])
+        rs = torch.empty(1, 3, device=dev)
+        dist.reduce_scatter(rs, [data(r, device=dev)[i : i + 1] for i in range(P)])
         out["reduce_scatter"] = rs
-        rst = torch.empty(1, 3)
-        dist.reduce_scatter_tensor(rst, data(r), op=dist.ReduceOp.AVG)
+        rst = torch.empty(1, 3, device=dev)
+        dist.reduce_scatter_tensor(rst, data(r, device=dev), op=dist.ReduceOp.AVG)
         out["reduce_scatter_tensor"] = rst
-        rsc = [torch.empty(1, 3), torch.empty(1)]
+        rsc = [torch.empty(1, 3, device=dev), torch.empty(1, device=dev)]
         with dist._coalescing_manager(async_ops=True) as cm:
-            dist.reduce_scatter_tensor(rsc[0], data(r))
-            dist.reduce_scatter_tensor(rsc[1], data(r, (2,)))
+            dist.reduce_scatter_tensor(rsc[0], data(r, device=dev))
+            dist.reduce_scatter_tensor(rsc[1], data(r, (2,), device=dev))
         cm.wait()
         out["reduce_scatter_coalesced"] = rsc
         group = dist.group.WORLD.group_name
-        out["funcol_all_gather"] = funcol.wait_tensor(funcol.all_gather_tensor(data(r), 0, group))
+        out["funcol_all_gather"] = funcol.wait_tensor(funcol.all_gather_tensor(data(r, device=dev), 0, group))
         out["funcol_reduce_scatter"] = funcol.wait_tensor(
-            funcol.reduce_scatter_tensor(data(r), "sum", 0, group)
+            funcol.reduce_scatter_tensor(data(r, device=dev), "sum", 0, group)
         )
-        out["funcol_all_reduce"] = funcol.wait_tensor(funcol.all_reduce(data(r), "max", group))
+        out["funcol_all_reduce"] = funcol.wait_tensor(funcol.all_reduce(data(r, device=dev), "max", group))
         return out
 
     total = ALL[0] + ALL[1]
@@ -139,26 +142,27 @@ def test_gathers_and_reduce_scatters(run):
 @pytest.mark.parametrize("run", RUNNERS)
 def test_rooted_ops_and_all_to_all(run):
     def body():
+        dev = threadpar.get_device()
         r = dist.get_rank()
         out = {}
-        t = data(r)
+        t = data(r, device=dev)
         dist.broadcast(t, src=1)
         out["broadcast"] = t
-        t = data(r)
+        t = data(r, device=dev)
         dist.reduce(t, dst=0)
         out["reduce"] = t
-        gl = [torch.empty(2, 3) for _ in range(P)] if r == 1 else None
-        dist.gather(data(r), gl, dst=1)
+        gl = [torch.empty(2, 3, device=dev) for _ in range(P)] if r == 1 else None
+        dist.gather(data(r, device=dev), gl, dst=1)
         out["gather"] = gl
-        s = torch.empty(2, 3)
-        dist.scatter(s, [data(10 + i) for i in range(P)] if r == 0 else None, src=0)
+        s = torch.empty(2, 3, device=dev)
+        dist.scatter(s, [data(10 + i, device=dev) for i in range(P)] if r == 0 else None, src=0)
         out["scatter"] = s
-        outs = [torch.empty(1, 3) for _ in range(P)]
-        dist.all_to_all(outs, list(data(r).split(1)))
+        outs = [torch.empty(1, 3, device=dev) for _ in range(P)]
+        dist.all_to_all(outs, list(data(r, device=dev).split(1)))
         out["all_to_all"] = torch.cat(outs)
         # uneven: rank r sends r+1 rows to each peer
-        send = torch.full((P * (r + 1), 2), float(r))
-        recv = torch.empty(sum(s + 1 for s in range(P)), 2)
+        send = torch.full((P * (r + 1), 2), float(r), device=dev)
+        recv = torch.empty(sum(s + 1 for s in range(P)), 2, device=dev)
         dist.all_to_all_single(recv, send, [s + 1 for s in range(P)], [r + 1] * P)
         out["all_to_all_uneven"] = recv
         return out
@@ -178,33 +182,37 @@ def test_rooted_ops_and_all_to_all(run):
 @pytest.mark.parametrize("run", RUNNERS)
 def test_point_to_point_and_barrier(run):
     def body():
+        dev = threadpar.get_device()
         r = dist.get_rank()
         out = {}
         if r == 0:
-            dist.send(data(0), dst=1, tag=3)
-            work = dist.isend(data(5), dst=1)
+            dist.send(data(0, device=dev), dst=1, tag=3)
+            work = dist.isend(data(5, device=dev), dst=1)
             work.wait()
-            dist.send(data(6), dst=1, tag=9)
+            dist.send(data(6, device=dev), dst=1, tag=9)
         else:
-            t = torch.empty(2, 3)
+            t = torch.empty(2, 3, device=dev)
             dist.recv(t, src=0, tag=3)
             out["recv"] = t
-            t2 = torch.empty(2, 3)
+            t2 = torch.empty(2, 3, device=dev)
             dist.irecv(t2, src=0).wait()
             out["irecv"] = t2
-            t3 = torch.empty(2, 3)
+            t3 = torch.empty(2, 3, device=dev)
             out["source"] = dist.recv(t3, tag=9)  # from any source
             out["any"] = t3
-        ops = [dist.P2POp(dist.isend, data(20 + r), 1 - r), dist.P2POp(dist.irecv, torch.empty(2, 3), 1 - r)]
+        ops = [
+            dist.P2POp(dist.isend, data(20 + r, device=dev), 1 - r),
+            dist.P2POp(dist.irecv, torch.empty(2, 3, device=dev), 1 - r),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         out["batch"] = ops[1].tensor
         # Receives match a peer's messages in the order they were posted, whichever is waited on first.
         if r == 0:
-            dist.send(data(30), dst=1)
-            dist.send(data(31), dst=1)
+            dist.send(data(30, device=dev), dst=1)
+            dist.send(data(31, device=dev), dst=1)
         else:
-            first, second = torch.empty(2, 3), torch.empty(2, 3)
+            first, second = torch.empty(2, 3, device=dev), torch.empty(2, 3, device=dev)
             w1, w2 = dist.irecv(first, src=0), dist.irecv(second, src=0)
             w2.wait()
             w1.wait()
@@ -226,8 +234,9 @@ def test_point_to_point_and_barrier(run):
 @pytest.mark.parametrize("run", RUNNERS)
 def test_work_wait_future_and_completion(run):
     def body():
+        dev = threadpar.get_device()
         r = dist.get_rank()
-        t = data(r)
+        t = data(r, device=dev)
         work = dist.all_reduce(t, async_op=True)
         future = work.get_future()
         work.wait()
@@ -268,13 +277,14 @@ def test_new_group_shares_threadpar_groups():
     in one order on one set of communicators."""
 
     def body():
+        dev = threadpar.get_device()
         r = dist.get_rank()
         sub = dist.new_group([0, 1, 2])
-        t = torch.tensor([float(r)])
+        t = torch.tensor([float(r)], device=dev)
         if r < 3:
             dist.all_reduce(t, group=sub)
             assert sub.threadpar_group is threadpar.new_group([0, 1, 2])
-            u = torch.tensor([1.0])
+            u = torch.tensor([1.0], device=dev)
             threadpar.all_reduce(u, group=sub.threadpar_group)
             return t.item(), u.item(), dist.get_rank(sub), dist.get_process_group_ranks(sub)
         assert sub == dist.GroupMember.NON_GROUP_MEMBER
@@ -294,10 +304,10 @@ def test_nccl_wait_orders_the_callers_stream_and_keeps_tensors_alive():
     late = threading.Event()
 
     def body():
-        device = torch.device("cpu")  # the double's GPUs hold CPU tensors
-        mine = fake.current_stream(device)
-        dist.all_reduce(torch.ones(1))  # the communicators exist from here on
-        t = torch.ones(3)
+        dev = threadpar.get_device()
+        mine = fake.current_stream(dev)
+        dist.all_reduce(torch.ones(1, device=dev))  # the communicators exist from here on
+        t = torch.ones(3, device=dev)
         if dist.get_rank() == 1:
             assert late.wait(30)  # rank 1's part comes once rank 0 checked what follows
         work = dist.all_reduce(t, async_op=True)
@@ -315,7 +325,7 @@ def test_nccl_wait_orders_the_callers_stream_and_keeps_tensors_alive():
 
     before, after, protected, t = run_fake_gpus(body, P, fake, timeout=20)[0]
     assert (before, after, protected) == (False, True, True)
-    torch.testing.assert_close(t, torch.full((3,), 2.0))
+    torch.testing.assert_close(t.cpu(), torch.full((3,), 2.0))
 
 
 @pytest.mark.parametrize("run", RUNNERS)
@@ -323,12 +333,15 @@ def test_all_to_all_single_takes_split_sizes_as_tensors(run):
     # torch's threaded PG and gloo accept tensor split sizes (torch.distributed.all_to_all_single documents
     # them as lists; MoE code computes them as tensors): output_split_sizes=torch.tensor([...]).
     def body():
+        dev = threadpar.get_device()
         r = dist.get_rank()
-        sends = torch.arange(3.0) + 10 * r  # rank 0 sends 1 row to rank 0 and 2 to rank 1; rank 1 likewise
-        out = torch.empty(2 if r == 0 else 4)
+        sends = (
+            torch.arange(3.0, device=dev) + 10 * r
+        )  # rank 0 sends 1 row to rank 0 and 2 to rank 1; rank 1 likewise
+        out = torch.empty(2 if r == 0 else 4, device=dev)
         dist.all_to_all_single(
-            out, sends, output_split_sizes=torch.tensor([1, 1] if r == 0 else [2, 2]),
-            input_split_sizes=torch.tensor([1, 2]),
+            out, sends, output_split_sizes=torch.tensor([1, 1] if r == 0 else [2, 2], device=dev),
+            input_split_sizes=torch.tensor([1, 2], device=dev),
         )  # fmt: skip
         return out
 
@@ -342,7 +355,8 @@ def test_all_reduce_of_a_leaf_that_requires_grad(run):
     # gloo and torch's threaded PG write below autograd; an in-place write through torch ops would raise
     # "a leaf Variable that requires grad is being used in an in-place operation".
     def body():
-        w = torch.full((3,), float(dist.get_rank() + 1), requires_grad=True)
+        dev = threadpar.get_device()
+        w = torch.full((3,), float(dist.get_rank() + 1), requires_grad=True, device=dev)
         dist.all_reduce(w)
         threadpar.all_reduce(w)
         dist.broadcast(w, src=1)

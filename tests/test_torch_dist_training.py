@@ -1,5 +1,9 @@
 """torch's own parallelism, unchanged, on threadpar's rank threads: DistributedDataParallel, FSDP2, DTensor
-tensor/sequence parallelism, 2-D FSDP2 x TP, torch.distributed.pipelining; each against one thread's dense run."""
+tensor/sequence parallelism, 2-D FSDP2 x TP, torch.distributed.pipelining; each against one thread's dense run.
+
+FSDP2 is given the layout's mesh (threadpar.device_mesh(): the ranks' own device type): its default mesh is on
+the process's accelerator (torch._C._get_accelerator()), which is CUDA on a GPU machine whatever device the
+ranks run on, and the double's GPU in a test process that has used the double."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.sim_gpu import to_host
 from helpers.torch_dist_models import MLP, Block, batch, full, reference_steps, seeded
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -37,7 +42,7 @@ def threads(body, world_size: int = P, **options):
 
 
 def nccl(body, world_size: int = P):
-    return run_fake_gpus(body, world_size, FakeCuda(), timeout=30)
+    return to_host(run_fake_gpus(body, world_size, FakeCuda(), timeout=30))
 
 
 def train(model: nn.Module, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -80,12 +85,14 @@ def test_fsdp2(run, reshard):
     expected = reference_steps(template, INPUTS, mse)
 
     def body():
-        r = dist.get_rank()
-        model = copy.deepcopy(template)
+        r, device = dist.get_rank(), threadpar.get_device()
+        # (built on the rank's device: FSDP2 moves a parameter with `param.data = param.to(device)`, which torch
+        # refuses from a host tensor to a device tensor of a wrapper class, the double's)
+        model, mesh = copy.deepcopy(template).to(device), threadpar.device_mesh()
         for layer in model:
-            fully_shard(layer, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-        return train(model, [local(x, r, P) for x in INPUTS])
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        return train(model, [local(x, r, P).to(device) for x in INPUTS])
 
     assert_params(run(body), expected)
 
@@ -97,10 +104,10 @@ def test_fsdp2_bf16_mixed_precision():
 
     def body():
         r = dist.get_rank()
-        model = copy.deepcopy(template)
+        model, mesh = copy.deepcopy(template), threadpar.device_mesh()
         for layer in model:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return train(model, [local(x, r, P) for x in INPUTS])
 
     results = threads(body)
@@ -117,10 +124,10 @@ def test_fsdp2_rank_failure_ends_the_launch():
             return x
 
     def body():
-        model = nn.Sequential(seeded(MLP()), Fails(), seeded(MLP(4, 8, 4)))
+        model, mesh = nn.Sequential(seeded(MLP()), Fails(), seeded(MLP(4, 8, 4))), threadpar.device_mesh()
         for layer in (model[0], model[2]):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         for _ in range(3):
             mse(model(batch(4))).backward()
 
@@ -245,10 +252,10 @@ def test_fsdp2_across_processes_on_the_hierarchical_backend():
     expected = reference_steps(template, INPUTS, mse)
 
     def body():
-        model = copy.deepcopy(template)
+        model, mesh = copy.deepcopy(template), threadpar.device_mesh()
         for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return train(model, [local(x, dist.get_rank(), 4) for x in INPUTS])
 
     outcomes = run_processes(body, 2, 2, devices="cpu", timeout=30)

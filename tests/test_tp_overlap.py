@@ -1,12 +1,14 @@
 """ColumnParallelLinear's overlapped backward equals the non-overlapped path and the dense model (threads
 and the nccl double); the switch and its default. The order of its work: test_tp_overlap_order.py."""
 
+import copy
 import importlib
 import threading
 
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.sim_gpu import to_host
 from helpers.gpt_reference import check_against, hybrid_step, reference
 from helpers.tp_parity import (
     assert_grads_close,
@@ -58,7 +60,7 @@ def accumulate(model, inputs, upstream, sync=lambda m: None):
 
 RUNNERS = {
     "threads": lambda body, tp: run_ranks(body, tp, tp=tp),
-    "nccl": lambda body, tp: run_fake_gpus(body, tp, FakeCuda(), tp=tp),  # the CUDA/NCCL double
+    "nccl": lambda body, tp: to_host(run_fake_gpus(body, tp, FakeCuda(), tp=tp)),  # the CUDA/NCCL double
 }
 
 
@@ -76,11 +78,17 @@ def test_overlapped_block_equals_the_non_overlapped_block_and_the_dense_one_with
     split = (lambda t: my_chunk(t, 1)) if sp else (lambda t: t)
 
     def body():
-        results = {}
+        device, results = threadpar.get_device(), {}
+        here = copy.deepcopy(dense).to(
+            device
+        )  # (the TP layers are made from the dense ones, on their device)
         for overlap in (True, False):
-            model = tp_mlp(dense, sp, overlap)
+            model = tp_mlp(here, sp, overlap)
             ys, x_grads = accumulate(
-                model, [split(x) for x in inputs], split(upstream), allreduce_sequence_parallel_grads
+                model,
+                [split(x).to(device) for x in inputs],
+                split(upstream).to(device),
+                allreduce_sequence_parallel_grads,
             )
             results[overlap] = (ys, x_grads, gather_dense_grads(model))
         return results

@@ -29,9 +29,9 @@ OVERLAPPED = {
 
 def probed_backward(sp: bool, overlap: bool, around=None):
     """On a rank: a column layer's forward, then its backward under the probes; the events in order."""
-    fc = nn.Linear(IN, OUT)
-    seed_params_(fc, seed=7)
-    x = randn(ORDER_B, ORDER_T, IN, seed=16)
+    device = threadpar.get_device()
+    fc = seed_params_(nn.Linear(IN, OUT), seed=7).to(device)
+    x = randn(ORDER_B, ORDER_T, IN, seed=16).to(device)
     layer = ColumnParallelLinear.from_dense(fc, sequence_parallel=sp, overlap_grad_comm=overlap)
     events: list[str] = []
     log = CollectiveLog(layer.group, events, threading.Lock())
@@ -62,10 +62,9 @@ def test_on_nccl_the_collective_runs_on_the_comm_stream_beside_the_weight_gradie
     GEMM (its input), neither waits for the dW GEMM nor is waited for by it, and the compute stream waits
     for it before anything after backward: the dW GEMM and NCCL's kernel can run at once."""
     fake = FakeCuda()
-    device = torch.device("cpu")
 
     def body(overlap):
-        marks = {}
+        marks, device = {}, threadpar.get_device()
 
         def around(kind, when):
             marks[f"{when} {kind}"] = fake.mark(fake.current_stream(device), f"{when} {kind}")

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from . import sim_gpu
+from . import sim_gpu, sim_gpu_engine
 
 # One lock runs every fake device of every simulated process (a collective spans several FakeCudas);
 # CHANGED is notified whenever something a waiting host could need happened (a part issued, an abort).
@@ -519,6 +519,7 @@ class DeviceTouch(TorchDispatchMode):
         """The same watch for another thread (a rank's autograd device thread)."""
         return DeviceTouch(self.fake, self._streams)
 
+    @sim_gpu_engine.dispatch_boundary  # (an error raised into autograd's engine: sim_gpu_engine.py)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _PENDING and not getattr(_local, "inside", 0):

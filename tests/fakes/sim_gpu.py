@@ -41,6 +41,7 @@ its memory; every op costs a Python call; timings, memory limits and kernels' nu
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -49,7 +50,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from . import sim_gpu_autocast
+from . import sim_gpu_autocast, sim_gpu_engine, sim_gpu_streams
 
 DEVICE_TYPE = "simgpu"
 DEVICE_COUNT = 8  # the double's GPUs per process (a node's worth; ranks beyond share them round-robin)
@@ -77,6 +78,7 @@ def install() -> None:
         _DEVICES.extend(torch.device(DEVICE_TYPE, i) for i in range(DEVICE_COUNT))
         _register_kernels()
         _backward_without_device_threads()
+        sim_gpu_engine.install()
         _pinned_memory_methods()
         _installed.append(True)
 
@@ -252,6 +254,7 @@ class DeviceTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
+    @sim_gpu_engine.dispatch_boundary  # (an error raised into autograd's engine: sim_gpu_engine.py)
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return dispatch(func, args, kwargs or {})
 
@@ -263,6 +266,28 @@ class DeviceTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         return self._host.untyped_storage()
+
+    def __deepcopy__(self, memo: dict) -> DeviceTensor:
+        """A copy of the memory on the device. torch's Tensor.__deepcopy__ (torch/_tensor.py) copies a tensor's
+        storage, and clones only a wrapper that has none: this one's storage is its host memory's
+        (untyped_storage, below), which that path would make a host storage of the device tensor."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:  # (torch/_tensor.py, Tensor.__deepcopy__)
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at "
+                "the moment."
+            )
+        with torch.no_grad():
+            new = self.clone(memory_format=torch.preserve_format)
+        new.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        for name, value in self.__dict__.items():  # (a parameter's mark, _is_param, and any other attribute)
+            if name != "_host":
+                setattr(new, name, copy.deepcopy(value, memo))
+        memo[id(self)] = new
+        return new
 
     def tolist(self) -> Any:
         # torch/csrc/utils/tensor_list.cpp, tensor_to_list: a tensor not on the host is copied there first
@@ -363,7 +388,16 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     special = _SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
+    if func.namespace in _COMMUNICATION:
+        return func.redispatch(_DEVICE_KERNEL, *args, **kwargs)
     return _compute(func, args, kwargs)
+
+
+# torch.distributed's ops (functional collectives, their waits) have kernels for any device (torch/csrc/distributed/
+# c10d/Functional.cpp: CompositeExplicitAutograd) that call the process group with the tensors themselves, and find
+# a collective's Work by its output tensor (wait_tensor): on the double, its device tensors, never their memory
+_COMMUNICATION = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+_DEVICE_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 
 
 class _Devices:
@@ -639,7 +673,8 @@ def _backward_without_device_threads() -> None:
     PythonDeviceGuard::deviceCount): a node on simgpu:1 fails engine.cpp's `device.index() <
     device_ready_queues_.size()` assert. So the double runs a device tensor's backward on the calling thread,
     and models the device thread itself where a test asks for it (fake_autograd_thread.py, on top of this)."""
-    original = torch.autograd.graph._engine_run_backward
+    # (an error raised inside the engine reaches the caller: sim_gpu_engine.py)
+    original = sim_gpu_engine.carrying(torch.autograd.graph._engine_run_backward)
 
     def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch._C._is_multithreading_enabled() or not any(
@@ -675,6 +710,13 @@ class _Guard(torch._C._acc.DeviceGuard):
 
 class _DeviceModule:
     """`torch.simgpu`: the part of torch.cuda's module API that code reaches through torch.get_device_module."""
+
+    # streams and events: the calling rank thread's FakeCuda's (sim_gpu_streams.py)
+    Stream = sim_gpu_streams.Stream
+    Event = sim_gpu_streams.Event
+    current_stream = staticmethod(sim_gpu_streams.current_stream)
+    stream = staticmethod(sim_gpu_streams.stream)
+    synchronize = staticmethod(sim_gpu_streams.synchronize)
 
     @staticmethod
     def is_available() -> bool:

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 
 import torch
+from fakes.sim_gpu_engine import dispatch_boundary
 from torch.utils._python_dispatch import TorchDispatchMode
 
 WRAPPED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -76,6 +77,7 @@ class GemmLog(TorchDispatchMode):
         out, inp = weight_shape
         self.kinds = {(tokens, inp): "dgrad", (out, inp): "wgrad", (inp, out): "wgrad"}
 
+    @dispatch_boundary  # (it runs inside backward: on the CUDA double, an error must reach backward's caller)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = None
         if func in MATMULS:

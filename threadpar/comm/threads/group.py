@@ -316,8 +316,11 @@ class ThreadsGroup:
 
     # point to point ---------------------------------------------------------------------------------------------
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False) -> None:
-        # The message is a private copy: the sender may reuse its tensor as soon as send returns.
-        message: Message = tensor.detach().clone(memory_format=torch.contiguous_format)
+        # The message is a private copy: the sender may reuse its tensor as soon as send returns. It is made on
+        # the receiver's device: ranks sharing GPUs may be on several, and recv_tensor hands the message itself
+        # to the receiver (a cross-device copy, on the sender's stream: the receiver's waits for it below).
+        device = tensor.device if self._order is None else self._order.devices[dst]
+        message: Message = tensor.detach().to(device, copy=True, memory_format=torch.contiguous_format)
         if self._order is not None:  # on CUDA: the receiver's stream must wait for the copy
             message = (message, self._order.arrive(member))
         self.mailboxes.put(member, dst, tag, message)
