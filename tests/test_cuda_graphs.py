@@ -544,3 +544,23 @@ def test_a_graphed_steps_graph_is_reset_before_its_communicators_are_freed(fails
     assert len(fake.nccl.aborted if fails else fake.nccl.destroyed) == 2
     with pytest.raises(threadpar.ConfigError, match="belongs to a launch that has ended"):
         run_fake_gpus(lambda: held[0](torch.ones(2, device=threadpar.get_device())), 1, fake)
+
+
+def test_a_host_read_inside_the_captured_backward_is_refused_not_fatal():
+    """A refusal raised inside backward during the capture (a hook reading a gradient on the host) reaches the
+    step's caller as the GraphCaptureError it is (the double's engine boundary: fakes/sim_gpu_engine.py)."""
+
+    def body():
+        weight = torch.nn.Parameter(torch.ones(3, device=threadpar.get_device()))
+        weight.register_hook(lambda g: g * float(g.sum()))  # a host read of the gradient: .item() in backward
+
+        def step_fn(x):
+            (weight * x).sum().backward()
+            return weight.grad
+
+        step = threadpar.graphed_step(step_fn, warmup_steps=1)
+        for _ in range(3):
+            step(torch.ones(3, device=threadpar.get_device()))
+
+    with pytest.raises(GraphCaptureError, match="_local_scalar_dense"):
+        run_fake_gpus(body, 1, FakeCuda())

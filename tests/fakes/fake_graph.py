@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_flatten
 
 from threadpar.errors import GraphCaptureError
 
-from . import fake_device, sim_gpu
+from . import fake_device, sim_gpu, sim_gpu_engine
 
 # aten ops that make the host wait for the device (the host reads a value, or an output's shape depends on
 # the data): CUDA refuses the copy to the host during capture (cudaErrorStreamCaptureUnsupported).
@@ -318,6 +318,7 @@ class CaptureRecorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
+    @sim_gpu_engine.dispatch_boundary  # (a refusal raised inside the capture's backward: sim_gpu_engine.py)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(fake_device._local, "inside", 0):  # (the double's own work, not the step's)
