@@ -139,9 +139,8 @@ class _Launch:
             try:
                 self.results[i] = self.fn(*self.args, **self.kwargs)  # read after all_done: ordered by it
             except (SystemExit, ProcessExit) as exited:
-                end_of_rank(
-                    exited, ctx.rank
-                )  # as a process's exit: 0 ends the rank (result None), else fails
+                # As a process's exit: code 0 ends the rank (its result None), any other fails it.
+                end_of_rank(exited, ctx.rank)
             finally:
                 with self.lock:
                     self.running[i] = False
