@@ -2,13 +2,14 @@
 
 While a launch runs, each rank thread sees torchrun's environment variables as that rank's
 (`rank_environ`), seeds its own random generators (`rank_random`), and ends itself, not the program, with
-`sys.exit` or `os._exit` (`rank_exit`). `install`/`uninstall` are counted around a launch; `enter`/`leave`
+`sys.exit` or `os._exit` (`rank_exit`), and records its own warnings in `warnings.catch_warnings`
+(`rank_warnings`). `install`/`uninstall` are counted around a launch; `enter`/`leave`
 bind one rank's state to its thread. What stays process-wide, and why: docs/process-per-rank-code.md.
 """
 
 from __future__ import annotations
 
-from threadpar.runtime import rank_environ, rank_exit, rank_random
+from threadpar.runtime import rank_environ, rank_exit, rank_random, rank_warnings
 from threadpar.runtime.context import RankContext
 from threadpar.runtime.process_env import local_place
 
@@ -17,9 +18,11 @@ def install() -> None:
     rank_environ.ROUTING.install()
     rank_random.ROUTING.install()
     rank_exit.ROUTING.install()
+    rank_warnings.ROUTING.install()
 
 
 def uninstall() -> None:
+    rank_warnings.ROUTING.uninstall()
     rank_exit.ROUTING.uninstall()
     rank_random.ROUTING.uninstall()
     rank_environ.ROUTING.uninstall()
@@ -48,9 +51,11 @@ def enter(ctx: RankContext) -> None:
     rank_environ.bind(torchrun_values(ctx))
     rank_random.bind(rank_random.RankRandom(ctx.device if ctx.device.type == "cuda" else None))
     rank_exit.bind(True)
+    rank_warnings.bind(True)
 
 
 def leave() -> None:
+    rank_warnings.bind(False)
     rank_exit.bind(False)
     rank_random.bind(None)
     rank_environ.bind(None)
