@@ -38,7 +38,8 @@ class Output:
 
     def sinks(self, local_rank: int) -> tuple[rank_output.RankSink | None, rank_output.RankSink | None]:
         sinks: list[rank_output.RankSink | None] = []
-        for name, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            console = stream.original if isinstance(stream, rank_output.RoutedStream) else stream
             tee = name in self.tee.get(local_rank, set())
             redirected = tee or name in self.redirects.get(local_rank, set())
             shown = self.local_ranks is None or local_rank in self.local_ranks

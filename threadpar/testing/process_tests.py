@@ -344,7 +344,9 @@ def _worker_run_main_wait(self: Any, fn: Callable[..., Any]) -> Callable[..., An
 
 def _run_continuous(self: Any) -> None:
     """What torch's worker loop does for one test in each rank (init, run, destroy), then what its
-    dispatcher does with the results: the first skip or failure is raised, a failure poisons the class."""
+    dispatcher does with the results: the first skip or failure is raised. Unlike torch's, a failure does not
+    skip the class's later tests ("Previous test failed"): each test is a launch of its own here, so one
+    cannot leave the next a broken group."""
     cd = _torch["cd"]
     cls = type(self)
     world_size = cls.world_size
@@ -394,10 +396,8 @@ def _run_continuous(self: Any) -> None:
         if isinstance(result, unittest.SkipTest):
             raise result
         if isinstance(result, BaseException):
-            cls.poison_pill = True
             raise result
         if outcomes[rank].exitcode is None:
-            cls.poison_pill = True
             raise RuntimeError(f"Rank {rank} of {test_id} timed out after {cd.get_timeout(test_id)} s")
 
 
