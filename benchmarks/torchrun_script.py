@@ -30,7 +30,7 @@ from benchmarks.harness import machine_line, table
 SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "torchrun_script.py"
 )
-LOSSES = re.compile(r"rank (\d+) \(local \d+\) losses: (.*)")
+LOSSES = re.compile(r"rank (\d+) \(local \d+\) losses: \[([^\]]*)\]")
 
 
 def command(way: str, nproc: int, steps: int, checkpoint: str) -> list[str]:

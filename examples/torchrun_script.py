@@ -5,7 +5,7 @@
 
 It reads its place from torchrun's environment variables, initialises gloo through env://, seeds per rank,
 trains an MLP with DDP on data of its own rank, has rank 0 save a checkpoint, prints one line of losses per
-rank ("rank R losses: ...") and ends with sys.exit(0).
+rank ("rank R (local L) losses: [...]") and ends with sys.exit(0).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    print(f"rank {rank} (local {local_rank}) losses: {' '.join(f'{v:.6f}' for v in losses)}", flush=True)
+    print(f"rank {rank} (local {local_rank}) losses: [{' '.join(f'{v:.6f}' for v in losses)}]", flush=True)
     if rank == 0 and args.checkpoint:
         torch.save(model.state_dict(), args.checkpoint)
     dist.barrier()

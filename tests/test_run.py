@@ -17,7 +17,7 @@ from threadpar.run import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "torchrun_script.py")
-LOSSES = re.compile(r"rank (\d+) \(local (\d+)\) losses: (.*)")
+LOSSES = re.compile(r"rank (\d+) \(local (\d+)\) losses: \[([^\]]*)\]")
 
 
 def _reference_losses(world_size: int, steps: int, hidden: int) -> list[list[float]]:
@@ -122,16 +122,25 @@ def test_several_nodes_are_torchrun_processes_of_rank_threads():
     ]  # fmt: skip
 
 
-def test_the_command_line_prefixes_lines_as_torchruns_tee(tmp_path):
+def test_the_command_line_prefixes_lines_as_torchruns_tee(tmp_path, capsys):
     logs = tmp_path / "logs"
-    done = subprocess.run(
-        [sys.executable, "-m", "threadpar.run", "--nproc-per-node", "2", "--tee", "1", "--log-dir", str(logs),
-         SCRIPT, "--steps", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stdout.splitlines() if "losses" in line]
+    cli.main(["--nproc-per-node", "2", "--tee", "1", "--log-dir", str(logs), SCRIPT, "--steps", "2"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "losses" in line]
     assert sorted(line.split(":", 1)[0] for line in lines) == ["[default0]", "[default1]"]
     files = sorted(p.relative_to(logs).as_posix() for p in logs.rglob("stdout.log"))
     assert files == ["none_threadpar/attempt_0/0/stdout.log", "none_threadpar/attempt_0/1/stdout.log"]
     assert "rank 1 (local 1) losses" in (logs / "none_threadpar/attempt_0/1/stdout.log").read_text()
+
+
+def test_the_command_keeps_each_ranks_lines_whole(tmp_path):
+    """Through a pipe, print's text and its newline are two writes that another rank thread can come between
+    (a process per rank has a buffer of its own): threadpar.run writes each rank's output whole lines at a time."""
+    script = tmp_path / "chatty.py"
+    script.write_text("import os\nfor i in range(2000):\n    print('rank', os.environ['RANK'], 'line', i)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "threadpar.run", "--nproc-per-node", "4", str(script)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 8000 and all(re.fullmatch(r"rank \d line \d+", line) for line in lines)

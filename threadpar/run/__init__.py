@@ -27,6 +27,8 @@ from threadpar.runtime.process_env import process_env
 @dataclass(frozen=True)
 class Output:
     """torchrun's output options: streams tee'd to the console with `[<role><local rank>]:` (`--tee`),
+    the others shown as they are, whole lines at a time (a worker process's own buffer keeps its lines whole;
+    rank threads share sys.stdout, where print's text and its newline are two writes),
     streams only written to files (`--redirects`), the local ranks whose console output shows
     (`--local-ranks-filter`, None: all), and the folder of the per-rank log files (`--log-dir`)."""
 
@@ -43,9 +45,6 @@ class Output:
             tee = name in self.tee.get(local_rank, set())
             redirected = tee or name in self.redirects.get(local_rank, set())
             shown = self.local_ranks is None or local_rank in self.local_ranks
-            if not redirected and shown:
-                sinks.append(None)  # straight to the console, as a worker's own output
-                continue
             file = (
                 rank_output.log_file(self.log_dir, local_rank, name) if self.log_dir and redirected else None
             )
@@ -70,9 +69,9 @@ class _Script:
             return compile(source.read(), self.path, "exec")
 
 
-def _run_in_rank(script: _Script, code: types.CodeType | None, output: Output | None) -> types.ModuleType:
+def _run_in_rank(script: _Script, code: types.CodeType | None, output: Output) -> types.ModuleType:
     local_rank = int(os.environ["LOCAL_RANK"])
-    stdout, stderr = output.sinks(local_rank) if output is not None else (None, None)
+    stdout, stderr = output.sinks(local_rank)
     rank_output.bind(stdout, stderr)
     try:
         if code is None:
@@ -116,10 +115,8 @@ def run(
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)) if not module else os.getcwd())
     try:
-        if output is None:
-            return launch(_run_in_rank, target, code, None, **options)
         with rank_output.routed_output():
-            return launch(_run_in_rank, target, code, output, **options)
+            return launch(_run_in_rank, target, code, Output() if output is None else output, **options)
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path

@@ -130,8 +130,6 @@ def output_options(args: argparse.Namespace, count: int) -> Any:
         if args.local_ranks_filter
         else None
     )
-    if not any(tee.values()) and not any(redirects.values()) and local is None:
-        return None
     log_dir = None
     if args.log_dir:
         log_dir = os.path.join(args.log_dir, f"{args.rdzv_id}_threadpar")
