@@ -30,7 +30,6 @@ call on the rank thread).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 import types
@@ -60,14 +59,23 @@ _GENERATOR_OPS = _generator_ops()
 _BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
 
 
-@functools.lru_cache(maxsize=4096)
+# func -> whether it takes generator=: a pure cache (a dict rather than lru_cache, which dynamo warns about
+# when it traces the mode); two rank threads computing one entry both write the same value.
+_TAKES_GENERATOR: dict[Any, bool] = {}
+
+
 def _takes_generator(func: Callable[..., Any]) -> bool:
-    if isinstance(func, _BUILTINS):
-        return getattr(func, "__name__", "") in _GENERATOR_OPS
-    try:
-        return "generator" in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
+    known = _TAKES_GENERATOR.get(func)
+    if known is None:
+        if isinstance(func, _BUILTINS):
+            known = getattr(func, "__name__", "") in _GENERATOR_OPS
+        else:
+            try:
+                known = "generator" in inspect.signature(func).parameters
+            except (TypeError, ValueError):
+                known = False
+        _TAKES_GENERATOR[func] = known
+    return known
 
 
 def _on_cpu(args: tuple, kwargs: dict) -> bool:
