@@ -167,7 +167,7 @@ class _RankFailed(Exception):
 def _join_processes(self: Any, fn: Callable[..., Any]) -> None:
     """Replaces torch's: run the test's ranks on threads, then judge them with torch's `_check_return_codes`."""
     if not getattr(self, "_threadpar_ranks", False):
-        return _ORIGINAL_JOIN(self, fn)
+        return _torch_join_processes(self, fn)
     signal = _expected_signal(self, fn)
     if signal is not None:
         raise unittest.SkipTest(
@@ -199,7 +199,7 @@ def _join_processes(self: Any, fn: Callable[..., Any]) -> None:
         _remove(file_name)
 
 
-def _ORIGINAL_JOIN(self: Any, fn: Callable[..., Any]) -> None:
+def _torch_join_processes(self: Any, fn: Callable[..., Any]) -> None:
     for _cls, name, original in _patched:
         if name == "_join_processes":
             return original(self, fn)
