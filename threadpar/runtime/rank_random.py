@@ -4,10 +4,10 @@ torch's default CPU generator is one per process (`at::detail::getDefaultCPUGene
 aten/src/ATen/CPUGeneratorImpl.cpp) and C++ has no per-thread override, so rank threads cannot each get one
 inside torch. What threadpar does instead, while a launch runs:
 
-- `torch.manual_seed`, `torch.seed`, `torch.set_rng_state` (and so `torch.random.fork_rng`) in a rank
-  thread act on a CPU generator of the rank's own (torch/random.py reads its module global
-  `default_generator`, which is routed per thread here); `torch.get_rng_state` and `torch.initial_seed`
-  read it once it exists, the process's before.
+- `torch.manual_seed` and `torch.seed` in a rank thread act on a CPU generator of the rank's own, made
+  then (torch/random.py reads its module global `default_generator`, which is routed per thread here);
+  `torch.get_rng_state`, `set_rng_state`, `initial_seed` (and so `torch.random.fork_rng`) act on it once
+  it exists, on the process's before.
 - From that first seeding call on, every random op the rank calls from Python on a CPU tensor without a
   `generator=` gets the rank's generator (a `TorchFunctionMode` of the rank thread, `RankRandomMode`): the
   ATen ops whose every overload takes a Generator (`uniform_`, `normal_`, `bernoulli_`, `multinomial`, ...),
@@ -198,10 +198,10 @@ class RoutedDefaultGenerator:
         return _process_generator().seed() if state is None else state.own().seed()
 
     def set_state(self, new_state: torch.Tensor) -> torch.Generator:
-        state = bound()
-        return (
-            _process_generator().set_state(new_state) if state is None else state.own().set_state(new_state)
-        )
+        # Restoring a state does not make the rank's own generator: torch's code that saves and restores
+        # the RNG around its work (dynamo's preserve_rng_state, around every compilation) must not push
+        # the mode in the middle of it (dynamo guards the mode stack). Once the rank seeded, its own.
+        return self._reading().set_state(new_state)
 
     def _reading(self) -> torch.Generator:
         state = bound()
