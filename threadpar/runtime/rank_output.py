@@ -87,6 +87,10 @@ class RoutedStream(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self.original, "encoding", "utf-8")
 
+    def __getattr__(self, name: str) -> Any:
+        # buffer, errors, ...: the original stream's (bytes written to its buffer bypass the rank's sink).
+        return getattr(self.original, name)
+
 
 def bind(stdout: RankSink | None, stderr: RankSink | None) -> None:
     _local.stdout, _local.stderr = stdout, stderr
