@@ -56,6 +56,7 @@ _torch: dict[str, Any] = {}
 _patched: list[tuple[type, str, Any]] = []
 _install_lock = threading.Lock()
 TERMINATED = -15  # what torch's harness sees of the processes it terminates after another failed
+COLLECTIVE_MARGIN_S = 30.0  # a collective's wait is the test's timeout and this
 
 
 def _harness() -> Any:
@@ -263,7 +264,9 @@ def _launch_ranks(
     timer.daemon = True
     timer.start()
     try:
-        launch(fresh_process_rank, **_placement(world_size), timeout=float(timeout))
+        # The test's own timeout governs, as in torch's harness: a collective's wait (the launch's timeout, which
+        # names the ranks that did not come) is longer, so that a hang is reported as torch reports it.
+        launch(fresh_process_rank, **_placement(world_size), timeout=float(timeout) + COLLECTIVE_MARGIN_S)
     except RankFailedError as failed:
         if not isinstance(failed.error, _RankFailed) and outcomes[failed.rank].exitcode is None:
             # A failure outside the test body (the launch, the rank's start): reported as the rank's error.
