@@ -63,6 +63,7 @@ from threadpar.errors import (
     RemoteRankError,
     ThreadparError,
 )
+from threadpar.run import run_script
 from threadpar.runtime import (
     LaunchConfig,
     device_mesh,
@@ -151,6 +152,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "run_script",
     "scatter",
     "scatter_object_list",
     "send",

@@ -9,6 +9,7 @@ Each process prints one line per scenario, starting with "process P: scenario N:
 
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -32,7 +33,10 @@ def dying_process() -> None:
     threadpar.all_reduce(torch.ones(2))
     if threadpar.get_process_rank() == 1:
         time.sleep(0.3)
-        os._exit(17)
+        # The whole process dies: os._exit from a thread that is not a rank (in a rank thread it would end
+        # only that rank, as a process per rank's exit would: runtime/rank_exit.py).
+        threading.Thread(target=os._exit, args=(17,)).start()
+        time.sleep(60)
     threadpar.all_reduce(torch.ones(2))  # waits for ranks that are gone
 
 

@@ -29,6 +29,7 @@ import torch
 
 from threadpar.comm.common.gpu import is_gpu
 from threadpar.errors import ConfigError, RankAborted, RankFailedError, RemoteRankError, Terminated
+from threadpar.runtime import rank_process
 from threadpar.runtime.autograd_threads import backward_on_this_thread, shares_gpu
 from threadpar.runtime.compiling import rank_thread_contexts
 from threadpar.runtime.context import RankContext, leave
@@ -37,6 +38,7 @@ from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.peer_processes import Processes
 from threadpar.runtime.process_env import ProcessEnv, bootstrap_store, default_local_devices, process_env
 from threadpar.runtime.rank_cores import allowed_cpus, choose_rank_cpus, current_cpu
+from threadpar.runtime.rank_exit import ProcessExit, end_of_rank
 from threadpar.runtime.signals import Signalled, sigterm_raises
 from threadpar.runtime.torch_world import LaunchTorchWorld
 from threadpar.runtime.world import World
@@ -127,6 +129,7 @@ class _Launch:
         session: TorchDistSession | None = None
         try:
             ctx.enter()
+            rank_process.enter(ctx)  # torchrun's variables, its own seeds, sys.exit ends the rank
             if self.torch_world is not None:
                 session = self.torch_world.session(ctx.rank)
                 session.start()
@@ -138,6 +141,9 @@ class _Launch:
                 self.running[i] = True
             try:
                 self.results[i] = self.fn(*self.args, **self.kwargs)  # read after all_done: ordered by it
+            except (SystemExit, ProcessExit) as exited:
+                # As a process's exit: code 0 ends the rank (its result None), any other fails it.
+                end_of_rank(exited, ctx.rank)
             finally:
                 with self.lock:
                     self.running[i] = False
@@ -150,6 +156,7 @@ class _Launch:
         finally:
             if session is not None:
                 session.end_quietly()  # after a failure: never masks the error being reported
+            rank_process.leave()
             leave()
             with self.lock:
                 self.left[i] = True
@@ -204,6 +211,7 @@ class _Launch:
     def _run(self) -> list[Any]:
         saved_threads = torch.get_num_threads()
         processes = self.world.processes
+        rank_process.install()
         try:
             if self.torch_world is not None:
                 self.torch_world.install()
@@ -221,6 +229,7 @@ class _Launch:
                 closing = problem
             if self.torch_world is not None:
                 self.torch_world.uninstall()
+            rank_process.uninstall()
             for ctx in self.contexts:
                 ctx.worker.stop()
             torch.set_num_threads(saved_threads)

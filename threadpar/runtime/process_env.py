@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from threadpar.errors import ConfigError
+from threadpar.runtime.rank_environ import process_environ
 
 # torchrun (and `torch.distributed.launch`) set all of these; env:// initialisation needs them.
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -42,7 +43,7 @@ class ProcessEnv:
 
 
 def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
+    value = process_environ().get(name)  # the process's own, also in a rank thread (rank_environ)
     if value is None:
         if default is None:
             raise ConfigError(f"environment variable {name} is not set")
@@ -53,9 +54,9 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def _local_place() -> tuple[int, int]:
-    """(LOCAL_RANK, LOCAL_WORLD_SIZE) from torchrun's variables; (0, 1) where they are unset or left over from
-    another launcher."""
+def local_place() -> tuple[int, int]:
+    """This process's (LOCAL_RANK, LOCAL_WORLD_SIZE) from torchrun's variables; (0, 1) where they are unset or
+    left over from another launcher."""
     local_count = _env_int("LOCAL_WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     if not 0 <= local_rank < local_count:
@@ -76,9 +77,9 @@ def process_env() -> ProcessEnv:
         # the processes: this process's place comes from the launch that started the thread.
         world = context.current().world
         rank, count = (0, 1) if world.processes is None else (world.processes.rank, world.processes.count)
-        return ProcessEnv(rank, count, *_local_place())
+        return ProcessEnv(rank, count, *local_place())
     if dist.is_available() and dist.is_initialized():
-        return ProcessEnv(dist.get_rank(), dist.get_world_size(), *_local_place())
+        return ProcessEnv(dist.get_rank(), dist.get_world_size(), *local_place())
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return ProcessEnv()
     count = _env_int("WORLD_SIZE")
