@@ -144,3 +144,67 @@ def test_the_command_keeps_each_ranks_lines_whole(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 8000 and all(re.fullmatch(r"rank \d line \d+", line) for line in lines)
+
+
+GPU_SCRIPT = '''
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+local_rank, rank = int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"])
+device = torch.device(torch.accelerator.current_accelerator().type, local_rank)  # cuda:L on a GPU node
+torch.get_device_module(device).set_device(device)
+dist.init_process_group("nccl")
+torch.manual_seed(1234)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
+ddp = DDP(model, device_ids=[local_rank])
+optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+generator = torch.Generator().manual_seed(100 + rank)
+losses = []
+for _ in range(3):
+    x = torch.randn(32, 16, generator=generator).to(device)
+    loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+print(f"rank {rank} (local {local_rank}) losses: [{' '.join(f'{v:.6f}' for v in losses)}]", flush=True)
+dist.destroy_process_group()
+sys.exit(0)
+'''
+
+
+def test_a_gpu_script_runs_on_the_cuda_doubles_gpus(tmp_path, capsys):
+    """A torchrun script for GPUs (LOCAL_RANK's device of the machine's accelerator, backend 'nccl', DDP with
+    device_ids) on rank threads of the CUDA/NCCL double's GPUs (simgpu:i: the code a GPU runs), whose losses are
+    one thread's."""
+    from fakes.fake_cuda_nccl import FakeCuda, simulated_gpus
+
+    script = tmp_path / "gpu_script.py"
+    script.write_text(GPU_SCRIPT)
+    fake = FakeCuda()
+    with simulated_gpus(fake, 4):
+        assert threadpar.run_script(str(script), [], 4) == [None] * 4
+    got = _losses(capsys.readouterr().out)
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    generators = [torch.Generator().manual_seed(100 + r) for r in range(4)]
+    expected: list[list[float]] = [[] for _ in range(4)]
+    for _ in range(3):
+        grads = []
+        for r, generator in enumerate(generators):
+            x = torch.randn(32, 16, generator=generator)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+            model.zero_grad()
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            expected[r].append(loss.item())
+        for p, *per_rank in zip(model.parameters(), *grads):
+            p.grad = torch.stack(per_rank).mean(dim=0)
+        optimizer.step()
+    assert sorted(got) == [0, 1, 2, 3]
+    for r in range(4):
+        torch.testing.assert_close(torch.tensor(got[r]), torch.tensor(expected[r]), rtol=1e-5, atol=1e-5)
+    assert fake.calls_named("all_reduce") and not fake.nccl.violations  # (DDP's buckets through NCCL)

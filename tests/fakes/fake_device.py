@@ -495,38 +495,28 @@ def _reading(original: Callable[..., Any]) -> Callable[..., Any]:
     return read
 
 
-class DeviceTouch(TorchDispatchMode):
-    """On a rank thread of a double's launch: a host op on the buffer of a pending NCCL operation waits for
-    it if the op's stream is ordered after it, and is a race otherwise (see the module docstring)."""
+def check_device_op(func: Any, args: tuple, kwargs: dict) -> None:
+    """sim_gpu's check of every op on device tensors (sim_gpu._op_check): a device op whose stream is ordered
+    after a pending operation on its buffers waits for it (the double runs ops at once, on the host: a GPU's
+    stream would wait), one that is not ordered is a race, reported to the thread's FakeCuda (its copy model:
+    run_fake_gpus and simulated_gpus bind one). The device tensors' half of DeviceTouch, which run_fake_gpus
+    adds for host tensors (an asynchronous copy's pinned memory)."""
+    if not _PENDING or getattr(_local, "inside", 0):
+        return
+    fake = sim_gpu.bound()
+    if fake is None:
+        return
+    arguments = _tensor_arguments(func)
+    if arguments:
+        _OpTouch(fake)._check(func, arguments, args, kwargs)
 
-    def __init__(self, fake: Any, streams: Callable[[torch.device], Any]) -> None:
-        super().__init__()
-        self.fake = fake
-        self._streams = streams  # device -> the current stream of the thread the mode stands for
 
-    def __enter__(self) -> DeviceTouch:
-        stack = getattr(_local, "touches", None)
-        if stack is None:
-            stack = _local.touches = []
-        stack.append(self)
-        return super().__enter__()
+class _Touches:
+    """What DeviceTouch and check_device_op share: the checks of an op's tensors against pending operations."""
 
-    def __exit__(self, *exc: Any) -> None:
-        _local.touches.pop()
-        super().__exit__(*exc)
-
-    def again(self) -> DeviceTouch:
-        """The same watch for another thread (a rank's autograd device thread)."""
-        return DeviceTouch(self.fake, self._streams)
-
-    @sim_gpu_engine.dispatch_boundary  # (an error raised into autograd's engine: sim_gpu_engine.py)
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _PENDING and not getattr(_local, "inside", 0):
-            arguments = _tensor_arguments(func)
-            if arguments:
-                self._check(func, arguments, args, kwargs)
-        return func(*args, **kwargs)
+    fake: Any
+    _streams: Callable[[torch.device], Any]
+    devices_here = True  # device tensors are checked here (False: by the device's dispatch, check_device_op)
 
     def _check(self, func: Any, arguments: tuple, args: tuple, kwargs: dict) -> None:
         for i, name, write in arguments:
@@ -537,17 +527,19 @@ class DeviceTouch(TorchDispatchMode):
                     self._touch(func, t, write)
 
     def _touch(self, func: Any, t: torch.Tensor, write: bool) -> None:
-        if is_traceable_wrapper_subclass(t):  # (the double's device tensors, DTensor, AsyncCollectiveTensor:
-            # what they hold is read; the op they dispatch again with it runs below this mode, unseen)
-            device = t.device if t.device.type != "cpu" else None
+        if sim_gpu.is_device(t):
+            if self.devices_here:
+                self._touch_named(func.name(), sim_gpu.host(t), write, t.device)
+            return
+        if is_traceable_wrapper_subclass(
+            t
+        ):  # (DTensor, AsyncCollectiveTensor: what they hold is read; the op
+            # they dispatch again with it runs below this mode, unseen)
             names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
             for name in names:
                 inner = getattr(t, name)
                 if isinstance(inner, torch.Tensor):
-                    if inner.device.type == "cpu" and not is_traceable_wrapper_subclass(inner):
-                        self._touch_named(func.name(), inner, write, device)
-                    else:
-                        self._touch(func, inner, write)
+                    self._touch(func, inner, write)
             return
         self._touch_named(func.name(), t, write, None)
 
@@ -588,3 +580,48 @@ class DeviceTouch(TorchDispatchMode):
                 )
                 self.fake.report_race(message)
                 raise RuntimeError(message)
+
+
+class _OpTouch(_Touches):
+    def __init__(self, fake: Any) -> None:
+        self.fake, self._streams = fake, fake.current_stream
+
+
+class DeviceTouch(_Touches, TorchDispatchMode):
+    """On a rank thread of a double's launch: a host op on the buffer of a pending operation (an asynchronous
+    copy's pinned memory) waits for it if ordered, and is a race otherwise (see the module docstring); device
+    tensors are the device's dispatch's to check (check_device_op)."""
+
+    devices_here = False
+
+    def __init__(self, fake: Any, streams: Callable[[torch.device], Any]) -> None:
+        super().__init__()
+        self.fake = fake
+        self._streams = streams  # device -> the current stream of the thread the mode stands for
+
+    def __enter__(self) -> DeviceTouch:
+        stack = getattr(_local, "touches", None)
+        if stack is None:
+            stack = _local.touches = []
+        stack.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.touches.pop()
+        super().__exit__(*exc)
+
+    def again(self) -> DeviceTouch:
+        """The same watch for another thread (a rank's autograd device thread)."""
+        return DeviceTouch(self.fake, self._streams)
+
+    @sim_gpu_engine.dispatch_boundary  # (an error raised into autograd's engine: sim_gpu_engine.py)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _PENDING and not getattr(_local, "inside", 0):
+            arguments = _tensor_arguments(func)
+            if arguments:
+                self._check(func, arguments, args, kwargs)
+        return func(*args, **kwargs)
+
+
+sim_gpu._op_check.append(check_device_op)

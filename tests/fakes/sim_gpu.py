@@ -384,7 +384,15 @@ def _info(func: Any) -> _OpInfo:
     return info
 
 
+# Set by fake_device: `check(func, args, kwargs)` waits for (or reports as a race) a pending NCCL operation or
+# asynchronous copy whose buffers a device op touches. The double runs every op at once, on the host, so a device
+# op ordered after a pending kernel on its stream must wait for it here, where a GPU's stream would.
+_op_check: list[Callable[[Any, tuple, dict], None]] = []
+
+
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    if _op_check:
+        _op_check[0](func, args, kwargs)
     special = _SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
