@@ -146,7 +146,7 @@ def test_the_command_keeps_each_ranks_lines_whole(tmp_path):
     assert len(lines) == 8000 and all(re.fullmatch(r"rank \d line \d+", line) for line in lines)
 
 
-GPU_SCRIPT = '''
+GPU_SCRIPT = """
 import os, sys
 import torch
 import torch.distributed as dist
@@ -172,7 +172,7 @@ for _ in range(3):
 print(f"rank {rank} (local {local_rank}) losses: [{' '.join(f'{v:.6f}' for v in losses)}]", flush=True)
 dist.destroy_process_group()
 sys.exit(0)
-'''
+"""
 
 
 def test_a_gpu_script_runs_on_the_cuda_doubles_gpus(tmp_path, capsys):
