@@ -1,0 +1,158 @@
+"""Point to point at the cost of one process per GPU (issue 39), on the double: no thread sleeps or polls with a
+device lock held, a synchronous send makes no device copy, pipelines and ring attention hold no communicator
+beyond their group's, and NCCL's memory is counted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import threadpar
+from threadpar.comm.nccl.resources import DeviceLocks
+
+
+class _TimedLock:
+    """A device lock that remembers the longest time it was held."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = 0.0
+        self.longest = 0.0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self._since = time.monotonic()
+        return got
+
+    def release(self) -> None:
+        self.longest = max(self.longest, time.monotonic() - self._since)
+        self._lock.release()
+
+    def __enter__(self) -> _TimedLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _TimedLocks(DeviceLocks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[_TimedLock] = []
+
+    def lock(self, device):  # type: ignore[override]
+        with self._lock:
+            if device not in self._locks:
+                timed = _TimedLock()
+                self.made.append(timed)
+                self._locks[device] = timed  # type: ignore[assignment]
+            return self._locks[device]
+
+
+def made(rank: int) -> None:
+    """Ranks 0 and 1 exchange a message each way: their pair's communicators exist on both sides after it (a
+    receive waits for its side's)."""
+    x = torch.zeros(1)
+    if rank == 0:
+        threadpar.send(x, dst=1)
+        threadpar.recv(x, src=1)
+    else:
+        threadpar.recv(x, src=0)
+        threadpar.send(x, dst=0)
+
+
+def test_a_nonblocking_launch_is_waited_for_without_the_device_lock():
+    """From NCCL 2.23 every group end on a nonblocking communicator (the pairs' of point to point) returns
+    ncclInProgress while a thread of NCCL's launches it (src/group.cc); whoever waits for it must not hold
+    its device's lock meanwhile (the device's other threads would wait behind NCCL's launch thread)."""
+    fake = FakeCuda()
+    fake.device_locks = _TimedLocks()
+    launch_s = 0.6
+
+    def body():
+        rank = threadpar.get_rank()
+        t = torch.ones(4)
+        made(rank)
+        if rank == 0:
+            fake.nccl.nonblocking_launch_s = launch_s
+            began = time.monotonic()
+            threadpar.send(t, dst=1)
+            return time.monotonic() - began
+        threadpar.recv(torch.empty(4), src=0)
+        return None
+
+    took = run_fake_gpus(body, 2, fake)[0]
+    assert took >= launch_s  # the send waited for NCCL's launch thread, as it must before using its stream
+    longest = max(lock.longest for lock in fake.device_locks.made)
+    assert longest < launch_s / 2, f"a device lock was held {longest:.3f} s while NCCL's launch thread ran"
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the device copies made on this thread (a clone, a copy_, a contiguous)."""
+
+    COPIES = frozenset({"aten.clone.default", "aten.copy_.default", "aten._to_copy.default"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.COPIES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_synchronous_send_makes_no_device_copy():
+    """Stream order protects a sent tensor (the caller's stream waits for the ncclSend), as torch's send;
+    only the first message of a pair, sent while its communicators are being made, is a snapshot."""
+
+    def body():
+        rank = threadpar.get_rank()
+        made(rank)
+        if rank == 0:
+            t = torch.arange(4.0)
+            with _Copies() as copies:
+                for _ in range(3):
+                    threadpar.send(t, dst=1)
+            t.fill_(-1.0)  # after the sends, in stream order: the messages are the values sent
+            return copies.count
+        got = []
+        for _ in range(3):
+            x = torch.empty(4)
+            threadpar.recv(x, src=0)
+            got.append(x)
+        return got
+
+    copies, got = run_fake_gpus(body, 2, FakeCuda())
+    assert copies == 0
+    for x in got:
+        torch.testing.assert_close(x, torch.arange(4.0))
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_sent_tensor_overwritten_in_stream_order_arrives_as_it_was(async_op):
+    """The double runs the send only when the receiver posts (lazy): the overwrite must wait for it."""
+
+    def body():
+        rank = threadpar.get_rank()
+        t = torch.full((3,), 7.0)
+        made(rank)
+        if rank == 0:
+            work = threadpar.isend(t, dst=1) if async_op else threadpar.send(t, dst=1)
+            if work is not None:
+                work.wait()
+            t.add_(1.0)
+            return None
+        time.sleep(0.05)  # posted late
+        x = torch.empty(3)
+        threadpar.recv(x, src=0)
+        return x
+
+    torch.testing.assert_close(run_fake_gpus(body, 2, FakeCuda(lazy=True))[1], torch.full((3,), 7.0))
