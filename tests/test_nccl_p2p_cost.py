@@ -10,10 +10,13 @@ import time
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.fake_nccl_memory import NcclMemoryModel
+from test_pipeline_executor import lm_loss, make_batch, make_model, my_chunks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import threadpar
 from threadpar.comm.nccl.resources import DeviceLocks
+from threadpar.pipeline import PipelineParallel
 
 
 class _TimedLock:
@@ -156,3 +159,38 @@ def test_a_sent_tensor_overwritten_in_stream_order_arrives_as_it_was(async_op):
         return x
 
     torch.testing.assert_close(run_fake_gpus(body, 2, FakeCuda(lazy=True))[1], torch.full((3,), 7.0))
+
+
+def test_a_stage_holds_one_communicator_and_no_pair_of_its_own():
+    """pp = 4: each stage's only communicator is the PP group's (before: four pair communicators more on an
+    inner stage, each with its own ring buffers); NCCL's memory on each GPU is that communicator's collectives
+    and the point-to-point buffers of its neighbours."""
+    fake = FakeCuda()
+    inputs, targets = make_batch(8)
+
+    def body():
+        pipe = PipelineParallel(my_chunks(make_model(4), 1), loss_fn=lm_loss, num_microbatches=4)
+        pipe.train_step(inputs, targets)
+        gpu = threadpar.get_rank()  # (the double's GPUs are numbered by rank)
+        return len(fake.nccl.live_communicators(gpu)), fake.nccl.device_bytes(gpu)
+
+    model = NcclMemoryModel()
+    for stage, (comms, nbytes) in enumerate(run_fake_gpus(body, 4, fake, pp=4)):
+        assert comms == 1
+        receives_from = 2 if stage in (1, 2) else 1  # its neighbours only: activations and gradients
+        assert nbytes == model.collectives(4) + receives_from * model.peer()
+
+
+def test_ring_attention_holds_the_context_parallel_communicator_only():
+    from threadpar.parallel import ring_attention
+
+    fake = FakeCuda()
+
+    def body():
+        g = torch.Generator().manual_seed(threadpar.get_rank())
+        q, k, v = (torch.randn(1, 2, 4, 8, generator=g, requires_grad=True) for _ in range(3))
+        ring_attention(q, k, v, causal=True).sum().backward()
+        gpu = threadpar.get_rank()
+        return len(fake.nccl.live_communicators(gpu))
+
+    assert run_fake_gpus(body, 4, fake, cp=4) == [1, 1, 1, 1]
