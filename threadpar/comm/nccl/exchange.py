@@ -40,6 +40,7 @@ from threadpar.comm.common import graph_capture
 from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.common.cuda_seam import CudaApi, NcclApi, NcclRuntime
 from threadpar.comm.common.tensor_bytes import byte_view
+from threadpar.comm.common.work import LazyText
 from threadpar.comm.nccl.comm import NcclComm
 from threadpar.comm.nccl.library import nccl_group
 from threadpar.comm.nccl.work import NcclWork
@@ -70,34 +71,33 @@ class NcclExchange:
         recvs: list[tuple[int, torch.Tensor]],
     ) -> NcclWork:
         """ncclSend of each (dst, tensor) and ncclRecv into each (src, tensor) in one NCCL group on the member's
-        communicator (dst, src: members; tensors contiguous); its Work (module docstring)."""
-        self._check_devices(member, "exchange", [t for _, t in sends] + [t for _, t in recvs])
-        comm = self._comms[member]
-        pairs = {(member, d) for d, _ in sends} | {(s, member) for s, _ in recvs}
-        missing = sorted(pairs - self._connected[member]) if comm is not None else sorted(pairs)
-        if missing:
-            described = ", ".join(f"rank {self.ranks[a]} -> rank {self.ranks[b]}" for a, b in missing)
-            raise ConfigError(
-                f"exchange on group '{self.name}' (rank {self.ranks[member]}): point to point between {described} "
-                "is not connected on the group's communicator yet; NCCL connects a pair at its first use, waiting "
-                "for the peer inside the call, so connect them first with a collective every member calls: "
-                "group.permute(...) over those pairs (PipelineParallel does it when built)"
-            )
-        assert comm is not None  # (no missing pair: it exists)
+        communicator (dst, src: members; tensors contiguous); its Work (module docstring). A hot path: a
+        pipeline makes one per message."""
+        comm, connected = self._comms[member], self._connected[member]
+        if (
+            comm is None
+            or any((member, d) not in connected for d, _ in sends)
+            or any((s, member) not in connected for s, _ in recvs)
+        ):
+            self._refuse_unconnected(member, sends, recvs)
+        assert comm is not None  # (refused otherwise)
         device = self.devices[member]
-        current = self._cuda.current_stream(device)
-        stream = self._exchange_stream(member)
+        for _, t in (*sends, *recvs):
+            if t.device != device:
+                self._check_devices(member, "exchange", [t])  # (raises, naming the fix)
+        cuda = self._cuda
+        current = cuda.current_stream(device)
+        stream = self._streams[member] or self._exchange_stream(member)
+        capturing = graph_capture.capturing()
         if sends:  # the sent tensors' producers come first
-            ready = self._cuda.event()
+            ready = cuda.event()
             ready.record(current)
             stream.wait_event(ready)
-        elif (
-            graph_capture.capturing()
-        ):  # a receive joins the capture at its start (graph_capture.Script.begin)
+        elif capturing:  # a receive joins the capture at its start (graph_capture.Script.begin)
             script = graph_capture.capture_script()
             assert script is not None  # (capturing)
             if script.begin is None:
-                script.begin = self._cuda.event()
+                script.begin = cuda.event()
                 script.begin.record(current)
             stream.wait_event(script.begin)
         sent = [(d, byte_view(t)) for d, t in sends]
@@ -112,21 +112,32 @@ class NcclExchange:
                     nccl.recv(data, s, h, stream)
 
         comm.launch(issue, stream)
-        done = self._cuda.event()
+        done = cuda.event()
         done.record(stream)
-        for _, t in (*sends, *recvs):
-            self._cuda.record_stream(t, stream)
-        if graph_capture.capturing():
-            graph_capture.at_end(lambda: self._cuda.current_stream(device).wait_event(done))
+        for _, t in sends:
+            cuda.record_stream(t, stream)
+        for _, t in recvs:
+            cuda.record_stream(t, stream)
+        if capturing:
+            graph_capture.at_end(lambda: cuda.current_stream(device).wait_event(done))
         return NcclWork(
-            f"exchange on group '{self.name}' (rank {self.ranks[member]}: sends to "
-            f"{[self.ranks[d] for d, _ in sends]}, receives from {[self.ranks[s] for s, _ in recvs]})",
-            cuda=self._cuda,
-            device=device,
-            abort=self._abort,
-            timeout=self._timeout,
-            done=done,
-            comm=comm,
+            LazyText("exchange on group '{}' (rank {}: {})", self.name, self.ranks[member], _Peers(self, sends, recvs)),
+            cuda=cuda, device=device, abort=self._abort, timeout=self._timeout, done=done, comm=comm,
+        )  # fmt: skip
+
+    def _refuse_unconnected(
+        self, member: int, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        pairs = {(member, d) for d, _ in sends} | {(s, member) for s, _ in recvs}
+        missing = (
+            sorted(pairs - self._connected[member]) if self._comms[member] is not None else sorted(pairs)
+        )
+        described = ", ".join(f"rank {self.ranks[a]} -> rank {self.ranks[b]}" for a, b in missing)
+        raise ConfigError(
+            f"exchange on group '{self.name}' (rank {self.ranks[member]}): point to point between {described} "
+            "is not connected on the group's communicator yet; NCCL connects a pair at its first use, waiting "
+            "for the peer inside the call, so connect them first with a collective every member calls: "
+            "group.connect(pairs) (PipelineParallel does it when it is built; permute connects its own pairs)"
         )
 
     def _exchange_stream(self, member: int) -> Any:
@@ -139,3 +150,16 @@ class NcclExchange:
                     self._streams[member] = self._runtime.streams.acquire(self._cuda, self.devices[member])
                 stream = self._streams[member]
         return stream
+
+
+class _Peers:
+    """What an exchange's Work says of its peers, formatted only if shown."""
+
+    __slots__ = ("_group", "_recvs", "_sends")
+
+    def __init__(self, group: NcclExchange, sends: list, recvs: list) -> None:
+        self._group, self._sends, self._recvs = group, sends, recvs
+
+    def __str__(self) -> str:
+        ranks = self._group.ranks
+        return f"sends to {[ranks[d] for d, _ in self._sends]}, receives from {[ranks[s] for s, _ in self._recvs]}"
