@@ -276,6 +276,19 @@ class _Queued(NamedTuple):
     extra: dict
 
 
+class CommUsage(NamedTuple):
+    """A communicator's use (FakeNccl.usage): its size, the collectives it ran (kernel names), the peers it
+    sent to and received from (NCCL ranks)."""
+
+    size: int
+    collectives: frozenset[str]
+    sends_to: frozenset[int]
+    receives_from: frozenset[int]
+
+
+_P2P_NAMES = frozenset({"send", "recv"})
+
+
 class _Deferred:
     """A nonblocking group end's launch, which NCCL's own thread performs (module docstring)."""
 
@@ -535,6 +548,20 @@ class FakeNccl:
         """The communicators on fake GPU `device` neither aborted nor destroyed."""
         with self._lock:
             return [c for c in self._comms.values() if c.device == device]
+
+    def usage(self, comm: FakeComm) -> CommUsage:
+        """What a communicator of this process was used for: its collectives and its point-to-point peers."""
+        with self._lock:
+            collectives = {
+                n for c in self.fake.calls if c.comm == comm for n in c.name.split("+")
+            } - _P2P_NAMES
+            peers = [c[3:] for c in self._connected if c[0] == "p2p" and c[1:3] == (comm.uid, comm.rank)]
+        return CommUsage(
+            comm.size,
+            frozenset(collectives),
+            frozenset(p for p, how in peers if how == "send"),
+            frozenset(p for p, how in peers if how == "recv"),
+        )
 
     # groups -----------------------------------------------------------------------------------------------------
     def _group(self) -> tuple[int, list[_Queued]]:
