@@ -194,3 +194,29 @@ def test_ring_attention_holds_the_context_parallel_communicator_only():
         return len(fake.nccl.live_communicators(gpu))
 
     assert run_fake_gpus(body, 4, fake, cp=4) == [1, 1, 1, 1]
+
+
+def test_the_pool_holds_a_bounded_number_of_cliques_and_is_drained_at_exit():
+    """A pooled clique keeps all of its NCCL buffers: the pool lets go of its oldest past `total`, and the
+    process's pool is destroyed at exit (release_pooled, registered with atexit by the real runtime)."""
+    from threadpar.comm.nccl.cuda_api import release_pooled
+    from threadpar.comm.nccl.resources import CliquePool
+
+    pool = CliquePool(per_key=2, total=3)
+    assert pool.put(("0", "1"), ["a0", "a1"]) == []
+    assert pool.put(("2", "3"), ["b2", "b3"]) == []
+    assert pool.put(("0", "1"), ["c0", "c1"]) == []
+    assert pool.put(("4", "5"), ["d4", "d5"]) == ["a0", "a1"]  # the oldest goes
+    assert len(pool) == 3 and pool.take(("0", "1")) == ["c0", "c1"]
+    assert len(pool) == 2
+
+    fake = FakeCuda()
+
+    def body():
+        threadpar.all_reduce(torch.ones(1))
+
+    run_fake_gpus(body, 2, fake)  # a clean launch: its clique goes to the pool
+    assert len(fake.cliques) == 1 and len(fake.nccl.live_communicators(0)) == 1
+    assert release_pooled(fake.cliques) == 2
+    assert fake.nccl.live_communicators(0) == [] and fake.nccl.live_communicators(1) == []
+    assert len(fake.nccl.destroyed) == 2 and not fake.nccl.violations
