@@ -8,12 +8,19 @@ usage/p2p.html). Two ranks that send to each other before they receive would dea
 and two messages received in another order than sent would swap. So:
 
 - Each ordered pair of members (a sends to b) has a two-rank communicator and a stream on each side of its
-  own: a's sends to b never wait behind its receives from b, nor behind anything else.
-- A send snapshots its tensor (a device copy on the caller's stream; isend does not, and its Work must be
-  waited on before the tensor is overwritten, as torch's), announces the message (tag, shape, dtype, its
-  place on the pair) to the receiver through host memory (the receiver's Inbox; across processes the
-  message router), and issues ncclSend on the pair's stream after the caller's earlier work. It never waits
-  for the receiver.
+  own: a's sends to b never wait behind its receives from b, nor behind anything else. (One communicator for
+  both directions would not do: NCCL runs a communicator's launches one after another, src/enqueue.cc
+  ncclLaunchPrepare, and a send completes only with its receive, so two members that each send before they
+  receive would wait for each other for ever. Where both sides know the order and the shapes, the group's own
+  communicator carries the messages instead: exchange.py, which pipelines and ring attention use.)
+- A send announces the message (tag, shape, dtype, its place on the pair) to the receiver through host
+  memory (the receiver's Inbox; across processes the message router) and issues ncclSend on the pair's
+  stream after the caller's earlier work; it never waits for the receiver. A synchronous one then makes the
+  caller's stream wait for its ncclSend, so the tensor may be overwritten in stream order with no copy (as
+  torch's send); only while the pair's communicators are still being made is it a snapshot (a device copy:
+  its ncclSend is issued later, by the maker). isend makes no copy and no wait: wait on its Work before
+  overwriting the tensor, as torch's. Every launch on the pair's nonblocking communicators goes on in a
+  thread of NCCL's (2.23+), which comm.py waits for without the device's lock: the cost of this path.
 - A receive waits on the host until the source has announced a message with its tag (one process per GPU
   knows its shapes beforehand; a receive of a tagged message of unknown shape cannot), then issues ncclRecv
   for every message that source announced up to it, in their send order, into new buffers on the pair's
