@@ -180,3 +180,31 @@ def test_launching_in_the_lowered_plans_order_would_deadlock_and_the_check_says_
     plan = build_plan("1f1b", 2, 4, 1)
     with pytest.raises(ScheduleError, match="wait for each other"):
         check_launch_orders(plan, _lowered_orders(plan))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("capturable_on_cpu")
+@pytest.mark.parametrize("schedule", ["zb_interleaved", "zbv"])
+def test_the_zero_bubble_schedules_with_two_chunks_graph_as_they_run_eagerly(schedule):
+    """(test_cuda_graphs_p2p graphs afab, 1f1b, interleaved and zbh1): the captured step's launches are the
+    eager step's, in the same order, of the shapes the first step learned."""
+    from test_cuda_graphs import assert_graphed_equals_eager, graphed_and_eager
+
+    steps, warmup, n = 5, 2, 4
+
+    def make():
+        chunks = _chunks(make_model(4), schedule, 2)
+        pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule=schedule, num_microbatches=n)
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.05, capturable=True)
+
+        def train(inputs, targets):
+            opt.zero_grad(set_to_none=False)
+            loss = pipe.train_step(inputs, targets)
+            opt.step()
+            return loss
+
+        batches = [make_batch(2 * n, seed=10 + i) for i in range(steps)]
+        return train, lambda: list(pipe.parameters()), lambda i: batches[i]
+
+    graphed, eager = graphed_and_eager(make, 2, warmup=warmup, steps=steps, pp=2)
+    assert_graphed_equals_eager(graphed, eager, steps=steps, warmup=warmup)
