@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--only", nargs="+", choices=list(LAYOUTS), help="these layouts only")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(TESTS))
     from fakes.fake_nccl_memory import MIB, NcclMemoryModel
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = []
     for name, layout in LAYOUTS.items():
+        if args.only and name not in args.only:
+            continue
         per_rank = [price(usages, model) for usages in run_layout(layout, args.steps)]
 
         def most(rule: str, i: int, per_rank: list = per_rank) -> int:
