@@ -68,11 +68,16 @@ def memory(n: int) -> list[list[str]]:
     from fakes.fake_nccl_memory import MIB, NcclMemoryModel
 
     model = NcclMemoryModel()
-    estimates = [model.collectives(n), 2 * model.peer(), 2 * (2 * model.collectives(2)) + 2 * model.peer()]
+    peers = 1 if n == 2 else 2  # (with two ranks the next is the previous)
+    estimates = [
+        model.collectives(n),
+        peers * model.peer(),
+        peers * (2 * model.collectives(2) + model.peer()),
+    ]
     what = [
         f"the world group's communicator ({n} ranks, all algorithms)",
         "its pairs of neighbours connected (both ways)",
-        "plain send/recv with both neighbours (4 two-rank communicators)",
+        f"plain send/recv with the neighbours ({2 * peers} two-rank communicators)",
     ]
     rows = []
     for i, name in enumerate(what):

@@ -113,11 +113,15 @@ class Transport:
         with self._lock:
             step = self._current()
             self._pump(step, len(step.order) - 1)
-            if step.index < len(step.order):
-                left = step.order[step.index]
+            if step.index < len(step.order) or step.received:
+                left = (
+                    step.order[step.index]
+                    if step.index < len(step.order)
+                    else Message(*next(iter(step.received)))
+                )
                 raise ConfigError(
-                    f"pipeline stage {self.stage}: the step ended before its message {left} was handed over "
-                    "(the schedule and the executor disagree)"
+                    f"pipeline stage {self.stage}: the step ended before its message {left} was handed over or "
+                    "taken (the schedule and the executor disagree)"
                 )
             if step.learning:
                 self._books[self._kind] = step.book
