@@ -245,6 +245,41 @@ def test_a_send_blocks_its_stream_until_the_receive_runs(short_waits):
         fake.synchronize(CPU)
 
 
+@pytest.mark.parametrize("communicators", [1, 2])
+def test_a_communicators_launches_run_in_issue_order_whatever_their_streams(short_waits, communicators):
+    """src/enqueue.cc, ncclLaunchPrepare/ncclLaunchFinish: each launch waits for the communicator's previous
+    one. Two ranks that send to each other before they receive, a send on one stream and the receive on
+    another: on one communicator (or one split sharing its resources) that is a cycle, as with one stream; on
+    a communicator per direction (threadpar's pairs of plain send/recv) it is not."""
+    fake = FakeCuda()
+    cliques = [clique([fake], [[0, 1]])[0] for _ in range(communicators)]
+    out, into = cliques[0], cliques[-1]  # the one that carries 0 -> 1, and 1 -> 0
+    sends, recvs = (
+        [stream(fake, 0, "send"), stream(fake, 1, "send")],
+        [stream(fake, 0, "r"), stream(fake, 1, "r")],
+    )
+
+    def connect(me):
+        with bound_to(me), nccl_group(fake.nccl):
+            for comms in cliques:
+                fake.nccl.send(torch.ones(1), 1 - me, comms[me], sends[me])
+                fake.nccl.recv(torch.empty(1), 1 - me, comms[me], recvs[me])
+
+    assert together(lambda: connect(0), lambda: connect(1)) == [None, None]
+    got = [torch.empty(4), torch.empty(4)]
+    for me in (0, 1):
+        mine, theirs = (out, into) if me == 0 else (into, out)
+        with bound_to(me):
+            fake.nccl.send(torch.full((4,), float(me)), 1 - me, mine[me], sends[me])
+            fake.nccl.recv(got[me], 1 - me, theirs[me], recvs[me])
+    if communicators == 1:
+        with pytest.raises(HangError, match="wait for each other in a cycle"):
+            fake.synchronize(CPU)
+    else:
+        fake.synchronize(CPU)
+        assert [g[0].item() for g in got] == [1.0, 0.0]
+
+
 def test_collectives_of_two_groups_in_opposite_orders_on_two_ranks_are_a_hang():
     fake = FakeCuda()
     (a,) = clique([fake], [[0, 1]])
