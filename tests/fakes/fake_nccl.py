@@ -292,14 +292,13 @@ _P2P_NAMES = frozenset({"send", "recv"})
 class _Deferred:
     """A nonblocking group end's launch, which NCCL's own thread performs (module docstring)."""
 
-    __slots__ = ("cancelled", "done", "error", "keys", "queued", "thread")
+    __slots__ = ("cancelled", "done", "keys", "queued", "thread")
 
     def __init__(self, queued: list[_Queued]) -> None:
         self.queued = queued
         self.keys = {(q.comm.uid, q.comm.rank) for q in queued}
         self.done = threading.Event()  # set once its kernels are enqueued (or it failed, or was aborted)
         self.cancelled = False  # an abort came first (src/group.cc, ncclGroupJobAbort)
-        self.error: int | None = None  # the ncclResult_t its communicators report if it failed
         self.thread: threading.Thread | None = None
 
 
@@ -333,17 +332,15 @@ class FakeNccl:
         self._in_progress: dict[tuple[bytes, int], DeviceOp | None] = {}
         # How long NCCL's launch thread takes with a nonblocking group end (tests raise it to widen the window).
         self.nonblocking_launch_s = 1e-4
-        self._deferred: dict[
-            tuple[bytes, int], _Deferred
-        ] = {}  # (clique, rank) -> its launch on NCCL's thread
+        # (clique, rank) -> its launch on NCCL's thread, until done
+        self._deferred: dict[tuple[bytes, int], _Deferred] = {}
         self._async_errors: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> what a failed launch left
         # (clique, rank) -> events after the communicator's last launch, on each stream it used: its next launch
         # waits for them (src/enqueue.cc: a communicator's launches run in issue order).
         self._lanes: dict[tuple[bytes, int], list[Any]] = {}
         self.memory = NcclMemoryModel()
-        self._bytes: dict[
-            tuple[bytes, int], int
-        ] = {}  # (clique, rank) -> NCCL's buffers of a live communicator
+        # (clique, rank) -> NCCL's buffers of a live communicator (fake_nccl_memory.py)
+        self._bytes: dict[tuple[bytes, int], int] = {}
         self._comms: dict[tuple[bytes, int], FakeComm] = {}  # the live communicators of this process
 
     # version, errors, communicators -----------------------------------------------------------------------------
@@ -879,10 +876,10 @@ class FakeNccl:
                 code = self._launch(job.queued)
                 if code != SUCCESS:  # (connecting: in progress until the peers' parts come, as before)
                     return
-            except NcclError as error:
+            except NcclError:  # (what the call would have raised: its communicators report it instead)
                 with self._lock:
                     for key in job.keys:
-                        self._async_errors[key] = getattr(error, "code", 3)
+                        self._async_errors[key] = 3  # ncclInternalError
             finally:
                 job.done.set()
                 with self._lock:
