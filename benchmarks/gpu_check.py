@@ -7,9 +7,9 @@ Each step is a subprocess with its own time limit, in priority order, and the ru
 when the budget is spent; a failing step is reported and the next one runs. Steps: the machine's facts
 (torch, CUDA, NCCL through threadpar's binding, whether torch.cuda.nccl.init_rank works on this Python);
 `pytest -m cuda` (the NCCL contract suite on real NCCL, the GPU tier); the selftest; the host cost per
-collective by way into NCCL; a training step eager and as a CUDA graph; one rank thread's training step
-against a plain loop; two processes sharing the
-GPU as two NCCL hosts; the demo with --check on one GPU and with 8 ranks sharing it; ranks sharing the GPU
+collective by way into NCCL; point to point (NCCL's memory per communicator by torch.cuda.mem_get_info, the
+host time of a send, a receive and a pipeline step); a training step eager and as a CUDA graph; one rank
+thread's training step against a plain loop; two processes sharing the GPU as two NCCL hosts; the demo with --check on one GPU and with 8 ranks sharing it; ranks sharing the GPU
 against the same steps run one after another. Without a GPU every step still runs and says what it could
 not do, so the command is checked on CPU (tests/test_gpu_check.py).
 """
@@ -72,6 +72,11 @@ def steps(quick: bool) -> list[Step]:
         ),
         Step("selftest", [py, "-m", "threadpar.selftest", "--sizes", "4K,1M,16M", "--iters", "10"], 90),
         Step("host cost per collective", [py, "-m", "benchmarks.nccl_host_cost", "--calls", "300"], 60),
+        Step(
+            "point to point: NCCL memory per communicator, host cost per send/receive and per pipeline step",
+            [py, "-m", "benchmarks.gpu_p2p", "--calls", "300"],
+            90,
+        ),
         Step(
             "CUDA graphs: a step eager vs graphed",
             [py, "-m", "benchmarks.cuda_graphs", "--steps", "10", "--rounds", "2"],

@@ -35,10 +35,9 @@ def launch_seconds(world_size: int) -> float:
 
 
 def empty_the_pool() -> None:
-    from threadpar.comm.nccl.cuda_api import nccl_runtime
+    from threadpar.comm.nccl.cuda_api import nccl_runtime, release_pooled
 
-    for comm in nccl_runtime().cliques.drain():
-        comm.destroy()
+    release_pooled(nccl_runtime().cliques)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,3 +62,23 @@ def test_cuda_graphs_benchmark_runs_its_cpu_model_and_finds_graphed_equal_to_eag
     assert out.returncode == 0, out.stderr[-2000:]
     row = next(line for line in out.stdout.splitlines() if line.startswith("| DDP MLP"))
     assert "| True " in row, row
+
+
+@pytest.mark.timeout(180)
+def test_p2p_host_cost_benchmark_prints_before_and_after():
+    command = [
+        sys.executable, "-m", "benchmarks.p2p_host_cost", "--quick", "--calls", "20", "--steps", "1",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=170, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| exchange on the group's communicator" in out.stdout and "| after: the PP group's" in out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_nccl_comm_count_benchmark_prices_a_layout_against_torchs_rules():
+    command = [sys.executable, "-m", "benchmarks.nccl_comm_count", "--steps", "1", "--only", "pp8"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=170, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| pp8 "))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1:5] == ["1", "5", "3", "1"] and cells[-2:] == ["yes", "yes"], row

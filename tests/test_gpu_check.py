@@ -12,8 +12,8 @@ import pytest
 @pytest.mark.timeout(300)
 def test_the_gpu_check_runs_its_steps_and_writes_its_report(tmp_path):
     report = tmp_path / "gpu_check.md"
-    # the machine's facts, the host cost, the rank-thread step and the two-hosts probe (the others are
-    # tested on their own: the selftest, the demo, the shared-GPU benchmark, pytest itself)
+    # the machine's facts, the host cost, point to point, the rank-thread step and the two-hosts probe (the
+    # others are tested on their own: the selftest, the demo, the shared-GPU benchmark, pytest itself)
     command = [
         sys.executable,
         "-m",
@@ -22,14 +22,14 @@ def test_the_gpu_check_runs_its_steps_and_writes_its_report(tmp_path):
         "--out",
         str(report),
         "--only",
-        "1,4,6,7",
+        "1,4,5,7,8",
     ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=280, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = report.read_text()
     assert "## machine: ok" in text and "CUDA available" in text
     assert "rank thread / main thread: wall" in text
-    assert text.rstrip().endswith("4 of 4 steps ok")
+    assert text.rstrip().endswith("5 of 5 steps ok")
 
 
 @pytest.mark.timeout(200)

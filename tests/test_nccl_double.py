@@ -6,6 +6,7 @@ tests/fakes/fake_device.py."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -253,6 +254,41 @@ def test_a_send_blocks_its_stream_until_the_receive_runs(short_waits):
         fake.synchronize(gpu())
 
 
+@pytest.mark.parametrize("communicators", [1, 2])
+def test_a_communicators_launches_run_in_issue_order_whatever_their_streams(short_waits, communicators):
+    """src/enqueue.cc, ncclLaunchPrepare/ncclLaunchFinish: each launch waits for the communicator's previous
+    one. Two ranks that send to each other before they receive, a send on one stream and the receive on
+    another: on one communicator (or one split sharing its resources) that is a cycle, as with one stream; on
+    a communicator per direction (threadpar's pairs of plain send/recv) it is not."""
+    fake = FakeCuda()
+    cliques = [clique([fake], [[0, 1]])[0] for _ in range(communicators)]
+    out, into = cliques[0], cliques[-1]  # the one that carries 0 -> 1, and 1 -> 0
+    sends, recvs = (
+        [stream(fake, 0, "send"), stream(fake, 1, "send")],
+        [stream(fake, 0, "r"), stream(fake, 1, "r")],
+    )
+
+    def connect(me):
+        with bound_to(me), nccl_group(fake.nccl):
+            for comms in cliques:
+                fake.nccl.send(torch.ones(1), 1 - me, comms[me], sends[me])
+                fake.nccl.recv(torch.empty(1), 1 - me, comms[me], recvs[me])
+
+    assert together(lambda: connect(0), lambda: connect(1)) == [None, None]
+    got = [torch.empty(4), torch.empty(4)]
+    for me in (0, 1):
+        mine, theirs = (out, into) if me == 0 else (into, out)
+        with bound_to(me):
+            fake.nccl.send(torch.full((4,), float(me)), 1 - me, mine[me], sends[me])
+            fake.nccl.recv(got[me], 1 - me, theirs[me], recvs[me])
+    if communicators == 1:
+        with pytest.raises(HangError, match="wait for each other in a cycle"):
+            fake.synchronize(CPU)
+    else:
+        fake.synchronize(CPU)
+        assert [g[0].item() for g in got] == [1.0, 0.0]
+
+
 def test_collectives_of_two_groups_in_opposite_orders_on_two_ranks_are_a_hang():
     fake = FakeCuda()
     (a,) = clique([fake], [[0, 1]])
@@ -382,8 +418,18 @@ def test_a_first_send_connects_its_peer_blocking_the_host_on_a_blocking_communic
         assert fake.nccl.comm_get_async_error(nonblocking[0]) == IN_PROGRESS
     with bound_to(1):
         fake.nccl.recv(torch.empty(2, device=gpu(1)), 0, nonblocking[1], stream(fake, 1))
+        assert settled(fake, nonblocking[1]) == 0
     with bound_to(0):
-        assert fake.nccl.comm_get_async_error(nonblocking[0]) == 0
+        assert settled(fake, nonblocking[0]) == 0
+
+
+def settled(fake, comm, timeout=5.0):
+    """Poll ncclCommGetAsyncError until it stops saying ncclInProgress (as nccl.h tells users of a
+    nonblocking communicator to); what it says then."""
+    deadline = time.monotonic() + timeout
+    while (state := fake.nccl.comm_get_async_error(comm)) == IN_PROGRESS and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    return state
 
 
 def test_threadpar_never_calls_torch_cuda_nccl_init_rank():

@@ -35,6 +35,22 @@ calls. What it enforces, each rule with the NCCL (or CUDA) source it mirrors:
   src/init.cc, src/include/param.h) a collective algorithm's are too: such a first use blocks the HOST inside
   the group end until the peers' parts are issued (src/enqueue.cc, src/transport.cc). (The double keys
   "algorithm" by collective: NCCL picks ring/tree/NVLS per call.)
+- Nonblocking communicators (config.blocking = 0): from NCCL 2.23 every group end with one hands the launch
+  to a new thread of NCCL's and returns ncclInProgress (src/group.cc, ncclGroupEndInternal:
+  pthread_create(groupLaunchNonBlocking), ret = ncclInProgress); its kernels reach their streams when that
+  thread is done, and the communicator reports ncclInProgress until then (a thread of the double's launches
+  them after `nonblocking_launch_s`). Before 2.23 only a group that connects or initialises goes to that
+  thread. Blocking and nonblocking communicators in one group are ncclInvalidUsage (src/group.cc,
+  taskAppend's check: "Blocking and nonblocking communicators are not allowed in the same group").
+- Order on the device: a communicator's launches run one after another, in the order they were issued,
+  whatever streams they were issued on (src/enqueue.cc, ncclLaunchPrepare: the launch stream waits on the
+  communicator's deviceStream; ncclLaunchFinish: deviceStream then advances to the launch). So two ranks
+  that issue a send and a receive to each other on one communicator as separate launches, both sends first,
+  wait for each other for ever; the double reports it as a hang.
+- Memory: each communicator's NCCL buffers are counted on its fake GPU (fake_nccl_memory.py, NCCL's
+  constants): its collectives' at ncclCommInitRank with NCCL_RUNTIME_CONNECT=0 (at its first collective
+  otherwise), a peer's point-to-point buffers at its first use in each direction; freed by abort and destroy.
+  `device_bytes(gpu)` and `live_communicators(gpu)` let a test count them.
 - Failures: ncclCommAbort ends the communicator's kernels on its streams (their streams go on; a stream's
   later synchronization sees the failure) and frees it; the peers' parts keep waiting, as on a GPU, until
   they abort too. ncclCommDestroy waits for the communicator's launched operations (src/init.cc,
@@ -64,6 +80,7 @@ from threadpar.errors import NcclError
 from . import fake_device, fake_graph, sim_gpu
 from .fake_device import DeviceOp, HangError, Kernel, Part
 from .fake_nccl_math import INVALID_ARGUMENT, INVALID_USAGE, check_op, compute, nccl_error
+from .fake_nccl_memory import NcclMemoryModel
 
 # The dtypes that have an ncclDataType_t (nccl.h); bool travels as uint8 (library.data_type), for data
 # movement only (threadpar never reduces bool through NCCL: nccl/reduction.py gathers it).
@@ -72,6 +89,9 @@ NCCL_DTYPES = {
 }  # fmt: skip
 UNHANDLED_CUDA_ERROR = 1
 SUCCESS, IN_PROGRESS = 0, 7
+# From this version every group end on a nonblocking communicator launches on a thread of NCCL's (src/group.cc,
+# ncclGroupEndInternal, v2.23.4: `if (ncclGroupBlocking == 0)`; v2.22.3 still required a connection or an init).
+THREADED_LAUNCH_VERSION = (2, 23)
 
 
 class FakeComm(NamedTuple):
@@ -257,6 +277,32 @@ class _Queued(NamedTuple):
     extra: dict
 
 
+class CommUsage(NamedTuple):
+    """A communicator's use (FakeNccl.usage): its size, the collectives it ran (kernel names), the peers it
+    sent to and received from (NCCL ranks)."""
+
+    size: int
+    collectives: frozenset[str]
+    sends_to: frozenset[int]
+    receives_from: frozenset[int]
+
+
+_P2P_NAMES = frozenset({"send", "recv"})
+
+
+class _Deferred:
+    """A nonblocking group end's launch, which NCCL's own thread performs (module docstring)."""
+
+    __slots__ = ("cancelled", "done", "keys", "queued", "thread")
+
+    def __init__(self, queued: list[_Queued]) -> None:
+        self.queued = queued
+        self.keys = {(q.comm.uid, q.comm.rank) for q in queued}
+        self.done = threading.Event()  # set once its kernels are enqueued (or it failed, or was aborted)
+        self.cancelled = False  # an abort came first (src/group.cc, ncclGroupJobAbort)
+        self.thread: threading.Thread | None = None
+
+
 class FakeNccl:
     """NCCL's C API (the NcclApi seam) for one simulated process, with NCCL's rules (module docstring)."""
 
@@ -289,6 +335,18 @@ class FakeNccl:
         # A nonblocking communicator's call still going on: (clique, rank) -> what it waits for (its init:
         # None; a connecting operation: that DeviceOp), until comm_get_async_error says it is done.
         self._in_progress: dict[tuple[bytes, int], DeviceOp | None] = {}
+        # How long NCCL's launch thread takes with a nonblocking group end (tests raise it to widen the window).
+        self.nonblocking_launch_s = 1e-4
+        # (clique, rank) -> its launch on NCCL's thread, until done
+        self._deferred: dict[tuple[bytes, int], _Deferred] = {}
+        self._async_errors: dict[tuple[bytes, int], int] = {}  # (clique, rank) -> what a failed launch left
+        # (clique, rank) -> events after the communicator's last launch, on each stream it used: its next launch
+        # waits for them (src/enqueue.cc: a communicator's launches run in issue order).
+        self._lanes: dict[tuple[bytes, int], list[Any]] = {}
+        self.memory = NcclMemoryModel()
+        # (clique, rank) -> NCCL's buffers of a live communicator (fake_nccl_memory.py)
+        self._bytes: dict[tuple[bytes, int], int] = {}
+        self._comms: dict[tuple[bytes, int], FakeComm] = {}  # the live communicators of this process
 
     # version, errors, communicators -----------------------------------------------------------------------------
     def version(self) -> tuple[int, int, int]:
@@ -318,6 +376,7 @@ class FakeNccl:
         comm = FakeComm(unique_id, rank, nranks, threading.current_thread().name, self.process, lazy, device)
         with self._lock:
             self.init_calls.append(comm)
+        self._made(comm)
         return comm
 
     def comm_init_rank_config(
@@ -353,6 +412,7 @@ class FakeNccl:
         with self._lock:
             self.init_calls.append(comm)
             self._in_progress[unique_id, rank] = None
+        self._made(comm)
         return comm
 
     def comm_init_all(self, devices: Sequence[int]) -> list[FakeComm]:
@@ -387,12 +447,15 @@ class FakeNccl:
             raise errors[0]
         with self._lock:
             self.init_calls.extend(comms)
+        for comm in comms:
+            self._made(comm)
         return comms
 
     def comm_destroy(self, comm: FakeComm) -> None:
         """ncclCommDestroy waits for the communicator's launched operations (src/init.cc, commDestroySync),
         then frees it."""
         self._check_usable(comm, "ncclCommDestroy")
+        self._busy(comm, finish=True)  # (a launch NCCL's thread still has is done first)
         with self._on_device(comm.device, "ncclCommDestroy"):
             for part in self._pending(comm):
                 assert part.kernel is not None
@@ -403,14 +466,20 @@ class FakeNccl:
             self._reclaim(comm, "ncclCommDestroy")
         with self._lock:
             self.destroyed.append(comm)
+        self._freed(comm)
 
     def comm_abort(self, comm: FakeComm) -> None:
         self._check_usable(comm, "ncclCommAbort")
+        with self._lock:  # (NCCL's launch thread is told to stop: src/group.cc, ncclGroupJobAbort)
+            job = self._deferred.pop((comm.uid, comm.rank), None)
+            if job is not None:
+                job.cancelled = True
         with self._on_device(comm.device, "ncclCommAbort"):
             self.fabric.abort(comm, "aborted", self._pending(comm))
             self._reclaim(comm, "ncclCommAbort")
         with self._lock:
             self.aborted.append(comm)
+        self._freed(comm)
 
     # CUDA graphs that captured a communicator's work -------------------------------------------------------------
     def _captured_by(self, graph: Any, comm: FakeComm) -> None:
@@ -463,11 +532,21 @@ class FakeNccl:
         with self._on_device(comm.device, "ncclCommGetAsyncError"):
             if self._busy(comm):
                 return IN_PROGRESS
-            return self.async_error_code
+            with self._lock:
+                failed = self._async_errors.get((comm.uid, comm.rank))
+            return self.async_error_code if failed is None else failed
 
-    def _busy(self, comm: FakeComm) -> bool:
-        """A nonblocking communicator's last call (its init, or a connecting operation) still goes on."""
+    def _busy(self, comm: FakeComm, finish: bool = False) -> bool:
+        """A nonblocking communicator's last call still goes on: its launch on NCCL's thread (`finish`: wait
+        for that), its init, or a connecting operation."""
         key = (comm.uid, comm.rank)
+        with self._lock:
+            job = self._deferred.get(key)
+        if job is not None:
+            if finish:
+                job.done.wait(fake_device.WAIT_TIMEOUT_S)
+            if not job.done.is_set():
+                return True
         with self._lock:
             if key not in self._in_progress:
                 return False
@@ -491,6 +570,49 @@ class FakeNccl:
                 if part.comm_key == (comm.uid, comm.rank) and not part.op.done and part.aborted is None
             ]
 
+    # memory ----------------------------------------------------------------------------------------------------
+    def _made(self, comm: FakeComm) -> None:
+        """A new communicator: with NCCL_RUNTIME_CONNECT=0 its collectives' buffers now (module docstring)."""
+        with self._lock:
+            self._comms[comm.uid, comm.rank] = comm
+            self._bytes[comm.uid, comm.rank] = 0 if comm.lazy else self.memory.collectives(comm.size)
+
+    def _charge(self, comm: FakeComm, nbytes: int) -> None:
+        with self._lock:
+            key = (comm.uid, comm.rank)
+            if key in self._bytes:
+                self._bytes[key] += nbytes
+
+    def _freed(self, comm: FakeComm) -> None:
+        with self._lock:
+            self._bytes.pop((comm.uid, comm.rank), None)
+            self._comms.pop((comm.uid, comm.rank), None)
+            self._lanes.pop((comm.uid, comm.rank), None)
+
+    def device_bytes(self, device: int) -> int:
+        """NCCL's buffers of the live communicators on fake GPU `device` (fake_nccl_memory.py)."""
+        with self._lock:
+            return sum(n for key, n in self._bytes.items() if self._comms[key].device == device)
+
+    def live_communicators(self, device: int) -> list[FakeComm]:
+        """The communicators on fake GPU `device` neither aborted nor destroyed."""
+        with self._lock:
+            return [c for c in self._comms.values() if c.device == device]
+
+    def usage(self, comm: FakeComm) -> CommUsage:
+        """What a communicator of this process was used for: its collectives and its point-to-point peers."""
+        with self._lock:
+            collectives = {
+                n for c in self.fake.calls if c.comm == comm for n in c.name.split("+")
+            } - _P2P_NAMES
+            peers = [c[3:] for c in self._connected if c[0] == "p2p" and c[1:3] == (comm.uid, comm.rank)]
+        return CommUsage(
+            comm.size,
+            frozenset(collectives),
+            frozenset(p for p, how in peers if how == "send"),
+            frozenset(p for p, how in peers if how == "recv"),
+        )
+
     # groups -----------------------------------------------------------------------------------------------------
     def _group(self) -> tuple[int, list[_Queued]]:
         local = self._local
@@ -511,6 +633,15 @@ class FakeNccl:
             return SUCCESS
         self._local.queued = []
         try:
+            blocking = {q.comm.blocking for q in queued}
+            if len(blocking) > 1:
+                raise nccl_error(
+                    "ncclGroupEnd", INVALID_USAGE,
+                    "Blocking and nonblocking communicators are not allowed in the same group.",
+                )  # fmt: skip
+            replaying = getattr(self._local, "replaying", False)
+            if blocking == {False} and self._version[:2] >= THREADED_LAUNCH_VERSION and not replaying:
+                return self._launch_on_thread(queued)
             return self._launch(queued)
         finally:
             for q in queued:  # (the host's part is done: the group's calls let go of their devices)
@@ -575,7 +706,8 @@ class FakeNccl:
         """`replay`: a graph's captured call again, its buffers the device memory recorded at capture."""
         function = _C_NAMES[name]
         self._check_usable(comm, function)
-        self._check_ready(comm, function)
+        if not getattr(self._local, "replaying", False):
+            self._check_ready(comm, function)
         self._fail_if_told(function)
         assert isinstance(comm, FakeComm), f"{function}: not a communicator: {comm!r}"
         assert stream is not None, f"{function}: no stream"
@@ -742,7 +874,7 @@ class FakeNccl:
                         q.comm, peer, q.input if sending else None, None if sending else q.output
                     )
                     side = 0 if sending else 1
-                    connection: tuple[Any, ...] | None = ("p2p", q.comm.uid, q.comm.rank, peer)
+                    connection: tuple[Any, ...] | None = ("p2p", q.comm.uid, q.comm.rank, peer, q.name)
                 else:
                     op, error = self.fabric.collective(q.comm, q.name, q.args)
                     side = q.comm.rank
@@ -753,17 +885,33 @@ class FakeNccl:
                 if connection is not None and connection not in self._connected:
                     self._connected.add(connection)
                     connecting.append((q.comm, op))
+                    self._charge_connection(q.comm, connection)
                 if error is not None:
                     failed.append((op, error))
                 by_stream.setdefault(id(q.stream), []).append((q, part))
             kernels = []
+            # A communicator's launches run in issue order (module docstring): each kernel first waits for the
+            # communicator's previous launch, on whatever stream that went; this group's kernels then are its last.
+            lanes = {(q.comm.uid, q.comm.rank) for q in queued}
+            before = {key: self._lanes.get(key, []) for key in lanes}
+            after: dict[tuple[bytes, int], list[Any]] = {key: [] for key in lanes}
             for items in by_stream.values():
                 first, stream = items[0][0], items[0][0].stream
+                mine = {(q.comm.uid, q.comm.rank) for q, _ in items}
+                for key in mine:
+                    for event in before[key]:
+                        stream.wait_event(event)
                 node = self.fake.log_nccl(
                     "+".join(q.name for q, _ in items), [q.input for q, _ in items if q.input is not None],
                     [q.output for q, _ in items], stream, first.comm, first.extra,
                 )  # fmt: skip
                 kernels.append(Kernel(stream, node.index, [part for _, part in items]))
+                done = self.fake.event()
+                done.record(stream)
+                for key in mine:
+                    after[key].append(done)
+            with self._lock:
+                self._lanes.update(after)
             for op, error in failed:  # a difference fails the operation: its kernels' streams surface it
                 op.fail(error)
                 self.fabric.mismatches.append(error)
@@ -781,14 +929,60 @@ class FakeNccl:
     def replay_group(self, queued: list[_Queued], streams: dict) -> None:
         """A captured group again, as a graph replay launches its NCCL kernels (`streams`: the capture's
         streams -> the replay's). No host thread is inside NCCL for it (the kernels are the graph's nodes), so
-        the one-thread-per-device rule does not apply."""
+        the one-thread-per-device rule does not apply, and no launch thread of NCCL's takes part: its kernels
+        are enqueued at once, also for a nonblocking communicator."""
+        self._local.replaying = True
         self.group_start()
         try:
             for q in queued:
                 self._queue(q.name, q.args, q.comm, streams.get(q.stream, q.stream), q.input, q.output,
                             reduces=q.name in _REDUCING, racing=False, replay=True, **q.extra)  # fmt: skip
         finally:
-            self.group_end()
+            try:
+                self.group_end()
+            finally:
+                self._local.replaying = False
+
+    def _launch_on_thread(self, queued: list[_Queued]) -> int:
+        """A nonblocking group end: NCCL's thread launches it (module docstring); ncclInProgress now."""
+        job = _Deferred(queued)
+        delay = self.nonblocking_launch_s
+
+        def run() -> None:
+            time.sleep(delay)
+            try:
+                with self._lock:
+                    if job.cancelled:
+                        return
+                code = self._launch(job.queued)
+                if code != SUCCESS:  # (connecting: in progress until the peers' parts come, as before)
+                    return
+            except NcclError:  # (what the call would have raised: its communicators report it instead)
+                with self._lock:
+                    for key in job.keys:
+                        self._async_errors[key] = 3  # ncclInternalError
+            finally:
+                job.done.set()
+                with self._lock:
+                    for key in job.keys:
+                        if self._deferred.get(key) is job:
+                            del self._deferred[key]
+
+        with self._lock:
+            for key in job.keys:
+                self._deferred[key] = job
+        job.thread = threading.Thread(target=run, name="fake-nccl-launch", daemon=True)
+        job.thread.start()
+        return IN_PROGRESS
+
+    def _charge_connection(self, comm: FakeComm, connection: tuple[Any, ...]) -> None:
+        """A connection made now: a peer's point-to-point buffers (its receive side: fake_nccl_memory.py), or a
+        lazily connected communicator's collectives at its first one."""
+        if connection[0] == "p2p":
+            if connection[-1] == "recv":
+                self._charge(comm, self.memory.peer())
+        elif not any(c[0] == "collective" and c[1] == comm.uid for c in self._connected - {connection}):
+            self._charge(comm, self.memory.collectives(comm.size))
 
     def _wait_connected(self, op: DeviceOp) -> None:
         """A lazy connection: the group end returns once every peer's part is issued (they connect too)."""

@@ -108,6 +108,24 @@ class Backend(Protocol):
         async_op: bool = False,
     ) -> Work | None: ...
 
+    def permute(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        src_dst: list[int],
+        async_op: bool = False,
+    ) -> Work | None:
+        """Member m sends `inputs` to member src_dst[m]; `outputs` receives from the member that sends to m."""
+        ...
+
+    def connect(self, member: int, seq: int, call: Call, pairs: frozenset[tuple[int, int]]) -> None:
+        """Make point to point from a to b ready for every (a, b) in `pairs` (members), so that `exchange`
+        over them waits for no peer (nccl; nothing to do where messages are buffered)."""
+        ...
+
     def barrier(
         self, member: int, seq: int, call: Call, timeout: float | None = None, async_op: bool = False
     ) -> Work | None:
@@ -121,6 +139,13 @@ class Backend(Protocol):
     def recv_message(
         self, member: int, src: int | None, tag: int, timeout: float | None = None
     ) -> tuple[int, torch.Tensor]: ...
+
+    def exchange(
+        self, member: int, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> Work | None:
+        """Sends of each (dst, tensor) and receives into each (src, tensor), issued together; matched per pair
+        in issue order without tags (ProcessGroup.exchange). A stream-ordered backend returns the Work."""
+        ...
 
     def has_message(self, member: int, src: int | None, tag: int) -> bool: ...
 

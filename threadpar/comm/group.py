@@ -299,6 +299,52 @@ class ProcessGroup(PointToPoint):
             async_op,
         )
 
+    def permute(
+        self,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        src_dst: Sequence[int],
+        async_op: bool = False,
+    ) -> Work | None:
+        """Member m sends `inputs` to member src_dst[m] and receives `outputs` from the member that sends to
+        it: torch's permute_tensor (torch/distributed/_functional_collectives.py: src_dst[m] == n means m
+        sends to n, group ranks) for several tensors at once, into given outputs. A collective: every member
+        calls it in order with the same src_dst, and outputs[i] has the shape and dtype of inputs[i] on every
+        member. On nccl it is one group of ncclSend/ncclRecv on the group's own communicator (a ring's shift,
+        as ring attention does it: no host meeting, no copy, no communicator of its own)."""
+        name = "permute"
+        size = self.size()
+        if sorted(src_dst) != list(range(size)):
+            raise ConfigError(
+                f"{name}: src_dst must be a permutation of the group ranks 0..{size - 1} (src_dst[m] is where "
+                f"member m sends), got {list(src_dst)}"
+            )
+        if not inputs or len(inputs) != len(outputs):
+            raise ConfigError(
+                f"{name}: inputs and outputs must be lists of the same non-zero length, got {len(inputs)} and "
+                f"{len(outputs)}"
+            )
+        for i, (x, y) in enumerate(zip(inputs, outputs)):
+            self._check_tensor(name, f"inputs[{i}]", x)
+            self._check_tensor(name, f"outputs[{i}]", y)
+            if x.shape != y.shape or x.dtype != y.dtype:
+                raise ConfigError(
+                    f"{name}: outputs[{i}] is {spec(y)} but inputs[{i}] is {spec(x)}; every member sends and "
+                    "receives the same shapes, so each output must match its input"
+                )
+        seq = self._next(name)
+        call = Call(
+            name, inputs[0].dtype, tuple(inputs[0].shape),
+            (("src_dst", tuple(src_dst)), ("tensors", tuple(spec(t) for t in inputs))),
+        )  # fmt: skip
+        member, backend, targets = self._member, self._backend, list(src_dst)
+        return self._run(
+            name,
+            seq,
+            lambda: backend.permute(member, seq, call, list(inputs), list(outputs), targets, async_op),
+            async_op,
+        )
+
     def _split(
         self, op: str, what: str, t: torch.Tensor, sizes: Sequence[int] | torch.Tensor | None
     ) -> list[torch.Tensor]:

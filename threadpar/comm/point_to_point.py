@@ -9,12 +9,14 @@ earlier that could take the same message (same tag; the same source, or either f
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
+from threadpar.comm.common.rendezvous import Call
 from threadpar.comm.common.work import CompletedWork, LazyText, LazyWork, Work
 from threadpar.comm.common.worker import CommWorker
-from threadpar.comm.handle import GroupHandle, GroupState, spec
+from threadpar.comm.handle import GroupHandle, GroupState, _below_autograd, spec
 from threadpar.errors import ConfigError
 
 
@@ -104,6 +106,69 @@ class PointToPoint(GroupHandle):
         for earlier in self._posted_before(src_m, tag):
             earlier.wait_done(timeout)
         return self._backend.recv_message(self._member, src_m, tag, timeout)[1]
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]] = (),
+        recvs: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> Work:
+        """Send each (dst, tensor) and receive into each (src, tensor), issued together; returns at once with
+        a Work whose `wait()` makes the received tensors usable (on nccl: orders the caller's stream).
+
+        The fast path of point to point, as torch's batch_isend_irecv on ProcessGroupNCCL: no tags, no
+        buffering, no announcement, no copy, on the group's own communicator (nccl/exchange.py). What it asks:
+        each pair's sends and receives match in the order both sides issue them, with the receive's shape; on
+        nccl every rank issues its exchanges and the group's collectives in an order they all agree on (a
+        pipeline schedule's), and the pairs were connected by a collective first (`permute` over them). A
+        sent tensor must not change until the Work is done. `send`/`recv` keep torch.distributed's buffered,
+        tagged semantics when that is not known."""
+        name = "exchange"
+        self._check_member(name)
+        if not sends and not recvs:
+            raise ConfigError(f"{name}: nothing to send or receive")
+        out: list[tuple[int, torch.Tensor]] = []
+        into: list[tuple[int, torch.Tensor]] = []
+        for what, ops, target in (("sends", sends, out), ("recvs", recvs, into)):
+            for i, op in enumerate(ops):
+                if not (isinstance(op, tuple) and len(op) == 2):
+                    raise ConfigError(f"{name}: {what}[{i}] must be a (rank, tensor) pair, got {op!r}")
+                peer, tensor = op
+                self._check_tensor(name, f"{what}[{i}]", tensor)
+                peer_m = self._to_member(peer, f"{what}[{i}]'s rank")
+                if peer_m == self._member:
+                    raise ConfigError(
+                        f"{name}: rank {self.global_rank} cannot exchange with itself ({what}[{i}])"
+                    )
+                if what == "recvs":
+                    self._check_contiguous(name, f"{what}[{i}]", tensor)
+                target.append((peer_m, tensor if tensor.is_contiguous() else tensor.contiguous()))
+        result = _below_autograd(lambda: self._backend.exchange(self._member, out, into))
+        if isinstance(result, Work):
+            return result
+        return CompletedWork(LazyText("exchange on group '{}' (rank {})", self.name, self.global_rank))
+
+    def connect(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Make point to point ready for each (sender, receiver) of global ranks in `pairs`, so that `exchange`
+        over them later waits for no peer on the host. A collective: every member calls it, with the same
+        pairs. On nccl, NCCL connects a pair at its first use, inside the call, until the peer does the same
+        (src/group.cc, ncclP2PPreconnectFunc); here that first use is one byte across each pair after a
+        meeting of the members. Nothing to do on the other backends (their messages are buffered)."""
+        name = "connect"
+        members = []
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ConfigError(
+                    f"{name}: pairs must be (sender, receiver) tuples of global ranks, got {pair!r}"
+                )
+            a, b = (self._to_member(r, "a pair's rank") for r in pair)
+            if a == b:
+                raise ConfigError(f"{name}: a rank cannot connect to itself ({pair!r})")
+            members.append((a, b))
+        seq = self._next(name)
+        connected = frozenset(members)
+        call = Call(name, extra=(("pairs", tuple(sorted(connected))),))
+        member, backend = self._member, self._backend
+        self._run(name, seq, lambda: backend.connect(member, seq, call, connected), False)
 
     def _fill(self, tensor: torch.Tensor, message: torch.Tensor, src_m: int) -> None:
         if tensor.shape != message.shape or tensor.dtype != message.dtype:

@@ -51,6 +51,7 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError, RankAborted, add_note
 from threadpar.parallel.groups import resolve_group
 from threadpar.pipeline.lowering import lower
+from threadpar.pipeline.message_order import Message, launch_orders
 from threadpar.pipeline.p2p import (
     Link,
     LocalChannel,
@@ -73,6 +74,7 @@ from threadpar.pipeline.split_backward import (
 )
 from threadpar.pipeline.structure import call_chunk, concat_microbatches, split_microbatches
 from threadpar.pipeline.timeline import Timeline
+from threadpar.pipeline.transport import Transport
 
 # Timeline categories of the compute actions (messages are recorded by their links as send/recv events).
 _CATEGORY = {"F": "forward", "B": "backward", "I": "backward", "W": "weight"}
@@ -181,13 +183,21 @@ class PipelineParallel:
         self.autocast_dtype = _check_autocast(autocast_dtype, self.device)
         # One link per neighbouring stage, and one to this stage itself for a chunk whose neighbour chunk is
         # on this rank (pp = 1, or the bottom of ZB-V's V), which keeps its messages in a local channel.
+        # On a stream-ordered group (nccl) the messages to other stages go over the group's own communicator in
+        # a launch order that cannot deadlock there (transport.py); elsewhere through the group's buffered
+        # send/recv.
         ranks = self.group.ranks
+        self._transport = (
+            Transport(self.group, self.device) if self.group.stream_ordered and self.pp > 1 else None
+        )
+        self._orders: dict[str, tuple[Message, ...]] = {}
+        channel: Any = self.group if self._transport is None else self._transport
         self._links: dict[int, Link] = {
             self.stage: Link(LocalChannel(), ranks[self.stage], self.device, self.timeline)
         }
         for peer in ((self.stage - 1) % self.pp, (self.stage + 1) % self.pp):
             if peer not in self._links:
-                self._links[peer] = Link(self.group, ranks[peer], self.device, self.timeline)
+                self._links[peer] = Link(channel, ranks[peer], self.device, self.timeline)
         self._from_prev = self._links[(self.stage - 1) % self.pp]  # the links of the loop placement
         self._to_next = self._links[(self.stage + 1) % self.pp]
         self._anchor = gradient_anchor(self.device)
@@ -195,6 +205,10 @@ class PipelineParallel:
         self._check_weight_actions()
         self._forward_plan: tuple[Plan, Simulation] | None = None
         self._check_agreement()
+        if self._transport is not None:
+            orders = launch_orders(self.plan)
+            self._orders["train"] = orders[self.stage]
+            self._transport.connect(orders)  # (the forward plan's pairs are among these)
 
     # construction helpers ---------------------------------------------------------------------------------------
     def _make_plan(self, schedule: str | Plan, v: int) -> tuple[Plan, Plan, Simulation]:
@@ -262,7 +276,7 @@ class PipelineParallel:
             targets=self._split("targets", targets) if self.is_last_stage else None,
         )
         with torch.enable_grad():
-            self._run(self.actions, self.simulation, step)
+            self._run(self.actions, self.simulation, step, "train")
         self.peak_saved_activations = step.peak
         loss = self._share_loss(step.losses)
         if self.optimizer is not None:
@@ -278,17 +292,22 @@ class PipelineParallel:
         if self._forward_plan is None:
             plan = self.plan.forward_plan()
             self._forward_plan = (lower(plan, prefetch=self.prefetch), simulate(plan))
+            if self._transport is not None:
+                self._orders["eval"] = launch_orders(plan)[self.stage]
         lowered, simulation = self._forward_plan
         step = _Step(inputs=self._split("inputs", inputs) if self.is_first_stage else None, evaluate=True)
         with torch.no_grad():
-            self._run(lowered.actions[self.stage], simulation, step)
+            self._run(lowered.actions[self.stage], simulation, step, "eval")
         return concat_microbatches(step.outputs_of_last_chunk) if self.is_last_stage else None
 
     # the interpreter --------------------------------------------------------------------------------------------
-    def _run(self, actions: Sequence[Action], simulation: Simulation, step: _Step) -> None:
+    def _run(self, actions: Sequence[Action], simulation: Simulation, step: _Step, kind: str) -> None:
         self.timeline.clear()
         record = self.timeline.record
         compute_index = -1  # the index of the action in the compute plan (what the failure report marks)
+        transport = self._transport
+        if transport is not None:
+            transport.start(kind, self._orders[kind])
         for action in actions:
             compute_index += action.is_compute
             t0 = time.perf_counter()
@@ -301,6 +320,8 @@ class PipelineParallel:
                 raise
             if action.is_compute:
                 record(str(action), _CATEGORY[action.kind], t0, time.perf_counter())
+        if transport is not None:
+            transport.finish()
 
     def _execute(self, action: Action, step: _Step) -> None:
         """Run one action of the lowered plan."""
@@ -314,11 +335,12 @@ class PipelineParallel:
         elif kind == "F":
             self._forward(action, step)
         elif kind == "SEND_F":
-            token = send_activation(
-                step.outputs.pop(key), self._link_to_next(chunk), chunk=chunk, microbatch=microbatch
-            )
+            link = self._link_to_next(chunk)
+            token = send_activation(step.outputs.pop(key), link, chunk=chunk, microbatch=microbatch)
             if not step.evaluate:
                 step.saved[key] = token
+                if token is None:  # no gradient comes back for this output
+                    link.skip(message_tag(microbatch, chunk, backward=True), send=False)
         elif kind == "B":
             # pop: the graph (this microbatch's activations) is freed by its backward, right here.
             self._backward(action, step.saved.pop(key), step)
@@ -362,7 +384,11 @@ class PipelineParallel:
             x = step.inputs[microbatch]
         else:
             anchor = None if step.evaluate else self._anchor
-            x = recv_activation(self._link_from_prev(chunk), anchor, chunk=chunk, microbatch=microbatch)
+            link = self._link_from_prev(chunk)
+            x = recv_activation(link, anchor, chunk=chunk, microbatch=microbatch)
+            gradient = message_tag(microbatch, chunk - 1, backward=True)
+            if not step.evaluate and not link.owes(gradient):  # the input carries no gradient back
+                link.skip(gradient, send=True)
         with self._autocast():
             output = call_chunk(self.chunks[action.local_chunk(self.pp)], x)
         if chunk < self.plan.num_chunks - 1:

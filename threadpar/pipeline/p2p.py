@@ -119,6 +119,13 @@ class Link:
             if tag not in self._posted:
                 self._posted[tag] = post_recv(self.peer, tag)
 
+    def skip(self, tag: int, send: bool) -> None:
+        """Message `tag` to (`send`) or from the peer does not come this step (a channel that launches messages
+        in a planned order passes over it: pipeline/transport.py)."""
+        skip = getattr(self.channel, "skip", None)
+        if skip is not None:
+            skip(self.peer, tag, send)
+
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         t0 = time.perf_counter()
         self.channel.send(tensor.detach(), self.peer, tag)

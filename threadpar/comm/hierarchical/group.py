@@ -29,6 +29,7 @@ import torch
 
 from threadpar.comm.common import call_check
 from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.exchange import exchange_by_messages
 from threadpar.comm.common.fastcopy import copy_into
 from threadpar.comm.common.mailbox import Mailboxes
 from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
@@ -85,6 +86,10 @@ def describe_stuck(
         "long computation causes this (a process that is stuck or dead too); raise the launch's timeout= if "
         "the computation is legitimately slow."
     )
+
+
+# permute's messages use tags below this (user tags are small ints; the router carries 64-bit tags).
+PERMUTE_TAG = -(1 << 62)
 
 
 class HierarchicalGroup(HierarchicalByteCollectives):
@@ -354,7 +359,34 @@ class HierarchicalGroup(HierarchicalByteCollectives):
         li, slot = self._arrive(member, seq, call, None, timeout)
         self._step(slot, li, seq, call, 0, timeout=timeout)  # the control message is the barrier
 
+    def permute(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        src_dst: list[int],
+        async_op: bool = False,
+    ) -> None:
+        """Through this group's messages (buffered: a ring never waits for itself), tagged with the call's
+        number in a space user tags do not reach."""
+        tag, dst, src = PERMUTE_TAG - seq, src_dst[member], src_dst.index(member)
+        for t in inputs:
+            self.send(member, dst, tag, t)
+        for out in outputs:
+            _, message = self.recv_message(member, src, tag)
+            out.copy_(message)
+
     # point to point ---------------------------------------------------------------------------------------------
+    def exchange(
+        self, member: int, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        exchange_by_messages(self, member, sends, recvs)
+
+    def connect(self, member: int, seq: int, call: Call, pairs: frozenset[tuple[int, int]]) -> None:
+        """Nothing to connect: messages are buffered."""
+
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False) -> None:
         if dst in self.local_index:
             self.mailboxes.put(member, dst, tag, tensor.detach().clone(memory_format=torch.contiguous_format))

@@ -10,15 +10,23 @@ late thread can never pass a freed handle to NCCL.
 It also records what the watchdog needs to tell a hang (how many operations were issued, and on which
 streams since its last look), under the same lock, so the fast path takes one lock per operation.
 
-A nonblocking communicator (point to point's, p2p.py: made and connected without any thread waiting for a
-peer while it holds a lock) returns from a call that goes on in the background, and nothing may be issued
-on it, nor on the streams it uses, until ncclCommGetAsyncError says ncclSuccess (nccl.h, user guide
-api/comms.html): `launch` polls for that before it lets go of the lock, `settle` polls without holding it
-(a creation or first connection, which waits for the peer).
+A nonblocking communicator (point to point's pairs, p2p.py: made and connected without any thread waiting
+for a peer while it holds a lock) returns from a call that goes on in the background: from NCCL 2.23 every
+group end on one hands the launch to a new thread of NCCL's and returns ncclInProgress (src/group.cc,
+ncclGroupEndInternal: pthread_create(groupLaunchNonBlocking), ret = ncclInProgress), and nothing may be
+issued on it, nor on the streams it uses, until ncclCommGetAsyncError says ncclSuccess (nccl.h, user guide
+api/comms.html; src/init.cc, ncclCommEnsureReady refuses a call before that). `launch` issues under the
+lock and then waits for that WITHOUT the lock, as torch does (torch/csrc/cuda/nccl.cpp, NCCL_CHECK_TIMEOUT:
+sched_yield between polls of ncclCommGetAsyncError, bounded by a timeout): each poll takes the lock for the
+query alone, so the device's other threads (its rank thread's other groups, autograd's device thread, the
+watchdog) are never held behind NCCL's launch thread. Whoever launches on a nonblocking communicator owns
+it until that wait ends (p2p.py's link and posting locks: one issuer per pair communicator). `settle` waits
+the same way, sleeping between polls, for what may wait for a peer (a creation, a first connection).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,17 +37,34 @@ from threadpar.comm.common.abort import AbortSignal
 from threadpar.comm.nccl.library import IN_PROGRESS, SUCCESS, async_error_text
 from threadpar.errors import CollectiveTimeoutError, NcclError
 
-# How often `settle` asks whether a nonblocking communicator is done (torch's ProcessGroupNCCL waitReady
-# sleeps 2 ms between its polls).
+# How often `settle` asks whether a nonblocking communicator's creation or first connection is done (it waits
+# for the peer; torch's ProcessGroupNCCL waitReady sleeps 2 ms between its polls).
 SETTLE_POLL_S = 1e-3
+# A launch on a nonblocking communicator: NCCL's own thread plans and enqueues it (tens of microseconds), so
+# the wait for it yields between polls (torch: sched_yield); after this many polls it sleeps between them
+# instead, so that a slow launch on a busy machine does not take a core from the threads that run it.
+SPIN_POLLS = 200
+SPIN_SLEEP_S = 5e-5
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))  # (releases the GIL: posixmodule.c)
 
 
 class NcclComm:
-    __slots__ = ("_freed", "blocking", "device", "issued", "label", "lock", "nccl", "raw", "streams_used")
+    __slots__ = (
+        "_freed", "_waits", "blocking", "device", "issued", "label", "lock", "nccl", "raw", "streams_used",
+    )  # fmt: skip
 
     def __init__(
-        self, raw: Any, nccl: Any, device: Any, lock: threading.Lock, label: str, blocking: bool = True
+        self,
+        raw: Any,
+        nccl: Any,
+        device: Any,
+        lock: threading.Lock,
+        label: str,
+        blocking: bool = True,
+        waits: tuple[AbortSignal, float] | None = None,
     ) -> None:
+        """`waits`: for a nonblocking communicator, the launch's stop signal and timeout, which bound the
+        wait after each of its launches."""
         self.raw = raw  # the binding's Communicator (or the double's FakeComm): read only under `lock`
         self.nccl = nccl  # NCCL's C API (library.NcclLibrary or the double's FakeNccl)
         self.device = device  # the CUDA device index it is bound to
@@ -49,16 +74,24 @@ class NcclComm:
         self.issued = 0  # operations issued on it (the watchdog compares it with what it has probed)
         self.streams_used: set[Any] = set()  # streams those went to since the watchdog last looked
         self.blocking = blocking  # False: its calls may go on in the background (see the module docstring)
+        if not blocking and waits is None:
+            raise ValueError("a nonblocking NcclComm needs waits=(abort, timeout) to bound its launches")
+        self._waits = waits
 
     # the fast path ----------------------------------------------------------------------------------------------
     def launch(self, issue: Callable[[Any], None], *streams: Any) -> None:
         """`issue(handle)` makes this member's NCCL calls of one operation (a single call, or a group of
-        them: every call of a group must come from one thread, nccl.h) on `streams`."""
+        them: every call of a group must come from one thread, nccl.h) on `streams`. On a nonblocking
+        communicator it returns once NCCL's launch thread is done (module docstring), having held the lock
+        only for the calls and each poll."""
         with self.lock:
             self.launch_locked(issue, streams)
+        if not self.blocking:
+            self._await_launch()
 
     def launch_locked(self, issue: Callable[[Any], None], streams: tuple[Any, ...]) -> None:
-        """`launch`, by a caller that holds `lock` already (a connector making the communicator)."""
+        """`launch` by a caller that holds `lock` already (a connector making a blocking communicator); on a
+        nonblocking one the caller then waits with `_await_launch`, after letting go of the lock."""
         if self._freed is not None:
             raise NcclError(
                 f"an NCCL call on the communicator of {self.label}, which was {self._freed}: the launch is stopping"
@@ -67,9 +100,34 @@ class NcclComm:
         if not graph_capture.capturing():  # (captured: not on the device; its replays are watched apart)
             self.issued += 1
             self.streams_used.update(streams)
-        if not self.blocking:  # (a launch of NCCL's own: short, it waits for no peer once connected)
-            while self._state() == IN_PROGRESS:
-                time.sleep(SETTLE_POLL_S)
+
+    def _await_launch(self) -> None:
+        """Wait, without the lock, until NCCL's launch thread is done with this communicator's last call: a
+        poll of ncclCommGetAsyncError under the lock, a yield between polls (torch's NCCL_CHECK_TIMEOUT),
+        bounded by the launch's timeout and ended by its stop."""
+        assert self._waits is not None  # (a nonblocking communicator has them: __init__)
+        abort, timeout = self._waits
+        polls, deadline = 0, 0.0
+        while True:
+            with self.lock:
+                if self._freed is not None:
+                    raise NcclError(f"the communicator of {self.label} was {self._freed} during its launch")
+                if self._state() != IN_PROGRESS:
+                    return
+            polls += 1
+            if polls == 1:
+                deadline = time.monotonic() + timeout
+            elif polls % 64 == 0:  # (the clock and the stop, every few polls: the fast path stays short)
+                abort.raise_if_set()
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(
+                        f"an NCCL launch on the communicator of {self.label} was still in progress after "
+                        f"{timeout:g} s (NCCL's launch thread never finished: NCCL_DEBUG=INFO says why)"
+                    )
+            if polls < SPIN_POLLS:
+                _yield()
+            else:
+                time.sleep(SPIN_SLEEP_S)
 
     def settle(self, abort: AbortSignal, timeout: float, describe_timeout: Callable[[], str]) -> None:
         """Wait until a nonblocking communicator's creation or last call is done (it may wait for the peer),

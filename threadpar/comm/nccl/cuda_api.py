@@ -15,6 +15,7 @@ finished launch hands its healthy cliques back for the next launch on the same d
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
@@ -171,8 +172,21 @@ def torch_cuda() -> TorchCuda:
 
 
 def nccl_runtime() -> LibraryNcclRuntime:
-    """The process's real NcclRuntime (the library itself loads on its first use)."""
+    """The process's real NcclRuntime (the library itself loads on its first use); its pool of cliques is
+    drained at the interpreter's exit, while CUDA is still up (atexit runs before it unloads)."""
     with _default_lock:
         if not _default:
-            _default.append(LibraryNcclRuntime(_CUDA, DeviceLocks(), CliquePool(), CommStreams(), Watchdog()))
+            runtime = LibraryNcclRuntime(_CUDA, DeviceLocks(), CliquePool(), CommStreams(), Watchdog())
+            _default.append(runtime)
+            atexit.register(release_pooled, runtime.cliques)
         return _default[0]
+
+
+def release_pooled(pool: CliquePool) -> int:
+    """Destroy every communicator the pool kept for a later launch (ncclCommDestroy: NCCL's buffers go back);
+    how many. At exit, and whenever a process no longer launches on those GPUs."""
+    comms = pool.drain()
+    for comm in comms:
+        with contextlib.suppress(Exception):  # (one that fails to go must not keep the others)
+            comm.destroy()
+    return len(comms)

@@ -15,8 +15,9 @@ issuing it). The process's watchdog (watchdog.py) notices hangs and asynchronous
 
 A group whose members live in several processes (spanning.py) is this class over the members in THIS
 process (`local`); NCCL ranks are group indices, so each process's calls are parts of one NCCL operation.
-Operations are in ops.py (collectives) and p2p.py (send and receive); dtypes and ops NCCL lacks are
-mapped as reduction.py says. Inputs reach this module validated by ProcessGroup.
+Operations are in ops.py (collectives), p2p.py (buffered, tagged send and receive) and exchange.py (sends
+and receives of known shapes on the group's own communicator); dtypes and ops NCCL lacks are mapped as
+reduction.py says. Inputs reach this module validated by ProcessGroup.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.work import LazyText
 from threadpar.comm.nccl.comm import NcclComm
 from threadpar.comm.nccl.connector import connect
+from threadpar.comm.nccl.exchange import NcclExchange
 from threadpar.comm.nccl.ops import NcclCollectives, all_to_all_sizes
 from threadpar.comm.nccl.p2p import NcclPointToPoint
 from threadpar.comm.nccl.reduction import has_native_avg
@@ -65,7 +67,7 @@ class _Probe:
         self.event, self.stream, self.issued, self.since = event, stream, issued, since
 
 
-class NcclGroup(NcclCollectives, NcclPointToPoint):
+class NcclGroup(NcclCollectives, NcclPointToPoint, NcclExchange):
     """The shared state of one group on the `nccl` backend; methods are called by each member."""
 
     stream_ordered = True  # ProcessGroup: ops return their own Work; no comm worker thread

@@ -365,3 +365,67 @@ class NcclCollectives:
                 if staged is not out:
                     out.copy_(staged)
         return self._finish(member, seq, call, stream, [*inputs, *outputs, *sources, *targets], async_op)
+
+    def permute(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        src_dst: list[int],
+        async_op: bool = False,
+    ) -> NcclWork | None:
+        """One NCCL group per member: ncclSend of each input to src_dst[member], ncclRecv of each output from
+        the member that sends here (a member sending to itself copies). Its pairs are connected the first time
+        (a meeting, as every op that sends between members: `_issue`), after which a ring's shift is a
+        collective of the group's own communicator with no host meeting."""
+        self._check_devices(member, call.op, [*inputs, *outputs])
+        stream = self._op_stream(member, async_op)
+        dst, src = src_dst[member], src_dst.index(member)
+        nccl = self._nccl
+        with self._on(stream, async_op):
+            sources = [t if t.is_contiguous() else t.contiguous() for t in inputs]
+            targets = [
+                o if o.is_contiguous() else torch.empty_like(o, memory_format=torch.contiguous_format)
+                for o in outputs
+            ]
+        sent, received = [byte_view(t) for t in sources], [byte_view(t) for t in targets]
+
+        def issue(h: Any) -> None:
+            if dst == member:
+                return  # (nothing crosses: the copy below)
+            with nccl_group(nccl):
+                for x in sent:
+                    nccl.send(x, dst, h, stream)
+                for y in received:
+                    nccl.recv(y, src, h, stream)
+
+        pairs = frozenset((m, d) for m, d in enumerate(src_dst) if m != d)
+        self._issue(member, seq, call, stream, issue, pairs)
+        with self._on(stream, async_op):
+            if dst == member:
+                torch._foreach_copy_(targets, sources)
+            for out, staged in zip(outputs, targets):
+                if staged is not out:
+                    out.copy_(staged)
+        return self._finish(member, seq, call, stream, [*inputs, *outputs, *sources, *targets], async_op)
+
+    def connect(self, member: int, seq: int, call: Call, pairs: frozenset[tuple[int, int]]) -> None:
+        """One byte across each of the member's pairs, in one NCCL group: the first use of a pair connects it
+        (after a meeting of the members, on a connector: `_issue`); exchange.py then finds it connected."""
+        nccl, device = self._nccl, self.devices[member]
+        stream = self._op_stream(member, False)
+        peers_out = sorted(b for a, b in pairs if a == member)
+        peers_in = sorted(a for a, b in pairs if b == member)
+        ping = torch.zeros(len(peers_out), dtype=torch.uint8, device=device)
+        pong = torch.empty(len(peers_in), dtype=torch.uint8, device=device)
+
+        def issue(h: Any) -> None:
+            with nccl_group(nccl):
+                for i, peer in enumerate(peers_out):
+                    nccl.send(ping[i : i + 1], peer, h, stream)
+                for i, peer in enumerate(peers_in):
+                    nccl.recv(pong[i : i + 1], peer, h, stream)
+
+        self._issue(member, seq, call, stream, issue, pairs)

@@ -8,12 +8,19 @@ usage/p2p.html). Two ranks that send to each other before they receive would dea
 and two messages received in another order than sent would swap. So:
 
 - Each ordered pair of members (a sends to b) has a two-rank communicator and a stream on each side of its
-  own: a's sends to b never wait behind its receives from b, nor behind anything else.
-- A send snapshots its tensor (a device copy on the caller's stream; isend does not, and its Work must be
-  waited on before the tensor is overwritten, as torch's), announces the message (tag, shape, dtype, its
-  place on the pair) to the receiver through host memory (the receiver's Inbox; across processes the
-  message router), and issues ncclSend on the pair's stream after the caller's earlier work. It never waits
-  for the receiver.
+  own: a's sends to b never wait behind its receives from b, nor behind anything else. (One communicator for
+  both directions would not do: NCCL runs a communicator's launches one after another, src/enqueue.cc
+  ncclLaunchPrepare, and a send completes only with its receive, so two members that each send before they
+  receive would wait for each other for ever. Where both sides know the order and the shapes, the group's own
+  communicator carries the messages instead: exchange.py, which pipelines and ring attention use.)
+- A send announces the message (tag, shape, dtype, its place on the pair) to the receiver through host
+  memory (the receiver's Inbox; across processes the message router) and issues ncclSend on the pair's
+  stream after the caller's earlier work; it never waits for the receiver. A synchronous one then makes the
+  caller's stream wait for its ncclSend, so the tensor may be overwritten in stream order with no copy (as
+  torch's send); only while the pair's communicators are still being made is it a snapshot (a device copy:
+  its ncclSend is issued later, by the maker). isend makes no copy and no wait: wait on its Work before
+  overwriting the tensor, as torch's. Every launch on the pair's nonblocking communicators goes on in a
+  thread of NCCL's (2.23+), which comm.py waits for without the device's lock: the cost of this path.
 - A receive waits on the host until the source has announced a message with its tag (one process per GPU
   knows its shapes beforehand; a receive of a tagged message of unknown shape cannot), then issues ncclRecv
   for every message that source announced up to it, in their send order, into new buffers on the pair's
@@ -206,11 +213,16 @@ class NcclPointToPoint:
     def send(
         self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False
     ) -> NcclWork | None:
-        """Buffered (a snapshot of `tensor`) unless `async_op` (isend: wait on its Work before overwriting)."""
+        """Returns at once. Synchronous: the caller's stream then waits for the ncclSend, so the tensor may be
+        overwritten in stream order, with no copy (as torch's send: its Work waited on the current stream); a
+        snapshot only while the pair's communicators are still being made (the ncclSend comes later, from the
+        maker). `async_op` (isend): no copy and no wait; wait on its Work before overwriting the tensor."""
         self._check_devices(member, "send", [tensor])
         device = self.devices[member]
         current = self._cuda.current_stream(device)
-        if async_op:
+        side = self._sides.get((member, dst))  # (a dict read of a write-once entry: DESIGN.md rule 10)
+        in_order = async_op or (side is not None and side.pair is not None)
+        if in_order:
             data = tensor if tensor.is_contiguous() else tensor.contiguous()
         else:
             data = tensor.clone(memory_format=torch.contiguous_format)
@@ -239,6 +251,8 @@ class NcclPointToPoint:
                 self._issue_send(pair, queued)
         self._cuda.record_stream(data, side.send_stream)
         if not async_op:
+            if in_order:  # (issued above: the pair existed, and a pair is never unmade)
+                current.wait_event(done)
             return None
         return NcclWork(
             f"isend to rank {self.ranks[dst]} (tag {tag}, group '{self.name}')",
@@ -285,9 +299,10 @@ class NcclPointToPoint:
         self._issue_send(pair, queued)  # (the pair's stream waits for `ready`: it joins the capture there)
         self._cuda.record_stream(data, pair.send_stream)
         device, done = self.devices[member], queued.done
-        graph_capture.at_end(lambda: self._cuda.current_stream(device).wait_event(done))
-        if not async_op:
+        if not async_op:  # (no snapshot: the caller's stream waits for the send, as eagerly; that joins it)
+            self._cuda.current_stream(device).wait_event(done)
             return None
+        graph_capture.at_end(lambda: self._cuda.current_stream(device).wait_event(done))
         return NcclWork(
             f"isend to rank {self.ranks[dst]} (tag {tag}, group '{self.name}')",
             cuda=self._cuda, device=device, abort=self._abort, timeout=self._timeout, done=done, comm=pair.send,
@@ -540,11 +555,12 @@ class NcclPointToPoint:
         lock = self._runtime.device_locks.lock(device)
         label = f"rank {self.ranks[member]} with rank {self.ranks[peer]} in group '{self.name}'"
         out_uid, in_uid = (ids[0], ids[1]) if member < peer else (ids[1], ids[0])  # (lo -> hi, hi -> lo)
+        waits = (self._abort, self._timeout)
         with lock:
             out = NcclComm(nccl.comm_init_rank_config(2, out_uid, 0, device, False), nccl, device, lock,
-                           f"{label} (sending)", blocking=False)  # fmt: skip
+                           f"{label} (sending)", blocking=False, waits=waits)  # fmt: skip
             into = NcclComm(nccl.comm_init_rank_config(2, in_uid, 1, device, False), nccl, device, lock,
-                            f"{label} (receiving)", blocking=False)  # fmt: skip
+                            f"{label} (receiving)", blocking=False, waits=waits)  # fmt: skip
         out_stream, in_stream = side.send_stream, side.recv_stream
         try:
             describe = lambda: self._describe_pair_timeout(member, peer)  # noqa: E731

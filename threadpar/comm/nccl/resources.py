@@ -127,34 +127,55 @@ class CliquePool:
     """Communicator cliques of one-process groups whose launches ended cleanly, kept for the next launch on
     the same devices (keyed by the members' devices): creating one is a blocking ncclCommInitRank on every
     member (NCCL sets up its topology, buffers and, with NCCL_RUNTIME_CONNECT=0, every algorithm's
-    connections), and a test suite launches hundreds of times. At most `per_key` cliques wait per key; `put`
-    returns the ones it does not keep, for the caller to destroy (benchmarks/nccl_comm_cost.py measures what
-    reuse saves)."""
+    connections), and a test suite launches hundreds of times. A pooled clique keeps all of its NCCL buffers
+    (some 0.8 GiB per GPU for an 8-GPU group of an NVSwitch node: tests/fakes/fake_nccl_memory.py), so the
+    pool is bounded: at most `per_key` cliques per key and `total` in all, the oldest handed back first; `put`
+    returns what it does not keep, for the caller to destroy, and the process's pool is drained at exit
+    (cuda_api.py: `release_pooled`) (benchmarks/nccl_comm_cost.py measures what reuse saves)."""
 
     PER_KEY = 4
+    TOTAL = 16
 
-    def __init__(self, per_key: int = PER_KEY) -> None:
+    def __init__(self, per_key: int = PER_KEY, total: int = TOTAL) -> None:
         self._lock = threading.Lock()
         self._per_key = per_key
+        self._total = total
         self._free: dict[tuple[str, ...], list[list[Any]]] = {}
+        self._order: list[tuple[str, ...]] = []  # the key of every pooled clique, oldest first
 
     def take(self, devices: tuple[str, ...]) -> list[Any] | None:
         with self._lock:
             free = self._free.get(devices)
-            return free.pop() if free else None
+            if not free:
+                return None
+            self._order.reverse()  # (its newest entry: the clique pop() takes)
+            self._order.remove(devices)
+            self._order.reverse()
+            return free.pop()
 
     def put(self, devices: tuple[str, ...], comms: list[Any]) -> list[Any]:
-        """Keep a clique for later; returns the communicators it did not keep (the pool is full)."""
+        """Keep a clique for later; returns the communicators it did not keep (its key's share is full), and
+        those of the oldest cliques it let go of for it (the pool is full)."""
         with self._lock:
             free = self._free.setdefault(devices, [])
-            if len(free) < self._per_key:
-                free.append(list(comms))
-                return []
-        return list(comms)
+            if len(free) >= self._per_key:
+                return list(comms)
+            free.append(list(comms))
+            self._order.append(devices)
+            dropped: list[Any] = []
+            while len(self._order) > self._total:
+                oldest = self._order.pop(0)
+                dropped += self._free[oldest].pop(0)
+            return dropped
 
     def drain(self) -> list[Any]:
         """Every pooled communicator, the pool left empty (for the caller to destroy)."""
         with self._lock:
             cliques = [c for free in self._free.values() for c in free]
             self._free.clear()
+            self._order.clear()
         return [comm for clique in cliques for comm in clique]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._order)

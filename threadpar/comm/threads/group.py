@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from threadpar.comm.common.abort import AbortSignal
+from threadpar.comm.common.exchange import exchange_by_messages
 from threadpar.comm.common.fastcopy import copy_into
 from threadpar.comm.common.mailbox import Mailboxes, Message
 from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
@@ -309,12 +310,47 @@ class ThreadsGroup:
         receive(member, outputs, slot)
         self._finish(slot, member, seq)
 
+    def permute(
+        self,
+        member: int,
+        seq: int,
+        call: Call,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        src_dst: list[int],
+        async_op: bool = False,
+    ) -> None:
+        """outputs on member m receive the inputs of the member s with src_dst[s] == m."""
+        source = {dst: src for src, dst in enumerate(src_dst)}
+
+        def receive(m: int, outs: list[torch.Tensor], slot: Slot) -> None:
+            for out, sent in zip(outs, slot.payloads[source[m]][1]):
+                copy_into(out, sent)
+
+        def whole(slot: Slot) -> None:
+            for m in range(self.size):
+                receive(m, slot.payloads[m][0], slot)
+
+        slot = self._meet(member, seq, call, (outputs, inputs), lambda p: sum(t.nbytes for t in p[1]), whole)
+        if slot.finished:
+            return
+        receive(member, outputs, slot)
+        self._finish(slot, member, seq)
+
     def barrier(
         self, member: int, seq: int, call: Call, timeout: float | None = None, async_op: bool = False
     ) -> None:
         self.rendezvous.arrive(member, seq, call, None, final=True, timeout=timeout)
 
     # point to point ---------------------------------------------------------------------------------------------
+    def exchange(
+        self, member: int, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        exchange_by_messages(self, member, sends, recvs)
+
+    def connect(self, member: int, seq: int, call: Call, pairs: frozenset[tuple[int, int]]) -> None:
+        """Nothing to connect: messages are buffered."""
+
     def send(self, member: int, dst: int, tag: int, tensor: torch.Tensor, async_op: bool = False) -> None:
         # The message is a private copy: the sender may reuse its tensor as soon as send returns. It is made on
         # the receiver's device: ranks sharing GPUs may be on several, and recv_tensor hands the message itself

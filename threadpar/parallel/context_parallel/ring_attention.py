@@ -16,8 +16,12 @@ s's block starts on rank s + 1 and reaches s after cp - 1 hops, where s adds its
 
 Per rank and attention call, with |kv| = the bytes of the local k and v:
     forward  (cp - 1) * |kv|       backward  (cp - 1) * |kv| + (cp - 1) * |dkv|
-Communication goes through the captured ProcessGroup handle (isend, then recv_tensor after the block is
-computed), so the transfer overlaps the block on backends that copy asynchronously (nccl).
+Communication goes through the captured ProcessGroup handle: every hop is the group's `permute` (a shift by
+one around the ring, a collective: every CP rank makes the same hops in the same order), issued before the
+block is computed and waited for after it, so the transfer overlaps the block on backends that copy
+asynchronously (nccl: one group of ncclSend/ncclRecv on the CP group's own communicator per hop, no
+communicator per pair, no copy, no host meeting). Backward's partial dk/dv sums hop once their block is
+done, each in its own shift.
 """
 
 from __future__ import annotations
@@ -32,10 +36,6 @@ from threadpar.comm.group import ProcessGroup
 from threadpar.errors import ConfigError
 from threadpar.parallel.context_parallel.kernels import BACKWARD, FORWARD, KERNELS, pick_kernel
 from threadpar.parallel.groups import resolve_group
-
-# Message tags on the CP group (k/v blocks in forward, in backward, dk/dv partial sums). Messages with one
-# tag from one source arrive in order, so consecutive layers and microbatches cannot mix them up.
-KV_TAG, KV_BACKWARD_TAG, DKV_TAG = 0x52494E47, 0x52494E48, 0x52494E49  # "RING", +1, +2
 
 
 def _merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -55,8 +55,9 @@ class _Ring:
     def __init__(self, group: ProcessGroup, causal: bool, local_len: int) -> None:
         self.group = group
         self.size, self.rank = group.size(), group.rank()
-        self.next = group.ranks[(self.rank + 1) % self.size]
-        self.prev = group.ranks[(self.rank - 1) % self.size]
+        self.shift = [
+            (m + 1) % self.size for m in range(self.size)
+        ]  # member m sends to m + 1 (permute's src_dst)
         self.causal = causal
         self.half = local_len // 2
 
@@ -88,7 +89,7 @@ class _RingAttention(torch.autograd.Function):
         out: torch.Tensor | None = None  # set at step 0
         lse: torch.Tensor | None = None
         for step in range(ring.size):
-            sent = group.isend(kv, ring.next, KV_TAG) if step + 1 < ring.size else None
+            hop = _hop(group, ring, kv) if step + 1 < ring.size else None
             rows, cols, masked = ring.block(step)
             block_out, block_lse = attend(_seq(q, rows), _seq(kv[0], cols), _seq(kv[1], cols), masked, scale)
             if step == 0:
@@ -96,9 +97,8 @@ class _RingAttention(torch.autograd.Function):
             else:
                 assert out is not None and lse is not None
                 _merge_(_seq(out, rows), lse[..., rows], block_out, block_lse)
-            if sent is not None:
-                kv = group.recv_tensor(ring.prev, KV_TAG)
-                sent.wait()
+            if hop is not None:
+                kv = hop.wait()
         assert out is not None  # the ring has at least one step
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -114,8 +114,9 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         own: torch.Tensor | None = None  # this rank's own part of its dk/dv, [2, B, H, S, D]
+        incoming: torch.Tensor | None = None  # the previous rank's partial dk/dv of this step's block
         for step in range(ring.size):
-            sent = group.isend(kv, ring.next, KV_BACKWARD_TAG) if step + 1 < ring.size else None
+            hop = _hop(group, ring, kv) if step + 1 < ring.size else None
             rows, cols, masked = ring.block(step)
             dq_i, dk_i, dv_i = grads(
                 _seq(dout, rows), _seq(q, rows), _seq(kv[0], cols), _seq(kv[1], cols),
@@ -125,21 +126,40 @@ class _RingAttention(torch.autograd.Function):
             if step == 0:
                 own = torch.stack([dk_i, dv_i]).to(acc)
             else:
-                # The partial dk/dv of this step's block from the ranks before this one (none at step 1).
-                if step > 1:
-                    partial = group.recv_tensor(ring.prev, DKV_TAG)
-                else:
-                    partial = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-                _seq(partial[0], cols).add_(dk_i)
-                _seq(partial[1], cols).add_(dv_i)
-                group.isend(partial, ring.next, DKV_TAG).wait()
-            if sent is not None:
-                kv = group.recv_tensor(ring.prev, KV_BACKWARD_TAG)
-                sent.wait()
+                # The partial dk/dv of this step's block from the ranks before this one (none at step 1),
+                # plus this rank's part, on to the next rank: it reaches the block's owner after its last hop.
+                if incoming is None:
+                    incoming = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+                _seq(incoming[0], cols).add_(dk_i)
+                _seq(incoming[1], cols).add_(dv_i)
+                incoming = _hop(group, ring, incoming).wait()
+            if hop is not None:
+                kv = hop.wait()
         assert own is not None  # set at step 0
-        if ring.size > 1:
-            own.add_(group.recv_tensor(ring.prev, DKV_TAG))  # the other ranks' parts of this rank's dk/dv
+        if incoming is not None:
+            own.add_(incoming)  # the other ranks' parts of this rank's dk/dv
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+
+
+class _Hop:
+    """A tensor on its way from the previous rank of the ring: `wait()` gives it (the caller's stream ordered
+    after its arrival)."""
+
+    __slots__ = ("_received", "_work")
+
+    def __init__(self, received: torch.Tensor, work: object) -> None:
+        self._received, self._work = received, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()  # type: ignore[attr-defined]
+        return self._received
+
+
+def _hop(group: ProcessGroup, ring: _Ring, tensor: torch.Tensor) -> _Hop:
+    """Send `tensor` to the next rank of the ring and receive the previous rank's (one shift, issued now)."""
+    received = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _Hop(received, group.permute([tensor], [received], ring.shift, async_op=True))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, causal: bool) -> None:
