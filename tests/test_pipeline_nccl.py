@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_processes, run_fake_gpus
+from fakes.sim_gpu import to_host
 from test_pipeline_executor import (
     assert_matches_reference,
     lm_loss,
@@ -18,6 +19,7 @@ from test_pipeline_executor import (
     reference,
 )
 
+import threadpar
 from threadpar.errors import ConfigError
 from threadpar.pipeline import PipelineParallel, build_plan
 from threadpar.pipeline.lowering import lower
@@ -53,19 +55,20 @@ def test_every_schedule_matches_one_thread_step_after_step(schedule, pp, v, n):
     ref_loss, ref_model = reference(layers, inputs, targets, steps=2, lr=0.1)
 
     def body():
-        model = make_model(layers)
+        dev = threadpar.get_device()
+        model = make_model(layers).to(dev)
         chunks = _chunks(model, schedule, v)
         params = [p for c in chunks for p in c.parameters()]
         pipe = PipelineParallel(
             chunks, loss_fn=lm_loss, schedule=schedule, num_microbatches=n,
             optimizer=torch.optim.SGD(params, lr=0.1),
         )  # fmt: skip
-        losses = [pipe.train_step(inputs, targets) for _ in range(2)]
+        losses = [pipe.train_step(inputs.to(dev), targets.to(dev)) for _ in range(2)]
         mine = {id(p) for p in params}
-        return {
+        return to_host({
             "loss": losses[-1],
             "params": {k: p.detach() for k, p in model.named_parameters() if id(p) in mine},
-        }
+        })  # fmt: skip
 
     fake = FakeCuda()
     assert_matches_reference(run_fake_gpus(body, pp, fake, pp=pp), ref_loss, ref_model, key="params")
@@ -74,9 +77,12 @@ def test_every_schedule_matches_one_thread_step_after_step(schedule, pp, v, n):
 
 def test_a_message_whose_shape_changes_after_the_first_step_is_refused_naming_it():
     def body():
-        pipe = PipelineParallel(my_chunks(make_model(2), 1), loss_fn=lm_loss, num_microbatches=2)
-        pipe.train_step(*make_batch(4))
-        pipe.train_step(*make_batch(6))  # another microbatch size: other activation shapes
+        dev = threadpar.get_device()
+        pipe = PipelineParallel(my_chunks(make_model(2).to(dev), 1), loss_fn=lm_loss, num_microbatches=2)
+        pipe.train_step(*(t.to(dev) for t in make_batch(4)))
+        pipe.train_step(
+            *(t.to(dev) for t in make_batch(6))
+        )  # another microbatch size: other activation shapes
 
     with pytest.raises(ConfigError, match=r"sends 0F0 as float32\[3, .*at the first step"):
         run_fake_gpus(body, 2, FakeCuda(), pp=2)
@@ -93,19 +99,21 @@ def test_eval_and_a_frozen_first_chunk_on_the_double():
     ref_loss.backward()
 
     def body():
-        model = make_model(2)
+        dev = threadpar.get_device()
+        model = make_model(2).to(dev)
         for layer in (model[0], model[1]):
             layer.requires_grad_(False)
         chunks = my_chunks(model, 1)
         pipe = PipelineParallel(chunks, loss_fn=lm_loss, num_microbatches=2)
-        out = [pipe.eval_step(inputs) for _ in range(2)]
+        x, y = inputs.to(dev), targets.to(dev)
+        out = [pipe.eval_step(x) for _ in range(2)]
         model.zero_grad()
         for _ in range(2):
-            loss = pipe.train_step(inputs, targets)
+            loss = pipe.train_step(x, y)
             for c in chunks:
                 c.zero_grad()
-        loss = pipe.train_step(inputs, targets)
-        return {"loss": loss, "grads": my_gradients(model, chunks), "out": out}
+        loss = pipe.train_step(x, y)
+        return to_host({"loss": loss, "grads": my_gradients(model, chunks), "out": out})
 
     results = run_fake_gpus(body, 2, FakeCuda(), pp=2)
     torch.testing.assert_close(results[1]["loss"], ref_loss.detach())
@@ -120,12 +128,14 @@ def test_stages_in_two_processes_match_one_thread():
     ref_loss, ref_model = reference(5, inputs, targets)
 
     def body():
-        model = make_model(5)
+        dev = threadpar.get_device()
+        model = make_model(5).to(dev)
         chunks = my_chunks(model, 1)
         pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule="1f1b", num_microbatches=4)
-        pipe.train_step(inputs, targets)
+        x, y = inputs.to(dev), targets.to(dev)
+        pipe.train_step(x, y)
         model.zero_grad()
-        return {"loss": pipe.train_step(inputs, targets), "grads": my_gradients(model, chunks)}
+        return to_host({"loss": pipe.train_step(x, y), "grads": my_gradients(model, chunks)})
 
     results = run_fake_gpu_processes(body, fake_gpu_processes(2), 2, pp=4)
     assert_matches_reference([r for process in results for r in process], ref_loss, ref_model)
@@ -183,7 +193,6 @@ def test_launching_in_the_lowered_plans_order_would_deadlock_and_the_check_says_
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.usefixtures("capturable_on_cpu")
 @pytest.mark.parametrize("schedule", ["zb_interleaved", "zbv"])
 def test_the_zero_bubble_schedules_with_two_chunks_graph_as_they_run_eagerly(schedule):
     """(test_cuda_graphs_p2p graphs afab, 1f1b, interleaved and zbh1): the captured step's launches are the
@@ -193,7 +202,7 @@ def test_the_zero_bubble_schedules_with_two_chunks_graph_as_they_run_eagerly(sch
     steps, warmup, n = 5, 2, 4
 
     def make():
-        chunks = _chunks(make_model(4), schedule, 2)
+        chunks = _chunks(make_model(4).to(threadpar.get_device()), schedule, 2)
         pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule=schedule, num_microbatches=n)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.05, capturable=True)
 
