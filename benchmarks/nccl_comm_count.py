@@ -65,9 +65,9 @@ def run_layout(layout: dict[str, int], steps: int) -> list[list[Any]]:
 
     def body() -> list[Any]:
         model = parallelize_gpt(config, dense, num_microbatches=2 * pp)
-        g = torch.Generator().manual_seed(1)
+        g, device = torch.Generator().manual_seed(1), threadpar.get_device()  # (the double's GPU: simgpu:i)
         for _ in range(steps):
-            x = torch.randint(0, config.vocab_size, (4 * pp, config.block_size), generator=g)
+            x = torch.randint(0, config.vocab_size, (4 * pp, config.block_size), generator=g).to(device)
             model.train_step(x, x)
         gpu = threadpar.get_rank()  # (the double numbers its GPUs by rank)
         return [fake.nccl.usage(c) for c in fake.nccl.live_communicators(gpu)]

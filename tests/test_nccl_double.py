@@ -271,21 +271,21 @@ def test_a_communicators_launches_run_in_issue_order_whatever_their_streams(shor
     def connect(me):
         with bound_to(me), nccl_group(fake.nccl):
             for comms in cliques:
-                fake.nccl.send(torch.ones(1), 1 - me, comms[me], sends[me])
-                fake.nccl.recv(torch.empty(1), 1 - me, comms[me], recvs[me])
+                fake.nccl.send(torch.ones(1, device=gpu(me)), 1 - me, comms[me], sends[me])
+                fake.nccl.recv(torch.empty(1, device=gpu(me)), 1 - me, comms[me], recvs[me])
 
     assert together(lambda: connect(0), lambda: connect(1)) == [None, None]
-    got = [torch.empty(4), torch.empty(4)]
+    got = [torch.empty(4, device=gpu(0)), torch.empty(4, device=gpu(1))]
     for me in (0, 1):
         mine, theirs = (out, into) if me == 0 else (into, out)
         with bound_to(me):
-            fake.nccl.send(torch.full((4,), float(me)), 1 - me, mine[me], sends[me])
+            fake.nccl.send(torch.full((4,), float(me), device=gpu(me)), 1 - me, mine[me], sends[me])
             fake.nccl.recv(got[me], 1 - me, theirs[me], recvs[me])
     if communicators == 1:
         with pytest.raises(HangError, match="wait for each other in a cycle"):
-            fake.synchronize(CPU)
+            fake.synchronize(gpu(0))
     else:
-        fake.synchronize(CPU)
+        fake.synchronize(gpu(0))
         assert [g[0].item() for g in got] == [1.0, 0.0]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 from fakes.fake_nccl_memory import NcclMemoryModel
+from fakes.sim_gpu import to_host
 from test_pipeline_executor import lm_loss, make_batch, make_model, my_chunks
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -62,7 +63,7 @@ class _TimedLocks(DeviceLocks):
 def made(rank: int) -> None:
     """Ranks 0 and 1 exchange a message each way: their pair's communicators exist on both sides after it (a
     receive waits for its side's)."""
-    x = torch.zeros(1)
+    x = torch.zeros(1, device=threadpar.get_device())
     if rank == 0:
         threadpar.send(x, dst=1)
         threadpar.recv(x, src=1)
@@ -80,15 +81,15 @@ def test_a_nonblocking_launch_is_waited_for_without_the_device_lock():
     launch_s = 0.6
 
     def body():
-        rank = threadpar.get_rank()
-        t = torch.ones(4)
+        rank, dev = threadpar.get_rank(), threadpar.get_device()
+        t = torch.ones(4, device=dev)
         made(rank)
         if rank == 0:
             fake.nccl.nonblocking_launch_s = launch_s
             began = time.monotonic()
             threadpar.send(t, dst=1)
             return time.monotonic() - began
-        threadpar.recv(torch.empty(4), src=0)
+        threadpar.recv(torch.empty(4, device=dev), src=0)
         return None
 
     took = run_fake_gpus(body, 2, fake)[0]
@@ -117,10 +118,10 @@ def test_a_synchronous_send_makes_no_device_copy():
     only the first message of a pair, sent while its communicators are being made, is a snapshot."""
 
     def body():
-        rank = threadpar.get_rank()
+        rank, dev = threadpar.get_rank(), threadpar.get_device()
         made(rank)
         if rank == 0:
-            t = torch.arange(4.0)
+            t = torch.arange(4.0, device=dev)
             with _Copies() as copies:
                 for _ in range(3):
                     threadpar.send(t, dst=1)
@@ -128,10 +129,10 @@ def test_a_synchronous_send_makes_no_device_copy():
             return copies.count
         got = []
         for _ in range(3):
-            x = torch.empty(4)
+            x = torch.empty(4, device=dev)
             threadpar.recv(x, src=0)
             got.append(x)
-        return got
+        return to_host(got)
 
     copies, got = run_fake_gpus(body, 2, FakeCuda())
     assert copies == 0
@@ -144,8 +145,8 @@ def test_a_sent_tensor_overwritten_in_stream_order_arrives_as_it_was(async_op):
     """The double runs the send only when the receiver posts (lazy): the overwrite must wait for it."""
 
     def body():
-        rank = threadpar.get_rank()
-        t = torch.full((3,), 7.0)
+        rank, dev = threadpar.get_rank(), threadpar.get_device()
+        t = torch.full((3,), 7.0, device=dev)
         made(rank)
         if rank == 0:
             work = threadpar.isend(t, dst=1) if async_op else threadpar.send(t, dst=1)
@@ -154,9 +155,9 @@ def test_a_sent_tensor_overwritten_in_stream_order_arrives_as_it_was(async_op):
             t.add_(1.0)
             return None
         time.sleep(0.05)  # posted late
-        x = torch.empty(3)
+        x = torch.empty(3, device=dev)
         threadpar.recv(x, src=0)
-        return x
+        return to_host(x)
 
     torch.testing.assert_close(run_fake_gpus(body, 2, FakeCuda(lazy=True))[1], torch.full((3,), 7.0))
 
@@ -169,8 +170,9 @@ def test_a_stage_holds_one_communicator_and_no_pair_of_its_own():
     inputs, targets = make_batch(8)
 
     def body():
-        pipe = PipelineParallel(my_chunks(make_model(4), 1), loss_fn=lm_loss, num_microbatches=4)
-        pipe.train_step(inputs, targets)
+        dev = threadpar.get_device()
+        pipe = PipelineParallel(my_chunks(make_model(4).to(dev), 1), loss_fn=lm_loss, num_microbatches=4)
+        pipe.train_step(inputs.to(dev), targets.to(dev))
         gpu = threadpar.get_rank()  # (the double's GPUs are numbered by rank)
         return len(fake.nccl.live_communicators(gpu)), fake.nccl.device_bytes(gpu)
 
@@ -187,8 +189,8 @@ def test_ring_attention_holds_the_context_parallel_communicator_only():
     fake = FakeCuda()
 
     def body():
-        g = torch.Generator().manual_seed(threadpar.get_rank())
-        q, k, v = (torch.randn(1, 2, 4, 8, generator=g, requires_grad=True) for _ in range(3))
+        g, dev = torch.Generator().manual_seed(threadpar.get_rank()), threadpar.get_device()
+        q, k, v = (torch.randn(1, 2, 4, 8, generator=g).to(dev).requires_grad_() for _ in range(3))
         ring_attention(q, k, v, causal=True).sum().backward()
         gpu = threadpar.get_rank()
         return len(fake.nccl.live_communicators(gpu))
@@ -213,7 +215,7 @@ def test_the_pool_holds_a_bounded_number_of_cliques_and_is_drained_at_exit():
     fake = FakeCuda()
 
     def body():
-        threadpar.all_reduce(torch.ones(1))
+        threadpar.all_reduce(torch.ones(1, device=threadpar.get_device()))
 
     run_fake_gpus(body, 2, fake)  # a clean launch: its clique goes to the pool
     assert len(fake.cliques) == 1 and len(fake.nccl.live_communicators(0)) == 1
