@@ -24,10 +24,14 @@ P = 2
 
 def sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = seeded(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), seed=seed)
+    # The layout's mesh on the ranks' devices: FSDP2's default mesh is on torch's accelerator
+    # (_fsdp_init._init_default_fully_shard_mesh, torch._C._get_accelerator), a GPU once one is in the process,
+    # wherever the ranks run; here the CUDA double may be (tests/fakes/sim_gpu.py), and the ranks run on the host.
+    mesh = threadpar.device_mesh()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=0.05)
 
 

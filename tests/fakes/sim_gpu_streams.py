@@ -15,6 +15,7 @@ stream is the same FakeCuda's). Each rule as torch/cuda/streams.py and torch/cud
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,15 +24,25 @@ import torch
 from . import sim_gpu
 
 
+_idle_lock = threading.Lock()
+_idle: list[Any] = []  # the process's GPUs as threads bound to no launch see them (made once, under _idle_lock)
+
+
 def _fake() -> Any:
-    """The FakeCuda whose device the calling thread drives (a rank thread of a double's launch)."""
+    """The FakeCuda whose device the calling thread drives (a rank thread of a double's launch). A thread bound
+    to none sees the process's GPUs idle, as torch.cuda's stream API works on any thread of a process that has a
+    GPU (torch/cuda/__init__.py, current_stream: the device's default stream): e.g. a host-side rank's
+    torch.distributed.checkpoint writer asks the accelerator's current stream (filesystem.py,
+    _OverlappingCpuLoader) whichever device its ranks run on."""
     fake = sim_gpu.bound()
-    if fake is None or not hasattr(fake, "pool_stream"):
-        raise RuntimeError(
-            f"torch.{sim_gpu.DEVICE_TYPE}'s streams are a FakeCuda's: this thread is bound to none (run the code "
-            "on a rank thread of run_fake_gpus, or bind one with sim_gpu.bind)"
-        )
-    return fake
+    if fake is not None and hasattr(fake, "pool_stream"):
+        return fake
+    with _idle_lock:
+        if not _idle:
+            from .fake_cuda_nccl import FakeCuda  # (fake_cuda_nccl imports this module's package first)
+
+            _idle.append(FakeCuda())
+        return _idle[0]
 
 
 def _device(device: Any) -> torch.device:
