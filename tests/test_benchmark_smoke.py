@@ -82,3 +82,12 @@ def test_nccl_comm_count_benchmark_prices_a_layout_against_torchs_rules():
     row = next(line for line in out.stdout.splitlines() if line.startswith("| pp8 "))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[1:5] == ["1", "5", "3", "1"] and cells[-2:] == ["yes", "yes"], row
+
+
+@pytest.mark.timeout(180)
+def test_sim_gpu_benchmark_prices_the_double_and_finds_the_same_losses():
+    command = [sys.executable, "-m", "benchmarks.sim_gpu", "--repeats", "1"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=170, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| launch of 4 ranks"))
+    assert row.rstrip().endswith("| yes         |"), row
