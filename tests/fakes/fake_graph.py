@@ -432,7 +432,7 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
     graph.joined[stream] = []
     for generator in generators:
         graph.remember_generator(generator)
-    ok = False
+    ok = ended = False
     bound = sim_gpu.bind(fake)  # (the capturing thread's copies are this process's: its capture refuses them)
     _capturing.graph = graph
     try:
@@ -447,6 +447,7 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
                 joined.capture = None
             if ok:
                 graph.end()
+                ended = True
             else:  # (a failed capture: invalidated, as cudaStreamEndCapture says; memory as before)
                 graph.entries.clear()
                 graph.restore(poison=False)
@@ -455,6 +456,11 @@ def capture(fake: Any, graph: FakeGraph, stream: Any, generators: Any = ()):
                     fake.allocator_stuck = f"error {UNJOINED}"
                     raise unjoined
         finally:
-            graph.state = "captured" if ok else "failed"
+            graph.state = "captured" if ended else "failed"
             with fake.lock:
                 fake.capturing = None
+            if not ended:  # (a capture that failed makes no graph: cudaStreamEndCapture destroys what it
+                # captured, releasing the user object NCCL attached to it (src/misc/strongstream.cc,
+                # ncclCudaGraphAddDestructor), whose destructor reclaims the plans and lowers the communicators'
+                # localPersistentRefs (src/enqueue.cc, persistentDestructor -> reclaimPlan)
+                fake.nccl.graph_gone(graph)

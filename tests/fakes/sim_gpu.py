@@ -34,8 +34,8 @@ What the device does, each rule after the CUDA or torch source it mirrors:
 
 Limits: `torch.Generator(device="simgpu")` cannot be made (torch/csrc/acc/Module.cpp: the Python hooks leave
 getNewGenerator unimplemented), so a rank's generator on the double is a host generator, which the device's ops
-accept; `data_ptr()` of a device tensor raises (a wrapper has no storage of its own): `host(t).data_ptr()` is
-its memory; every op costs a Python call; timings, memory limits and kernels' numerics are the host's.
+accept; `data_ptr()` and `untyped_storage()` from Python give its host memory, C++ sees no storage (a wrapper
+has none of its own); every op costs a Python call; timings, memory limits and kernels' numerics are the host's.
 """
 
 from __future__ import annotations
