@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.autograd
 
+from . import sim_gpu
 from .fake_device import active_touch
 from .fake_device_index import all_current_streams, bound_to, fake_device_index
 
@@ -57,6 +58,7 @@ class _DeviceThread:
         gpu = fake_device_index()  # the device thread of the caller's GPU (fake_device_index.py)
         streams = all_current_streams()  # its ops run on the caller's streams (fake_device_index.py)
         touch = active_touch()  # the double's device watches its host ops too (fake_device.DeviceTouch)
+        model = sim_gpu.bound()  # the caller's GPUs: its device ops are checked against their pending work
         done = threading.Event()
         outcome: list[Any] = [None, None]
 
@@ -66,8 +68,12 @@ class _DeviceThread:
                 torch.set_grad_enabled(grad)
                 torch.set_autocast_enabled("cpu", autocast)
                 torch.set_autocast_dtype("cpu", dtype)
-                with bound_to(gpu, streams), touch.again() if touch is not None else contextlib.nullcontext():
-                    outcome[0] = fn()
+                previous = sim_gpu.bind(model)
+                try:
+                    with bound_to(gpu, streams), touch.again() if touch is not None else contextlib.nullcontext():
+                        outcome[0] = fn()
+                finally:
+                    sim_gpu.bind(previous)
             except BaseException as error:
                 outcome[1] = error
             finally:
