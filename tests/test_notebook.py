@@ -2,7 +2,6 @@
 
 import os
 import re
-import time
 from pathlib import Path
 
 import nbformat
@@ -56,12 +55,16 @@ def test_an_interrupt_stops_every_rank_and_the_next_cell_runs():
         assert run("import threading, time, threadpar")["status"] == "ok"
         spin = (
             "def spin():\n"
+            "    threadpar.print0('spinning')\n"
             "    while True:\n"
             "        time.sleep(0.01)\n"
             "threadpar.launch(spin, world_size=4, devices='cpu')"
         )
-        msg_id = kc.execute(spin)
-        time.sleep(2.0)
+        # (stop_on_error=False: the kernel would abort the requests that follow the interrupted one, for as
+        # long as its queue takes to drain, a race with the next cell on a busy machine; ipykernel's abort)
+        msg_id = kc.execute(spin, stop_on_error=False)
+        while "spinning" not in kc.get_iopub_msg(timeout=60)["content"].get("text", ""):
+            pass  # (the ranks run: the interrupt reaches the launch, not the cell's start)
         km.interrupt_kernel()
         reply = kc.get_shell_msg(timeout=30)
         while reply["parent_header"].get("msg_id") != msg_id:

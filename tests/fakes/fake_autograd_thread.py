@@ -70,7 +70,10 @@ class _DeviceThread:
                 torch.set_autocast_dtype("cpu", dtype)
                 previous = sim_gpu.bind(model)
                 try:
-                    with bound_to(gpu, streams), touch.again() if touch is not None else contextlib.nullcontext():
+                    with (
+                        bound_to(gpu, streams),
+                        touch.again() if touch is not None else contextlib.nullcontext(),
+                    ):
                         outcome[0] = fn()
                 finally:
                     sim_gpu.bind(previous)

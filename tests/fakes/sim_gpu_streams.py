@@ -23,9 +23,10 @@ import torch
 
 from . import sim_gpu
 
-
 _idle_lock = threading.Lock()
-_idle: list[Any] = []  # the process's GPUs as threads bound to no launch see them (made once, under _idle_lock)
+_idle: list[
+    Any
+] = []  # the process's GPUs as threads bound to no launch see them (made once, under _idle_lock)
 
 
 def _fake() -> Any:
