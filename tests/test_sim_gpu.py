@@ -150,3 +150,17 @@ def test_backward_on_another_thread_of_a_device_above_zero():
     thread.start()
     thread.join()
     assert grads and grads[0].tolist() == [3.0, 3.0, 3.0]
+
+
+def test_setting_data_makes_a_parameter_share_the_new_tensors_memory():
+    """`p.data = view` (threadpar's ZeRO buckets): p reads and writes the view's memory afterwards, as torch's
+    set_data makes it (VariableHooks::set_data: shallow_copy_from, storage included)."""
+    p = torch.nn.Parameter(torch.ones(4, device=DEV))
+    flat = torch.zeros(8, device=DEV)
+    flat[2:6].copy_(p.detach())
+    p.data = flat[2:6]
+    flat.add_(1)
+    assert p.detach().tolist() == [2.0] * 4 and p.device == DEV
+    with torch.no_grad():
+        p.mul_(3)
+    assert flat.tolist() == [1.0, 1.0, 6.0, 6.0, 6.0, 6.0, 1.0, 1.0]

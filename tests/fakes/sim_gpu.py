@@ -230,6 +230,18 @@ class DeviceTensor(torch.Tensor):
     def untyped_storage(self) -> torch.UntypedStorage:
         return self._host.untyped_storage()
 
+    # `t.data = new`: t takes new's memory (torch/csrc/autograd/variable.cpp, VariableHooks::set_data:
+    # `shallow_copy_from(new_data)`, storage included). torch copies the wrapper's metadata; its memory is the
+    # Python attribute `_host`, which follows here (threadpar's ZeRO and DDP make parameters views this way).
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        torch.Tensor.data.__set__(self, new)  # type: ignore[attr-defined]  # (torch's checks and metadata)
+        self._host = host(new)
+
     def tolist(self) -> Any:
         # torch/csrc/utils/tensor_list.cpp, tensor_to_list: a tensor not on the host is copied there first
         return self.cpu().tolist()
