@@ -164,3 +164,21 @@ def test_setting_data_makes_a_parameter_share_the_new_tensors_memory():
     with torch.no_grad():
         p.mul_(3)
     assert flat.tolist() == [1.0, 1.0, 6.0, 6.0, 6.0, 6.0, 1.0, 1.0]
+
+
+def test_backward_from_gradient_edges_on_another_thread_of_a_device_above_zero():
+    """The same from GradientEdges (what threadpar's zero-bubble schedule gives torch.autograd.backward/grad)."""
+    grads = []
+
+    def worker():
+        torch.autograd.set_multithreading_enabled(True)
+        x = torch.ones(3, device=sim_gpu.device(5), requires_grad=True)
+        y = x * 3
+        edge = torch.autograd.graph.get_gradient_edge(y)
+        (grad,) = torch.autograd.grad([edge], [x], [torch.ones(3, device=sim_gpu.device(5))])
+        grads.append(grad.cpu())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert grads and grads[0].tolist() == [3.0, 3.0, 3.0]

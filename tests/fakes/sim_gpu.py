@@ -579,9 +579,7 @@ def _backward_without_device_threads() -> None:
     original = torch.autograd.graph._engine_run_backward
 
     def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if not torch._C._is_multithreading_enabled() or not any(
-            isinstance(t, DeviceTensor) for t in t_outputs
-        ):
+        if not torch._C._is_multithreading_enabled() or not any(_on_device(t) for t in t_outputs):
             return original(t_outputs, *args, **kwargs)
         torch._C._set_multithreading_enabled(False)
         try:
@@ -591,6 +589,14 @@ def _backward_without_device_threads() -> None:
 
     torch.autograd.graph._engine_run_backward = run_backward
     torch.autograd._engine_run_backward = run_backward  # type: ignore[attr-defined]  # (imported by name there)
+
+
+def _on_device(root: Any) -> bool:
+    """Whether a backward's root (a tensor or a GradientEdge) is on the double's device. An edge's device is
+    its node's input metadata, as torch/autograd/__init__.py, _make_grads, reads it."""
+    if isinstance(root, torch.autograd.graph.GradientEdge):
+        return root.node._input_metadata[root.output_nr].device.type == DEVICE_TYPE
+    return isinstance(root, DeviceTensor)
 
 
 # -- what torch asks a PrivateUse1 backend for ------------------------------------------------------------------------
