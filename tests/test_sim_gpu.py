@@ -182,3 +182,37 @@ def test_backward_from_gradient_edges_on_another_thread_of_a_device_above_zero()
     thread.start()
     thread.join()
     assert grads and grads[0].tolist() == [3.0, 3.0, 3.0]
+
+
+def test_autocast_on_the_device_casts_as_cuda_autocast_does():
+    """torch.autocast("simgpu") (sim_gpu_autocast.py): CUDA's lists, each op in its dtype, the casts recorded for
+    backward; the values those of the same casts made explicitly on the host."""
+    torch.manual_seed(0)
+    x, w, target = torch.randn(3, 4), torch.randn(5, 4), torch.randn(3, 5)
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def step(device, autocast):
+        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        low = (lambda t: t) if autocast else (lambda t: t.to(bf16))  # what autocast casts to, made explicit
+        high = (lambda t: t) if autocast else (lambda t: t.float())
+        with torch.autocast(device.type, dtype=bf16, enabled=autocast):
+            y = torch.nn.functional.linear(low(xd), low(wd))  # lower_precision_fp
+            loss = torch.nn.functional.mse_loss(high(y), target.to(device))  # fp32
+            probs = high(y).softmax(-1)  # fp32_set_opt_dtype
+            norm = high(y).norm()  # fp32_append_dtype
+            mixed = torch.addcmul(high(y), high(low(xd) @ low(wd).t()), y.float())  # promote: widest, fp32
+            plain = y + 1  # not listed: the input's dtype
+        loss.backward()
+        return [t.detach().cpu() for t in (y, loss, probs, norm, mixed, plain, xd.grad, wd.grad)]
+
+    on_device, on_host = step(DEV, True), step(torch.device("cpu"), False)
+    assert [t.dtype for t in on_device] == [bf16, fp32, fp32, fp32, fp32, bf16, fp32, fp32]
+    for got, want in zip(on_device, on_host):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.autocast("simgpu"):
+        assert (
+            torch.nn.functional.linear(x.to(DEV), w.to(DEV)).dtype == torch.float16
+        )  # (CUDA's default dtype)
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            torch.nn.functional.binary_cross_entropy(torch.rand(3, device=DEV), torch.rand(3, device=DEV))

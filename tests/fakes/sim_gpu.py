@@ -49,6 +49,8 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from . import sim_gpu_autocast
+
 DEVICE_TYPE = "simgpu"
 DEVICE_COUNT = 8  # the double's GPUs per process (a node's worth; ranks beyond share them round-robin)
 
@@ -72,6 +74,7 @@ def install() -> None:
         torch._C._acc.register_python_privateuseone_hook(_Hooks())
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())
         _register_kernels()
+        sim_gpu_autocast.register(DEVICE_TYPE)
         _backward_without_device_threads()
         _pinned_memory_methods()
         _installed.append(True)
@@ -642,6 +645,12 @@ class _DeviceModule:
     @staticmethod
     def set_device(index: int | torch.device | str) -> None:
         set_device(index)
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """What torch.autocast asks a PrivateUse1 module for (torch/amp/autocast_mode.py): CUDA's two
+        (sim_gpu_autocast.py holds the cast policy)."""
+        return [torch.float16, torch.bfloat16]
 
     @staticmethod
     def manual_seed(seed: int) -> None:
