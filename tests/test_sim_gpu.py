@@ -216,3 +216,14 @@ def test_autocast_on_the_device_casts_as_cuda_autocast_does():
         )  # (CUDA's default dtype)
         with pytest.raises(RuntimeError, match="unsafe to autocast"):
             torch.nn.functional.binary_cross_entropy(torch.rand(3, device=DEV), torch.rand(3, device=DEV))
+
+
+def test_a_device_tensor_set_to_another_device_tensors_storage_shares_its_memory():
+    """`t.set_(buffer.untyped_storage(), offset, shape, strides)` (threadpar's packed pipeline messages)."""
+    buffer = torch.arange(8.0, device=DEV)
+    t = torch.empty(0, device=DEV)
+    t.set_(buffer.untyped_storage(), 2, (2, 2), (2, 1))
+    assert (t.device, t.shape, t.stride(), t.storage_offset()) == (DEV, (2, 2), (2, 1), 2)
+    assert t.tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    t.mul_(10)
+    assert buffer.tolist() == [0.0, 1.0, 20.0, 30.0, 40.0, 50.0, 6.0, 7.0]

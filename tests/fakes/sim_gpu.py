@@ -507,11 +507,25 @@ def _native_dropout(func: Any, args: tuple, kwargs: dict) -> Any:
     return DeviceTensor(hx * mask * scale, index), DeviceTensor(mask, index)
 
 
+def _set_storage(func: Any, args: tuple, kwargs: dict) -> Any:
+    """aten::set_.source_Storage*(self, source, ...): self takes the storage's memory. A device tensor's
+    storage is its host memory here (DeviceTensor.untyped_storage), so `t.set_(buffer.untyped_storage(), ...)`
+    (threadpar's packed pipeline messages) gives t that memory; torch would refuse a host storage for a
+    device tensor, which the double cannot tell apart."""
+    t = args[0]
+    with torch.no_grad():
+        func(t._host, *args[1:], **kwargs)
+    _match_host(t)
+    return t
+
+
 _SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.copy_.default: _copy,
     aten._to_copy.default: _to_copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.native_dropout.default: _native_dropout,
+    aten.set_.source_Storage: _set_storage,
+    aten.set_.source_Storage_storage_offset: _set_storage,
 }
 
 
