@@ -729,7 +729,11 @@ class FakeNccl:
         self.group_start()
         try:
             for q in queued:
-                self._queue(q.name, q.args, q.comm, streams.get(q.stream, q.stream), q.input, q.output,
+                # (the queue holds the buffers' device memory, checked at capture: given again as the GPU's)
+                send, recv = (
+                    None if t is None else sim_gpu.wrap(t, q.comm.device) for t in (q.input, q.output)
+                )
+                self._queue(q.name, q.args, q.comm, streams.get(q.stream, q.stream), send, recv,
                             reduces=q.name in _REDUCING, racing=False, **q.extra)  # fmt: skip
         finally:
             self.group_end()
