@@ -227,3 +227,22 @@ def test_a_device_tensor_set_to_another_device_tensors_storage_shares_its_memory
     assert t.tolist() == [[2.0, 3.0], [4.0, 5.0]]
     t.mul_(10)
     assert buffer.tolist() == [0.0, 1.0, 20.0, 30.0, 40.0, 50.0, 6.0, 7.0]
+
+
+def test_a_device_synchronize_waits_for_that_gpus_streams_only(monkeypatch):
+    """FakeCuda.synchronize(simgpu:i) is torch.cuda.synchronize(i): that GPU's streams, not its peers' (whose
+    pending collectives may wait for the synchronizing rank's next call)."""
+    from fakes import fake_device
+    from fakes.fake_cuda_nccl import FakeCuda, FakeStream
+
+    fake = FakeCuda()
+    streams = [FakeStream(fake, f"s{i}", sim_gpu.device(i)) for i in (0, 1, 1)]
+    for stream in streams:
+        fake.mark(stream, "work")
+    demanded = []
+    monkeypatch.setattr(fake_device, "demand", lambda stream, index, what: demanded.append(stream))
+    fake.synchronize(sim_gpu.device(1))
+    assert demanded == streams[1:]
+    demanded.clear()
+    fake.synchronize(torch.device("cpu"))  # (the double's "every GPU": the end of a launch)
+    assert demanded == streams
