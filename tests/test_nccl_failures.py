@@ -126,15 +126,21 @@ def test_a_cuda_error_seen_by_a_done_event_becomes_an_ncclerror():
 
 
 def test_a_mismatched_call_is_named_by_its_rank_which_never_issues_it():
+    """The call each later member compares with is the first member's to arrive (comm/common/call_ledger.py):
+    rank 1 comes after rank 0 has issued its call, so rank 1's is the one that differs."""
     fake = FakeCuda()
+    issued = threading.Event()
 
     def body():
         t = torch.zeros(4, device=threadpar.get_device())
         threadpar.all_reduce(t)  # the communicators exist: the next calls meet nowhere
         if threadpar.get_rank() == 1:
+            assert issued.wait(30)
             threadpar.broadcast(t, src=0)
         else:
-            threadpar.all_reduce(t)
+            threadpar.all_reduce(t)  # returns once issued: the device waits for the peers
+            if threadpar.get_rank() == 0:
+                issued.set()
         while True:  # the launch's stop ends this
             time.sleep(0.01)
 
