@@ -204,19 +204,21 @@ def test_experts_over_ep_without_their_expert_dp_group_are_refused():
 def test_on_the_nccl_backend_the_norm_and_the_clip_equal_the_dense_model():
     """Over the CUDA/NCCL test double: the all-reduce is stream-ordered, and the clip reads its result."""
     from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+    from fakes.sim_gpu import to_host
 
     want_total, want_grads = dense_clipped(0.05, 2.0)
 
     def body():
-        model = DistributedDataParallel(tp_mlp())
+        device = threadpar.get_device()
+        model = DistributedDataParallel(tp_mlp().to(device))
         per = X.shape[0] // 2
         dp = threadpar.get_coords().dp
-        model(X[dp * per : (dp + 1) * per]).square().mean().backward()
+        model(X[dp * per : (dp + 1) * per].to(device)).square().mean().backward()
         total = clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True)
         inner = model.module
         return total, [inner[2].bias.grad, inner[3].weight.grad, inner[3].bias.grad]
 
-    for total, grads in run_fake_gpus(body, 4, FakeCuda(), dp=2, tp=2):
+    for total, grads in to_host(run_fake_gpus(body, 4, FakeCuda(), dp=2, tp=2)):
         torch.testing.assert_close(total, want_total, rtol=1e-5, atol=1e-7)
         for got, want in zip(grads, want_grads[3:]):  # the replicated ones: row bias, LayerNorm
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

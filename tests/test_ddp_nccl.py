@@ -1,4 +1,4 @@
-"""DistributedDataParallel on the nccl backend, over the CUDA/NCCL test double (CPU tensors): its Works are
+"""DistributedDataParallel on the nccl backend, over the CUDA/NCCL test double (its device tensors): its Works are
 stream-ordered, so the reducer must wait on them rather than on futures that only the host completes."""
 
 import copy
@@ -7,6 +7,7 @@ import pytest
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 from helpers.ddp_reference import adam, assert_same, batches, ddp_run, mlp, reference_run
 
+import threadpar
 from threadpar import ConfigError
 from threadpar.parallel import DistributedDataParallel
 from threadpar.parallel.ddp import comm_hooks
@@ -40,7 +41,7 @@ def test_matches_single_thread_on_the_nccl_backend(view, device_thread):
 
 def test_comm_hooks_are_refused_on_stream_ordered_groups():
     def body():
-        ddp = DistributedDataParallel(copy.deepcopy(mlp()))
+        ddp = DistributedDataParallel(copy.deepcopy(mlp()).to(threadpar.get_device()))
         with pytest.raises(ConfigError, match="not supported on group"):
             ddp.register_comm_hook(None, comm_hooks.bf16_compress_hook)
 

@@ -15,16 +15,21 @@ from threadpar.comm.nccl.resources import CliquePool
 from threadpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, NcclError
 
 
+def ones(n: int) -> torch.Tensor:
+    """n ones on the calling rank's device (the double's GPU)."""
+    return torch.ones(n, device=threadpar.get_device())
+
+
 def test_an_nccl_call_that_fails_stops_the_launch_naming_the_call():
     fake = FakeCuda()
 
     def body():
-        threadpar.all_reduce(torch.ones(2))  # the communicators exist
+        threadpar.all_reduce(ones(2))  # the communicators exist
         threadpar.barrier()
         if threadpar.get_rank() == 1:
             fake.nccl.fail_next["ncclBroadcast"] = "unhandled cuda error"
         together.wait()
-        threadpar.broadcast(torch.ones(2), src=0)  # one rank's call fails; the other's waits until aborted
+        threadpar.broadcast(ones(2), src=0)  # one rank's call fails; the other's waits until aborted
         while True:
             time.sleep(0.01)
 
@@ -44,12 +49,12 @@ def test_a_wait_with_a_timeout_gives_up_clearly_while_the_device_hangs():
     together = threading.Barrier(2)
 
     def body():
-        threadpar.all_reduce(torch.ones(2))
+        threadpar.all_reduce(ones(2))
         together.wait()
         if threadpar.get_rank() == 0:
             fake.hang()
         together.wait()
-        work = threadpar.broadcast(torch.ones(2), src=0, async_op=True)
+        work = threadpar.broadcast(ones(2), src=0, async_op=True)
         with pytest.raises(
             CollectiveTimeoutError, match=r"broadcast.*timed out after 0\.1 s waiting for the device"
         ):
@@ -68,12 +73,12 @@ def test_a_device_that_hangs_is_found_by_the_watchdog_which_names_the_rank_and_g
     together = threading.Barrier(2)
 
     def body():
-        threadpar.all_reduce(torch.ones(2))
+        threadpar.all_reduce(ones(2))
         together.wait()
         if threadpar.get_rank() == 0:
             fake.hang()
         together.wait()
-        threadpar.all_reduce(torch.ones(2))  # returns: the device waits (for ever)
+        threadpar.all_reduce(ones(2))  # returns: the device waits (for ever)
         while True:  # the rank goes on with host work until the launch stops it
             time.sleep(0.01)
 
@@ -93,7 +98,7 @@ def test_an_asynchronous_nccl_error_stops_the_launch():
     fake = FakeCuda()
 
     def body():
-        threadpar.all_reduce(torch.ones(2))
+        threadpar.all_reduce(ones(2))
         threadpar.barrier()
         if threadpar.get_rank() == 0:
             fake.nccl.async_error_code = 6  # ncclRemoteError, as a peer process's loss reports it
@@ -110,7 +115,7 @@ def test_a_cuda_error_seen_by_a_done_event_becomes_an_ncclerror():
     fake = FakeCuda()
 
     def body():
-        work = threadpar.all_reduce(torch.ones(2), async_op=True)
+        work = threadpar.all_reduce(ones(2), async_op=True)
         threadpar.barrier()
         if threadpar.get_rank() == 0:
             fake.device_error = "an illegal memory access was encountered"
@@ -121,15 +126,21 @@ def test_a_cuda_error_seen_by_a_done_event_becomes_an_ncclerror():
 
 
 def test_a_mismatched_call_is_named_by_its_rank_which_never_issues_it():
+    """The call each later member compares with is the first member's to arrive (comm/common/call_ledger.py):
+    rank 1 comes after rank 0 has issued its call, so rank 1's is the one that differs."""
     fake = FakeCuda()
+    issued = threading.Event()
 
     def body():
-        t = torch.zeros(4)
+        t = torch.zeros(4, device=threadpar.get_device())
         threadpar.all_reduce(t)  # the communicators exist: the next calls meet nowhere
         if threadpar.get_rank() == 1:
+            assert issued.wait(30)
             threadpar.broadcast(t, src=0)
         else:
-            threadpar.all_reduce(t)
+            threadpar.all_reduce(t)  # returns once issued: the device waits for the peers
+            if threadpar.get_rank() == 0:
+                issued.set()
         while True:  # the launch's stop ends this
             time.sleep(0.01)
 
@@ -142,9 +153,9 @@ def test_a_mismatched_call_is_named_by_its_rank_which_never_issues_it():
 
 def test_a_rank_that_does_not_come_is_named_by_the_watchdog():
     def body():
-        threadpar.all_reduce(torch.ones(1))
+        threadpar.all_reduce(ones(1))
         if threadpar.get_rank() == 0:
-            threadpar.all_reduce(torch.ones(1))  # rank 1 never issues it
+            threadpar.all_reduce(ones(1))  # rank 1 never issues it
         while True:
             time.sleep(0.01)
 
@@ -185,7 +196,7 @@ def test_communicators_of_a_launch_in_trouble_are_aborted_never_pooled(trouble):
     fake = FakeCuda()
 
     def first():
-        threadpar.all_reduce(torch.ones(2))  # creates the clique
+        threadpar.all_reduce(ones(2))  # creates the clique
         threadpar.barrier()
         if trouble == "async_error":
             if threadpar.get_rank() == 0:
@@ -196,7 +207,7 @@ def test_communicators_of_a_launch_in_trouble_are_aborted_never_pooled(trouble):
             if threadpar.get_rank() == 0:
                 fake.nccl.fail_next["ncclAllReduce"] = "unhandled cuda error"
             threadpar.barrier()
-            threadpar.all_reduce(torch.ones(2))
+            threadpar.all_reduce(ones(2))
         elif trouble == "abort" and threadpar.get_rank() == 1:
             raise ValueError("a rank fails after its collective")
 
@@ -206,7 +217,7 @@ def test_communicators_of_a_launch_in_trouble_are_aborted_never_pooled(trouble):
         with pytest.raises((NcclError, ValueError)):
             run_fake_gpus(first, 2, fake, timeout=30)
     fake.nccl.async_error_code = 0
-    run_fake_gpus(lambda: threadpar.all_reduce(torch.ones(2)), 2, fake)
+    run_fake_gpus(lambda: threadpar.all_reduce(ones(2)), 2, fake)
     if trouble == "clean":
         assert len(fake.nccl.init_calls) == 2 and not fake.nccl.aborted  # reused from the pool
     else:

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
+from fakes.sim_gpu import to_host
 from helpers.ddp_reference import assert_same, batches, mlp, mse, params_of, rank_slice
 from helpers.zero_reference import assert_same_state, plain, reference, zero, zero_run
 from test_pipeline_executor import (
@@ -56,14 +57,14 @@ def test_zero_on_the_double_matches_one_thread(stage, autograd_thread):
 
 def bf16_zero2_with_scaler() -> dict[str, torch.Tensor]:
     """bf16 parameters, ZeRO-2 with fp32 master weights, and a LossScaler over its gradient shards."""
-    rank = threadpar.get_rank()
-    model = copy.deepcopy(TEMPLATE).to(torch.bfloat16)
+    rank, device = threadpar.get_rank(), threadpar.get_device()
+    model = copy.deepcopy(TEMPLATE).to(device, torch.bfloat16)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.0, first_bucket_cap_mb=0.0)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.01)
     scaler = LossScaler(init_scale=2.0**8)
     for x, y in batches(steps=3, rows=8, n_in=6, n_out=3):
         optimizer.zero_grad()
-        x, y = rank_slice(x, rank, 2).to(torch.bfloat16), rank_slice(y, rank, 2).to(torch.bfloat16)
+        x, y = (rank_slice(t, rank, 2).to(device, torch.bfloat16) for t in (x, y))
         scaler.scale_loss(mse(ddp, x, y).float()).backward()
         assert scaler.step(optimizer, optimizer.grad_holders())
     return params_of(model)
@@ -77,11 +78,11 @@ def test_zero2_master_weights_and_loss_scaler_on_the_double_match_the_threads_ba
 
 
 def fp16_scaled_step(bad_rank: int) -> tuple[bool, float, dict[str, torch.Tensor]]:
-    model = copy.deepcopy(TEMPLATE).to(torch.float16)
+    rank, device = threadpar.get_rank(), threadpar.get_device()
+    model = copy.deepcopy(TEMPLATE).to(device, torch.float16)
     ddp = DistributedDataParallel(model)
     scaler = LossScaler(init_scale=2.0**10)
-    x, y = (t.to(torch.float16) for t in batches(steps=1, rows=8, n_in=6, n_out=3)[0])
-    rank = threadpar.get_rank()
+    x, y = (t.to(device, torch.float16) for t in batches(steps=1, rows=8, n_in=6, n_out=3)[0])
     scaler.scale_loss(mse(ddp, rank_slice(x, rank, 2), rank_slice(y, rank, 2)).float()).backward()
     if rank == bad_rank:
         next(model.parameters()).grad.view(-1)[0] = float("inf")
@@ -109,25 +110,26 @@ def test_zero_bubble_pipeline_with_prefetch_on_the_double_matches_one_thread(aut
     ref_loss, ref_model = pipeline_reference(5, inputs, targets)
 
     def body():
-        model = make_model(5)
+        device = threadpar.get_device()
+        model = make_model(5).to(device)
         chunks = my_chunks(model, 1)
         pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule="zbh1", num_microbatches=4, prefetch=True)
-        loss = pipe.train_step(inputs, targets)
+        loss = pipe.train_step(inputs.to(device), targets.to(device))
         return {"loss": loss, "grads": my_gradients(model, chunks)}
 
     fake = FakeCuda(autograd_thread=autograd_thread)
-    assert_matches_reference(run_fake_gpus(body, 2, fake, pp=2), ref_loss, ref_model)
+    assert_matches_reference(to_host(run_fake_gpus(body, 2, fake, pp=2)), ref_loss, ref_model)
 
 
 def autocast_ddp_step() -> dict[str, torch.Tensor]:
-    model = copy.deepcopy(TEMPLATE).float()
+    rank, device = threadpar.get_rank(), threadpar.get_device()
+    model = copy.deepcopy(TEMPLATE).to(device, torch.float32)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.0, first_bucket_cap_mb=0.0)
-    x, y = (t.float() for t in batches(steps=1, rows=8, n_in=6, n_out=3)[0])
-    rank = threadpar.get_rank()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    x, y = (t.to(device, torch.float32) for t in batches(steps=1, rows=8, n_in=6, n_out=3)[0])
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         loss = mse(ddp, rank_slice(x, rank, 2), rank_slice(y, rank, 2))
     loss.float().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {n: p.grad.to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("autograd_thread", THREAD, ids=THREAD_IDS)

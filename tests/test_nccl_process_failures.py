@@ -18,10 +18,19 @@ launch_module = importlib.import_module("threadpar.runtime.launch")
 devices_module = importlib.import_module("threadpar.runtime.devices")
 
 
+def ones(n: int) -> torch.Tensor:
+    """n ones on the calling rank's device (the double's GPU)."""
+    return torch.ones(n, device=threadpar.get_device())
+
+
+def zeros(n: int) -> torch.Tensor:
+    return torch.zeros(n, device=threadpar.get_device())
+
+
 def test_a_process_that_skips_a_groups_first_collective_is_named_without_a_hang():
     def body():
         if threadpar.get_process_rank() == 0:
-            threadpar.all_reduce(torch.ones(2))
+            threadpar.all_reduce(ones(2))
 
     start = time.monotonic()
     outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, timeout=1.0)
@@ -38,10 +47,10 @@ def test_a_process_that_skips_a_groups_first_collective_is_named_without_a_hang(
 def _mismatch(numel_in_process_1: int, first_op: bool, check: bool):
     def body():
         if not first_op:
-            threadpar.all_reduce(torch.ones(3))  # communicators made, the processes agreed once
+            threadpar.all_reduce(ones(3))  # communicators made, the processes agreed once
         numel = 4 if threadpar.get_process_rank() == 0 else numel_in_process_1
         try:
-            threadpar.all_reduce(torch.zeros(numel))
+            threadpar.all_reduce(zeros(numel))
         except CollectiveMismatchError as error:
             return str(error)
         return "no error"
@@ -65,8 +74,8 @@ def test_with_check_collectives_every_collective_is_checked_between_processes():
     trip): a mismatch stops both processes' launches, each naming both processes' calls."""
 
     def body():
-        threadpar.all_reduce(torch.ones(3))  # communicators made, the processes agreed once
-        threadpar.all_reduce(torch.zeros(4 if threadpar.get_process_rank() == 0 else 5))
+        threadpar.all_reduce(ones(3))  # communicators made, the processes agreed once
+        threadpar.all_reduce(zeros(4 if threadpar.get_process_rank() == 0 else 5))
         while True:  # the launch's stop ends this
             time.sleep(0.01)
 
@@ -78,9 +87,9 @@ def test_with_check_collectives_every_collective_is_checked_between_processes():
 
 def test_with_check_collectives_a_process_that_skips_a_later_collective_is_named():
     def body():
-        threadpar.all_reduce(torch.ones(2))
+        threadpar.all_reduce(ones(2))
         if threadpar.get_process_rank() == 0:
-            threadpar.all_reduce(torch.ones(2))
+            threadpar.all_reduce(ones(2))
 
     outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, check_collectives=True, timeout=1.0)
     assert isinstance(outcomes[0].error, CollectiveTimeoutError)
@@ -136,7 +145,7 @@ def test_a_failure_in_another_process_stops_ranks_waiting_for_it_at_the_first_co
     def body():
         if threadpar.get_rank() == 2:
             raise ValueError("boom on purpose")
-        threadpar.all_reduce(torch.ones(2))  # process 0 waits for process 1 here (before NCCL's init)
+        threadpar.all_reduce(ones(2))  # process 0 waits for process 1 here (before NCCL's init)
 
     start = time.monotonic()
     outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, timeout=30.0)

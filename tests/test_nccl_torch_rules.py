@@ -9,7 +9,9 @@ import threading
 
 import pytest
 import torch
+from fakes import sim_gpu
 from fakes.fake_cuda_nccl import FakeCuda, fake_gpu_processes, run_fake_gpu_processes, run_fake_gpus
+from fakes.sim_gpu import to_host
 
 import threadpar
 from threadpar.testing import run_ranks
@@ -20,21 +22,21 @@ pytestmark = pytest.mark.usefixtures("fake_mode")
 
 def _broadcast_from_everyone(groups):
     """Every member of every group broadcasts once; returns {(group, src): what this rank got}."""
-    rank, got = threadpar.get_rank(), {}
+    rank, dev, got = threadpar.get_rank(), threadpar.get_device(), {}
     for name in groups:
         g = threadpar.get_group(name)
         for src in g.ranks:
-            t = torch.full((3,), float(rank) + 0.5) if rank == src else torch.full((3,), -1.0)
+            t = torch.full((3,), float(rank) + 0.5 if rank == src else -1.0, device=dev)
             threadpar.broadcast(t, src=src, group=name)
             got[str(name), src] = t
-            b = torch.tensor([rank == src, rank != src])  # bytes of another dtype
+            b = torch.tensor([rank == src, rank != src], device=dev)  # bytes of another dtype
             threadpar.broadcast(b, src=src, group=name)
             got[str(name), src, "bool"] = b
     return got
 
 
 def _assert_broadcasts(results, expect_groups):
-    for rank, got in enumerate(results):
+    for rank, got in enumerate(to_host(results)):
         for (group, src, *kind), t in got.items():
             if kind:
                 assert t.tolist() == [True, False], f"rank {rank}: bool broadcast from {src} in {group}"
@@ -64,24 +66,24 @@ def test_broadcast_from_every_member_across_processes(processes, threads):
 def test_all_gather_and_byte_gather_reductions_across_processes(processes, threads):
     # one GPU per process is the case where every root >= 1 was "invalid root" for torch
     def body():
-        rank, world = threadpar.get_rank(), threadpar.get_world_size()
-        out = [torch.empty(2) for _ in range(world)]
-        threadpar.all_gather(out, torch.full((2,), float(rank)))
-        whole = torch.empty(world, 2)
-        threadpar.all_gather_into_tensor(whole, torch.full((2,), float(rank) * 2))
-        inplace = torch.full((world, 2), -1.0)
+        rank, world, dev = threadpar.get_rank(), threadpar.get_world_size(), threadpar.get_device()
+        out = [torch.empty(2, device=dev) for _ in range(world)]
+        threadpar.all_gather(out, torch.full((2,), float(rank), device=dev))
+        whole = torch.empty(world, 2, device=dev)
+        threadpar.all_gather_into_tensor(whole, torch.full((2,), float(rank) * 2, device=dev))
+        inplace = torch.full((world, 2), -1.0, device=dev)
         inplace[rank] = rank * 3.0
         threadpar.all_gather_into_tensor(inplace, inplace[rank])
-        flags = torch.tensor([rank % 2 == 0, True, rank == 0])
+        flags = torch.tensor([rank % 2 == 0, True, rank == 0], device=dev)
         threadpar.all_reduce(flags, op="MIN")  # bool: NCCL cannot reduce it, gathered as bytes
-        shorts = torch.tensor([rank + 1, -rank], dtype=torch.int16)
+        shorts = torch.tensor([rank + 1, -rank], dtype=torch.int16, device=dev)
         threadpar.all_reduce(shorts, op="PRODUCT")
         return out, whole, inplace, flags, shorts
 
     fakes = fake_gpu_processes(processes)
     world = processes * threads
     for out, whole, inplace, flags, shorts in (
-        r for per in run_fake_gpu_processes(body, fakes, threads) for r in per
+        to_host(r) for per in run_fake_gpu_processes(body, fakes, threads) for r in per
     ):
         ranks = torch.arange(world, dtype=torch.float32)
         assert torch.equal(torch.stack(out), ranks[:, None].expand(world, 2))
@@ -100,12 +102,13 @@ def test_pipeline_loss_is_the_last_stages_on_every_stage():
     from threadpar.pipeline import PipelineParallel
 
     def body():
+        dev = threadpar.get_device()
         inputs, targets = make_batch(8)
-        model = make_model(4)
+        model = make_model(4).to(dev)
         pipe = PipelineParallel(my_chunks(model, 1), loss_fn=lm_loss, schedule="1f1b", num_microbatches=4)
-        return pipe.train_step(inputs, targets)
+        return pipe.train_step(inputs.to(dev), targets.to(dev))
 
-    losses = run_fake_gpus(body, 2, FakeCuda(), pp=2)
+    losses = to_host(run_fake_gpus(body, 2, FakeCuda(), pp=2))
     inputs, targets = make_batch(8)
     ref_loss, _ = reference(4, inputs, targets)
     for loss in losses:
@@ -128,12 +131,12 @@ def test_half_precision_avg_has_no_systematic_bias_from_a_rounded_one_over_n(dty
         return (torch.rand(20000, generator=g, dtype=torch.float64) + 1).to(dtype)  # [1, 2): no cancellation
 
     def body():
-        t = inputs(threadpar.get_rank())
+        t = inputs(threadpar.get_rank()).to(threadpar.get_device())
         threadpar.all_reduce(t, op="AVG")
         return t
 
     exact = sum(inputs(r).double() for r in range(world)) / world
-    nccl = run_fake_gpus(body, world, FakeCuda())
+    nccl = to_host(run_fake_gpus(body, world, FakeCuda()))
     threads = run_ranks(body, world)
     bound = 1e-4  # the threads backend's scale error here is ~1e-5 (rounding, both signs)
     assert abs(_scale_error(threads[0], exact)) < bound
@@ -150,11 +153,11 @@ def test_avg_matches_the_threads_backend_within_one_rounding_of_the_dtype(dtype,
     # pre-multiplied input and of 1/n: at most (n + 1) units in the last place of |mean| for inputs in [1, 2).
     def body():
         g = torch.Generator().manual_seed(threadpar.get_rank())
-        t = (torch.rand(4096, generator=g, dtype=torch.float64) + 1).to(dtype)
+        t = (torch.rand(4096, generator=g, dtype=torch.float64) + 1).to(threadpar.get_device(), dtype)
         threadpar.all_reduce(t, op="AVG")
         return t
 
-    nccl, threads = run_fake_gpus(body, world, FakeCuda()), run_ranks(body, world)
+    nccl, threads = to_host(run_fake_gpus(body, world, FakeCuda())), run_ranks(body, world)
     ulp = torch.finfo(dtype).eps * 2  # mean in [1, 2): one unit in the last place is eps
     for rank in range(world):
         torch.testing.assert_close(nccl[rank], threads[rank], rtol=0, atol=(world + 1) * ulp / 2)
@@ -171,8 +174,8 @@ def test_no_collective_runs_while_a_communicator_of_another_group_is_being_creat
     created = threading.Event()
 
     def body():
-        rank = threadpar.get_rank()
-        t = torch.ones(2)
+        rank, dev = threadpar.get_rank(), threadpar.get_device()
+        t = torch.ones(2, device=dev)
         threadpar.all_reduce(t, group="TP")  # both TP cliques exist
         threadpar.barrier()
         pair = threadpar.new_group([0, 1], group_desc="pair")
@@ -181,7 +184,7 @@ def test_no_collective_runs_while_a_communicator_of_another_group_is_being_creat
             created.set()
         else:
             for _ in range(10000):  # until the pair's clique exists (both TP ranks agree when: MAX)
-                done = torch.tensor([float(created.is_set())])
+                done = torch.tensor([float(created.is_set())], device=dev)
                 threadpar.all_reduce(done, op="MAX", group="TP")
                 if done.item():
                     break
@@ -204,13 +207,13 @@ def test_two_processes_launching_two_groups_first_collectives_in_opposite_orders
     fakes = fake_gpu_processes(2)
 
     def body():
-        rank = threadpar.get_rank()
+        rank, dev = threadpar.get_rank(), threadpar.get_device()
         one, two = (
             threadpar.new_group([0, 2], group_desc="one"),
             threadpar.new_group([1, 3], group_desc="two"),
         )
         mine = one if rank in (0, 2) else two
-        t = torch.full((2,), float(rank))
+        t = torch.full((2,), float(rank), device=dev)
         for group in (one, two):  # communicators, one group after the other everywhere
             threadpar.barrier()
             if mine is group:
@@ -218,11 +221,11 @@ def test_two_processes_launching_two_groups_first_collectives_in_opposite_orders
         threadpar.barrier()
         if rank in (1, 2):
             time.sleep(0.3)  # the other group's first broadcast is launched (and stuck, if lazy) by then
-        b = torch.full((2,), float(rank))
+        b = torch.full((2,), float(rank), device=dev)
         mine.broadcast(b, src=mine.ranks[0])
         return b
 
-    results = [r for per in run_fake_gpu_processes(body, fakes, 2, timeout=20) for r in per]
+    results = [to_host(r) for per in run_fake_gpu_processes(body, fakes, 2, timeout=20) for r in per]
     assert [b[0].item() for b in results] == [0.0, 1.0, 0.0, 1.0]
 
 
@@ -248,7 +251,7 @@ def test_the_first_communicator_of_any_launch_is_made_with_eager_connections(mon
     monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "unset by the test")
     monkeypatch.delenv("NCCL_RUNTIME_CONNECT")
     fake = FakeCuda()
-    run_fake_gpus(lambda: threadpar.all_reduce(torch.ones(1)), 2, fake)
+    run_fake_gpus(lambda: threadpar.all_reduce(torch.ones(1, device=threadpar.get_device())), 2, fake)
     assert all(not comm.lazy for comm in fake.nccl.init_calls)
 
 
@@ -264,10 +267,11 @@ def test_live_groups_never_share_a_comm_stream_on_a_device():
     def body():
         # 12 pairs, 6 triples: 42 members (each order its own group: sort_ranks=False)
         groups = [threadpar.new_group(list(ranks), sort_ranks=False) for ranks in tuples]
+        dev = threadpar.get_device()
         for g in groups:
             if g.is_member():
-                g.all_reduce(torch.ones(1))  # (makes the communicators)
-                g.all_reduce(torch.ones(1), async_op=True).wait()
+                g.all_reduce(torch.ones(1, device=dev))  # (makes the communicators)
+                g.all_reduce(torch.ones(1, device=dev), async_op=True).wait()
         return groups  # alive until every rank has used all of them
 
     run_fake_gpus(body, 4, fake)
@@ -284,13 +288,14 @@ def test_comm_streams_run_out_with_a_clear_error_and_come_back_when_groups_go():
     from threadpar.comm.nccl.resources import CommStreams
     from threadpar.errors import ConfigError
 
-    fake, registry, cpu = FakeCuda(), CommStreams(), torch.device("cpu")
-    taken = [registry.acquire(fake, cpu) for _ in range(64)]  # 32 high-priority, then 32 normal-priority
+    fake, registry = FakeCuda(), CommStreams()
+    gpu = sim_gpu.device(0)
+    taken = [registry.acquire(fake, gpu) for _ in range(64)]  # 32 high-priority, then 32 normal-priority
     assert len({id(s) for s in taken}) == 64 and [s.priority for s in taken[:32]] == [-1] * 32
     with pytest.raises(ConfigError, match="64 communication streams"):
-        registry.acquire(fake, cpu)
-    registry.release([cpu], [taken[5]])
-    assert registry.acquire(fake, cpu) is taken[5]
+        registry.acquire(fake, gpu)
+    registry.release([gpu], [taken[5]])
+    assert registry.acquire(fake, gpu) is taken[5]
 
 
 def test_a_group_dropped_while_another_takes_its_streams_does_not_deadlock():
@@ -299,18 +304,19 @@ def test_a_group_dropped_while_another_takes_its_streams_does_not_deadlock():
     must not wait for that lock (it did: the selftest's ZeRO-2 step on the double hung in CI)."""
     from threadpar.comm.nccl.resources import CommStreams
 
-    fake, registry, cpu = FakeCuda(), CommStreams(), torch.device("cpu")
-    first = registry.acquire(fake, cpu)
+    fake, registry = FakeCuda(), CommStreams()
+    gpu = sim_gpu.device(0)
+    first = registry.acquire(fake, gpu)
 
     class CollectsWhileAllocating:  # as if the collector ran the first group's finalizer mid-allocation
         def pool_stream(self, device, priority):
-            registry.release([cpu], [first])
+            registry.release([gpu], [first])
             return fake.pool_stream(device, priority)
 
     done = threading.Event()
     threading.Thread(
-        target=lambda: (registry.acquire(CollectsWhileAllocating(), cpu), done.set()), daemon=True
+        target=lambda: (registry.acquire(CollectsWhileAllocating(), gpu), done.set()), daemon=True
     ).start()
     assert done.wait(30), "releasing a stream while CommStreams held its lock deadlocked"
     # The released stream came back: 62 more fit beside the second group's (64 per device), one of them it.
-    assert any(stream is first for stream in [registry.acquire(fake, cpu) for _ in range(62)])
+    assert any(stream is first for stream in [registry.acquire(fake, gpu) for _ in range(62)])

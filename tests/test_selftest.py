@@ -1,6 +1,7 @@
 """`python -m threadpar.selftest`: the no-GPU path, and the GPU path's comparison run on the CUDA double."""
 
 import pytest
+from fakes import sim_gpu
 from fakes.fake_cuda_nccl import FakeCuda, run_fake_gpus
 
 import threadpar
@@ -56,6 +57,26 @@ def test_the_nccl_backend_agrees_with_the_threads_backend_and_a_wrong_result_fai
     assert verdicts["send_recv_ends"] == verdicts["scatter"] == verdicts["reduce_scatter"] == "pass"
 
 
+def test_the_timed_runs_on_a_gpu_wait_for_the_device_before_reading_the_clock():
+    """A GPU runs the collectives after the host issued them: each timed loop ends with a device synchronize
+    (through the launch's CudaApi), as nccl-tests' do, or it times the issue alone."""
+    fake = FakeCuda()
+    synchronized = []
+    synchronize = fake.synchronize
+
+    def counting(device):
+        synchronized.append(device)
+        synchronize(device)
+
+    fake.synchronize = counting
+    rows = selftest.check(fake_gpus(2, fake), None, 2, [4096], 1)
+    timed = [r for r in rows if r[3] is not None]
+    assert len(timed) == len(selftest.COLLECTIVES)
+    by_ranks = sorted((d for d in synchronized if d.type != "cpu"), key=str)  # (not the launch end's)
+    # per case and rank: after the warm-up run, and after the timed runs
+    assert by_ranks == sorted([sim_gpu.device(r) for r in range(2)] * 2 * len(timed), key=str)
+
+
 def test_a_broadcast_that_ignores_its_root_fails_both_broadcast_rows(monkeypatch):
     """torch.cuda.nccl.broadcast sends from NCCL rank 0 whatever root it is given (issue 14, defect 1); a
     root-0 check cannot see that. Here broadcast is made to behave so: its group's member 0 is the source."""
@@ -71,9 +92,6 @@ def test_a_broadcast_that_ignores_its_root_fails_both_broadcast_rows(monkeypatch
     assert set(verdicts.values()) == {"pass"}
 
 
-@pytest.mark.usefixtures(
-    "capturable_on_cpu"
-)  # (on the double the graphed step is captured: AdamW capturable)
 def test_the_model_steps_agree_across_backends_and_with_one_thread():
     rows = check_models(fake_gpus(3, FakeCuda()), threads(3), 3)
     assert [(r[0], r[2]) for r in rows] == [(name, "pass") for name in MODEL_CHECKS]

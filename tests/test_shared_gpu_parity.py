@@ -19,13 +19,12 @@ import torch
 from fakes.fake_cuda_nccl import FakeCuda
 from fakes.fake_device_index import fake_device_index
 from fakes.fake_shared_gpu import run_shared_fake_gpu, shared_runner
+from fakes.sim_gpu import to_host
 from helpers.ddp_reference import adam, assert_same, batches, ddp_run, mlp, reference_run
 from helpers.zero_reference import assert_same_state, plain, reference, zero, zero_run
 
 import threadpar
 import threadpar.comm.threads.group as threads_backend
-
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(params=[1, 2], ids=["1gpu", "2gpus"])
@@ -54,7 +53,8 @@ def test_ranks_on_one_fake_gpu_share_its_index_and_stream_pools_but_not_their_st
     fake = FakeCuda()
 
     def body():
-        return fake_device_index(), fake.pool_stream(CPU, 0), fake.current_stream(CPU)
+        device = threadpar.get_device()
+        return fake_device_index(), fake.pool_stream(device, 0), fake.current_stream(device)
 
     results = run_shared_fake_gpu(body, 4, fake, gpus=gpus)
     assert [index for index, _, _ in results] == [r % gpus for r in range(4)]
@@ -70,25 +70,28 @@ def test_collectives_order_every_peers_earlier_work_before_each_ranks_later_work
     fake, P = FakeCuda(), 4
 
     def body():
-        stream = fake.current_stream(threadpar.get_device())
+        device = threadpar.get_device()
+        stream = fake.current_stream(device)
         rank, marks = threadpar.get_rank(), []
-        t = torch.full((6,), float(rank))
+        t = torch.full((6,), float(rank), device=device)
         for op in ("all_reduce", "all_gather", "broadcast", "reduce_scatter"):
             before = fake.mark(stream, f"{op} input")
             if op == "all_reduce":
                 threadpar.all_reduce(t)
             elif op == "all_gather":
-                threadpar.all_gather([torch.empty(6) for _ in range(P)], t)
+                threadpar.all_gather([torch.empty(6, device=device) for _ in range(P)], t)
             elif op == "broadcast":
                 threadpar.broadcast(t, src=3)
             else:
-                threadpar.reduce_scatter_tensor(torch.empty(2), torch.arange(8.0))
+                threadpar.reduce_scatter_tensor(
+                    torch.empty(2, device=device), torch.arange(8.0, device=device)
+                )
             marks.append((before, fake.mark(stream, f"after {op}")))
         return marks, t
 
     results = run_shared_fake_gpu(body, P, fake, gpus=gpus)
     for _, t in results:
-        torch.testing.assert_close(t, torch.full((6,), float(sum(range(P)))))
+        torch.testing.assert_close(to_host(t), torch.full((6,), float(sum(range(P)))))
     for step in range(4):
         for rank in range(P):
             for peer in range(P):

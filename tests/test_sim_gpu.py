@@ -271,3 +271,99 @@ def test_deepcopy_copies_the_memory_on_the_device():
     torch.testing.assert_close(weight.cpu(), torch.full((3,), 2.0))
     t = torch.arange(6.0, device=DEV).view(2, 3).t()
     torch.testing.assert_close(copy.deepcopy(t).cpu(), t.cpu())
+
+
+def test_setting_data_makes_a_parameter_share_the_new_tensors_memory():
+    """`p.data = view` (threadpar's ZeRO buckets): p reads and writes the view's memory afterwards, as torch's
+    set_data makes it (VariableHooks::set_data: shallow_copy_from, storage included)."""
+    p = torch.nn.Parameter(torch.ones(4, device=DEV))
+    flat = torch.zeros(8, device=DEV)
+    flat[2:6].copy_(p.detach())
+    p.data = flat[2:6]
+    flat.add_(1)
+    assert p.detach().tolist() == [2.0] * 4 and p.device == DEV
+    with torch.no_grad():
+        p.mul_(3)
+    assert flat.tolist() == [1.0, 1.0, 6.0, 6.0, 6.0, 6.0, 1.0, 1.0]
+
+
+def test_backward_from_gradient_edges_on_another_thread_of_a_device_above_zero():
+    """The same from GradientEdges (what threadpar's zero-bubble schedule gives torch.autograd.backward/grad)."""
+    grads = []
+
+    def worker():
+        torch.autograd.set_multithreading_enabled(True)
+        x = torch.ones(3, device=sim_gpu.device(5), requires_grad=True)
+        y = x * 3
+        edge = torch.autograd.graph.get_gradient_edge(y)
+        (grad,) = torch.autograd.grad([edge], [x], [torch.ones(3, device=sim_gpu.device(5))])
+        grads.append(grad.cpu())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert grads and grads[0].tolist() == [3.0, 3.0, 3.0]
+
+
+def test_autocast_on_the_device_casts_as_cuda_autocast_does():
+    """torch.autocast("simgpu") (sim_gpu_autocast.py): CUDA's lists, each op in its dtype, the casts recorded for
+    backward; the values those of the same casts made explicitly on the host."""
+    torch.manual_seed(0)
+    x, w, target = torch.randn(3, 4), torch.randn(5, 4), torch.randn(3, 5)
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def step(device, autocast):
+        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        low = (lambda t: t) if autocast else (lambda t: t.to(bf16))  # what autocast casts to, made explicit
+        high = (lambda t: t) if autocast else (lambda t: t.float())
+        with torch.autocast(device.type, dtype=bf16, enabled=autocast):
+            y = torch.nn.functional.linear(low(xd), low(wd))  # lower_precision_fp
+            loss = torch.nn.functional.mse_loss(high(y), target.to(device))  # fp32
+            probs = high(y).softmax(-1)  # fp32_set_opt_dtype
+            norm = high(y).norm()  # fp32_append_dtype
+            mixed = torch.addcmul(high(y), high(low(xd) @ low(wd).t()), y.float())  # promote: widest, fp32
+            plain = y + 1  # not listed: the input's dtype
+        loss.backward()
+        return [t.detach().cpu() for t in (y, loss, probs, norm, mixed, plain, xd.grad, wd.grad)]
+
+    on_device, on_host = step(DEV, True), step(torch.device("cpu"), False)
+    assert [t.dtype for t in on_device] == [bf16, fp32, fp32, fp32, fp32, bf16, fp32, fp32]
+    for got, want in zip(on_device, on_host):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.autocast("simgpu"):
+        assert (
+            torch.nn.functional.linear(x.to(DEV), w.to(DEV)).dtype == torch.float16
+        )  # (CUDA's default dtype)
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            torch.nn.functional.binary_cross_entropy(torch.rand(3, device=DEV), torch.rand(3, device=DEV))
+
+
+def test_a_device_tensor_set_to_another_device_tensors_storage_shares_its_memory():
+    """`t.set_(buffer.untyped_storage(), offset, shape, strides)` (threadpar's packed pipeline messages)."""
+    buffer = torch.arange(8.0, device=DEV)
+    t = torch.empty(0, device=DEV)
+    t.set_(buffer.untyped_storage(), 2, (2, 2), (2, 1))
+    assert (t.device, t.shape, t.stride(), t.storage_offset()) == (DEV, (2, 2), (2, 1), 2)
+    assert t.tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    t.mul_(10)
+    assert buffer.tolist() == [0.0, 1.0, 20.0, 30.0, 40.0, 50.0, 6.0, 7.0]
+
+
+def test_a_device_synchronize_waits_for_that_gpus_streams_only(monkeypatch):
+    """FakeCuda.synchronize(simgpu:i) is torch.cuda.synchronize(i): that GPU's streams, not its peers' (whose
+    pending collectives may wait for the synchronizing rank's next call)."""
+    from fakes import fake_device
+    from fakes.fake_cuda_nccl import FakeCuda, FakeStream
+
+    fake = FakeCuda()
+    streams = [FakeStream(fake, f"s{i}", sim_gpu.device(i)) for i in (0, 1, 1)]
+    for stream in streams:
+        fake.mark(stream, "work")
+    demanded = []
+    monkeypatch.setattr(fake_device, "demand", lambda stream, index, what: demanded.append(stream))
+    fake.synchronize(sim_gpu.device(1))
+    assert demanded == streams[1:]
+    demanded.clear()
+    fake.synchronize(torch.device("cpu"))  # (the double's "every GPU": the end of a launch)
+    assert demanded == streams

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 import threadpar
+from threadpar.comm.common.gpu import is_gpu
 from threadpar.comm.nccl.cuda_api import nccl_runtime
+from threadpar.runtime import context
 from threadpar.runtime.devices import cuda_device_count
 from threadpar.runtime.launch import available_cores
 from threadpar.selftest_models import LABELS as MODEL_LABELS
@@ -184,7 +186,7 @@ def cases(n: int, sizes: Sequence[int]) -> list[tuple[str, int]]:
 def measure(todo: list[tuple[str, int]], iters: int) -> dict:
     """On each rank: every case once for its outputs (on CPU), then `iters` timed runs (0: none)."""
     device, n = threadpar.get_device(), threadpar.get_world_size()
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = _device_sync(device)
     results: dict[tuple[str, int], tuple[list[torch.Tensor], float | None]] = {}
     groups: dict[tuple[int, ...], Any] = {}
     for name, nbytes in todo:
@@ -204,6 +206,16 @@ def measure(todo: list[tuple[str, int]], iters: int) -> dict:
             seconds = (time.perf_counter() - start) / iters
         results[name, nbytes] = (got, seconds)
     return results
+
+
+def _device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for the rank's device to finish its work (a GPU's collectives run after the host issued
+    them): the launch's CudaApi, which drives any GPU threadpar runs on (comm/common/gpu.py); the host's
+    work is done when issued."""
+    if not is_gpu(device):
+        return lambda: None
+    cuda = context.current().world.cuda_api()
+    return lambda: cuda.synchronize(device)
 
 
 def compare(

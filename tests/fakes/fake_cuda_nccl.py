@@ -374,11 +374,14 @@ class FakeCuda:
             self.recorded.append((TensorRecord(tensor), stream))
 
     def synchronize(self, device: torch.device) -> None:
-        """cudaDeviceSynchronize: the host waits until every stream of this process has run what it holds
-        (the double's GPUs are one device: every stream)."""
+        """torch.cuda.synchronize(device): cudaDeviceSynchronize on that device, so the host waits until every
+        stream of that GPU (in this process) has run what it holds; other GPUs' streams run on (CUDA runtime
+        API docs: it blocks "until the device has completed all preceding requested tasks"). A device that is
+        not one of the double's GPUs (the host: run_everything, tests) stands for all of them."""
         self.refuse_during_capture("a device synchronize", None)
+        gpu = _gpu_of(device) if device.type == sim_gpu.DEVICE_TYPE else None  # (no index: the current GPU)
         with self.lock:
-            streams = list(self.streams_made)
+            streams = [s for s in self.streams_made if gpu is None or s.device_index == gpu]
         for stream in streams:
             fake_device.demand(stream, len(stream.ops) - 1, f"device synchronize ({stream!r})")
 

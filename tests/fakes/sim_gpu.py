@@ -77,6 +77,7 @@ def install() -> None:
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())
         _DEVICES.extend(torch.device(DEVICE_TYPE, i) for i in range(DEVICE_COUNT))
         _register_kernels()
+        sim_gpu_autocast.register(DEVICE_TYPE)
         _backward_without_device_threads()
         sim_gpu_engine.install()
         _pinned_memory_methods()
@@ -288,6 +289,18 @@ class DeviceTensor(torch.Tensor):
                 setattr(new, name, copy.deepcopy(value, memo))
         memo[id(self)] = new
         return new
+
+    # `t.data = new`: t takes new's memory (torch/csrc/autograd/variable.cpp, VariableHooks::set_data:
+    # `shallow_copy_from(new_data)`, storage included). torch copies the wrapper's metadata; its memory is the
+    # Python attribute `_host`, which follows here (threadpar's ZeRO and DDP make parameters views this way).
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        torch.Tensor.data.__set__(self, new)  # type: ignore[attr-defined]  # (torch's checks and metadata)
+        self._host = host(new)
 
     def tolist(self) -> Any:
         # torch/csrc/utils/tensor_list.cpp, tensor_to_list: a tensor not on the host is copied there first
@@ -609,11 +622,25 @@ def _native_dropout(func: Any, args: tuple, kwargs: dict) -> Any:
     return DeviceTensor(hx * mask * scale, index), DeviceTensor(mask, index)
 
 
+def _set_storage(func: Any, args: tuple, kwargs: dict) -> Any:
+    """aten::set_.source_Storage*(self, source, ...): self takes the storage's memory. A device tensor's
+    storage is its host memory here (DeviceTensor.untyped_storage), so `t.set_(buffer.untyped_storage(), ...)`
+    (threadpar's packed pipeline messages) gives t that memory; torch would refuse a host storage for a
+    device tensor, which the double cannot tell apart."""
+    t = args[0]
+    with torch.no_grad():
+        func(t._host, *args[1:], **kwargs)
+    _match_host(t)
+    return t
+
+
 _SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.copy_.default: _copy,
     aten._to_copy.default: _to_copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.native_dropout.default: _native_dropout,
+    aten.set_.source_Storage: _set_storage,
+    aten.set_.source_Storage_storage_offset: _set_storage,
 }
 
 
@@ -641,7 +668,7 @@ def _register_kernels() -> None:
     lib.impl("empty_strided", empty_strided, "PrivateUse1")
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
-    _libraries.extend([lib, *sim_gpu_autocast.register(lib, DEVICE_TYPE)])
+    _libraries.append(lib)
 
 
 def _pinned_memory_methods() -> None:
@@ -685,9 +712,7 @@ def _backward_without_device_threads() -> None:
     original = sim_gpu_engine.carrying(torch.autograd.graph._engine_run_backward)
 
     def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if not torch._C._is_multithreading_enabled() or not any(
-            isinstance(t, DeviceTensor) for t in t_outputs
-        ):
+        if not torch._C._is_multithreading_enabled() or not any(_on_device(t) for t in t_outputs):
             return original(t_outputs, *args, **kwargs)
         torch._C._set_multithreading_enabled(False)
         try:
@@ -697,6 +722,14 @@ def _backward_without_device_threads() -> None:
 
     torch.autograd.graph._engine_run_backward = run_backward
     torch.autograd._engine_run_backward = run_backward  # type: ignore[attr-defined]  # (imported by name there)
+
+
+def _on_device(root: Any) -> bool:
+    """Whether a backward's root (a tensor or a GradientEdge) is on the double's device. An edge's device is
+    its node's input metadata, as torch/autograd/__init__.py, _make_grads, reads it."""
+    if isinstance(root, torch.autograd.graph.GradientEdge):
+        return root.node._input_metadata[root.output_nr].device.type == DEVICE_TYPE
+    return isinstance(root, DeviceTensor)
 
 
 # -- what torch asks a PrivateUse1 backend for ------------------------------------------------------------------------

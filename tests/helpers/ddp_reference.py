@@ -98,7 +98,8 @@ def ddp_run(
     """The same on `world` rank threads with DDP; per rank: (first-step gradients, final parameters)."""
 
     def body():
-        rank, device = threadpar.get_rank(), threadpar.get_device()  # a GPU in the cuda tier (tests/cuda/)
+        # the rank's device: a GPU in the cuda tier (tests/cuda/), the double's simgpu on its launches
+        rank, device = threadpar.get_rank(), threadpar.get_device()
         model = copy.deepcopy(template).to(device)
         ddp = DistributedDataParallel(model, **ddp_kwargs)
         optimizer = make_optimizer(list(model.parameters()))

@@ -52,13 +52,14 @@ def zero_run(
     runner: Callable = run_ranks,
     **ddp_kwargs,
 ):
-    """The same on `world` rank threads with DDP; per rank: (final parameters, state_dict, state bytes).
-    accumulate: micro-batches per step, all but the last backward under no_sync(). start: initial weights.
-    runner(body, world): runs the ranks (default: threadpar.testing.run_ranks, the threads backend)."""
+    """The same on `world` rank threads with DDP, on each rank's device; per rank: (final parameters,
+    state_dict, state bytes), parameters and state copied to the host. accumulate: micro-batches per step, all
+    but the last backward under no_sync(). start: initial weights. runner(body, world): runs the ranks
+    (default: threadpar.testing.run_ranks, the threads backend)."""
 
     def body():
-        rank = threadpar.get_rank()
-        model = copy.deepcopy(template)
+        rank, device = threadpar.get_rank(), threadpar.get_device()
+        model = copy.deepcopy(template).to(device)
         if start is not None:
             model.load_state_dict(start)
         ddp = DistributedDataParallel(model, **ddp_kwargs)
@@ -68,8 +69,8 @@ def zero_run(
         for x, y in data:
             optimizer.zero_grad()
             xs, ys = (
-                rank_slice(x, rank, world).chunk(accumulate),
-                rank_slice(y, rank, world).chunk(accumulate),
+                rank_slice(x, rank, world).to(device).chunk(accumulate),
+                rank_slice(y, rank, world).to(device).chunk(accumulate),
             )
             for k, (xk, yk) in enumerate(zip(xs, ys)):
                 sync = k == accumulate - 1
@@ -78,9 +79,20 @@ def zero_run(
             optimizer.step()
         from threadpar.parallel import optimizer_state_bytes
 
-        return params_of(model), optimizer.state_dict(), optimizer_state_bytes(optimizer)
+        return params_of(model), state_on_host(optimizer.state_dict()), optimizer_state_bytes(optimizer)
 
     return runner(body, world)
+
+
+def state_on_host(state: dict) -> dict:
+    """An optimizer state_dict with its per-parameter tensors copied to the host (for host references)."""
+    return {
+        **state,
+        "state": {
+            index: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for index, entry in state["state"].items()
+        },
+    }
 
 
 class _nothing:

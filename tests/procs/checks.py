@@ -1,7 +1,9 @@
 """Checks that run inside rank threads of a job that spans processes (simulated, or under torchrun).
 
 Every rank builds its inputs from (global rank, case), so each rank can rebuild its peers' inputs and
-compare what a collective gave it with the result computed directly (in float64). A failed check raises
+compare what a collective gave it with the result computed directly (in float64). Each rank's buffers are on
+its device (threadpar.get_device(): the host on the threads and hierarchical backends, a GPU or the CUDA double's
+on nccl); the references are made on the host and compared with copies of the results. A failed check raises
 AssertionError on that rank, which stops the launch and names the rank. Each check returns how many
 comparisons it made, so a caller can tell that it ran.
 """
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_map
 
 import threadpar
 from threadpar import ReduceOp
@@ -46,8 +49,14 @@ def _input(rank: int, case: int, shape, dtype: torch.dtype) -> torch.Tensor:
     return make_input(rank, case, shape, dtype)
 
 
+def _on_device(value):
+    """`value` (a tensor, or tuples, lists and dicts of them) on the calling rank's device."""
+    device = threadpar.get_device()
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
 def check_reductions(specs) -> int:
-    rank, checks = threadpar.get_rank(), 0
+    rank, dev, checks = threadpar.get_rank(), threadpar.get_device(), 0
     for spec in specs:
         g = _group(spec)
         if not g.is_member():
@@ -58,61 +67,64 @@ def check_reductions(specs) -> int:
             if op in BITWISE:  # gloo's own for int64, the byte gather for int16
                 dtypes = [torch.int64, torch.int16]
             for case, (dtype, shape) in enumerate((d, s) for d in dtypes for s in SHAPES):
-                t = _input(rank, case, shape, dtype)
+                t = _on_device(_input(rank, case, shape, dtype))
                 g.all_reduce(t, op=op)
                 expected = reference([_input(p, case, shape, dtype) for p in peers], op)
-                close(t, expected, n_terms=len(peers))
+                close(t.cpu(), expected, n_terms=len(peers))
                 if case % 4 == 2:  # every member holds bit-identical results
                     seen = [torch.empty_like(t) for _ in peers]
                     g.all_gather(seen, t)
                     assert all(torch.equal(s, t) for s in seen), f"members of {g} disagree"
                 checks += 1
         # complex sums, coalesced, async, AVG of ints (truncates), reduce and reduce_scatter
-        z = _input(rank, 7, (4,), torch.complex64)
+        z = _on_device(_input(rank, 7, (4,), torch.complex64))
         g.all_reduce(z)
         close(
-            torch.view_as_real(z),
+            torch.view_as_real(z.cpu()),
             torch.view_as_real(sum(_input(p, 7, (4,), torch.complex64) for p in peers)),
             n_terms=len(peers),
         )
-        tensors = [torch.full((n,), float(rank + 1)) for n in (1, 0, 7, 130)]
+        tensors = [torch.full((n,), float(rank + 1), device=dev) for n in (1, 0, 7, 130)]
         g.all_reduce_coalesced(tensors, op=ReduceOp.AVG, async_op=True).wait()
         for t in tensors:
-            torch.testing.assert_close(t, torch.full_like(t, sum(p + 1 for p in peers) / len(peers)))
-        t = torch.tensor([rank * 3 - 4], dtype=torch.int64)
+            got = t.cpu()
+            torch.testing.assert_close(got, torch.full_like(got, sum(p + 1 for p in peers) / len(peers)))
+        t = torch.tensor([rank * 3 - 4], dtype=torch.int64, device=dev)
         g.all_reduce(t, op="avg")
         assert t.item() == int(sum(p * 3 - 4 for p in peers) / len(peers))
         for case, (dtype, shape) in enumerate((d, s) for d in REDUCE_DTYPES[:4] for s in SHAPES):
             root = peers[case % len(peers)]
-            t = _input(rank, case, shape, dtype)
+            t = _on_device(_input(rank, case, shape, dtype))
             g.reduce(t, dst=root, op=ReduceOp.SUM)
             mine = _input(rank, case, shape, dtype)
             if rank == root:
                 close(
-                    t,
+                    t.cpu(),
                     reference([_input(p, case, shape, dtype) for p in peers], ReduceOp.SUM),
                     n_terms=len(peers),
                 )
             else:
-                assert torch.equal(t, mine), "reduce changed a non-destination tensor"
+                assert torch.equal(t.cpu(), mine), "reduce changed a non-destination tensor"
             me, n = peers.index(rank), len(peers)
-            chunks = [_input(rank, 200 + case + i, shape, dtype) for i in range(n)]
-            y = torch.empty(shape, dtype=dtype)
+            chunks = [_on_device(_input(rank, 200 + case + i, shape, dtype)) for i in range(n)]
+            y = torch.empty(shape, dtype=dtype, device=dev)
             g.reduce_scatter(y, chunks, op=ReduceOp.SUM)
             close(
-                y,
+                y.cpu(),
                 reference([_input(p, 200 + case + me, shape, dtype) for p in peers], ReduceOp.SUM),
                 n_terms=n,
             )
-            y2 = torch.empty(shape, dtype=dtype)
+            y2 = torch.empty(shape, dtype=dtype, device=dev)
             g.reduce_scatter_tensor(y2, torch.stack(chunks), op=ReduceOp.MAX)
-            close(y2, reference([_input(p, 200 + case + me, shape, dtype) for p in peers], ReduceOp.MAX))
+            close(
+                y2.cpu(), reference([_input(p, 200 + case + me, shape, dtype) for p in peers], ReduceOp.MAX)
+            )
             checks += 3
     return checks
 
 
 def check_copies(specs) -> int:
-    rank, checks = threadpar.get_rank(), 0
+    rank, dev, checks = threadpar.get_rank(), threadpar.get_device(), 0
     for spec in specs:
         g = _group(spec)
         if not g.is_member():
@@ -121,39 +133,39 @@ def check_copies(specs) -> int:
         me = peers.index(rank)
         for case, (dtype, shape) in enumerate((d, s) for d in COPY_DTYPES for s in SHAPES):
             root = peers[(case + 1) % n]
-            t = _input(rank, case, shape, dtype)
+            t = _on_device(_input(rank, case, shape, dtype))
             g.broadcast(t, src=root)
-            assert torch.equal(t, _input(root, case, shape, dtype))
+            assert torch.equal(t.cpu(), _input(root, case, shape, dtype))
 
-            x = _input(rank, case, shape, dtype)
-            lst = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            x = _on_device(_input(rank, case, shape, dtype))
+            lst = [torch.empty(shape, dtype=dtype, device=dev) for _ in range(n)]
             g.all_gather(lst, x)
-            flat = torch.empty((n, *shape), dtype=dtype)
+            flat = torch.empty((n, *shape), dtype=dtype, device=dev)
             g.all_gather_into_tensor(flat, x, async_op=True).wait()
-            for p, got, row in zip(peers, lst, flat):
-                assert torch.equal(got, _input(p, case, shape, dtype)) and torch.equal(row, got)
+            for p, got, row in zip(peers, lst, flat.cpu()):
+                assert torch.equal(got.cpu(), _input(p, case, shape, dtype)) and torch.equal(row, got.cpu())
 
-            chunks = [_input(rank, 100 + case + i, shape, dtype) for i in range(n)]
-            t = torch.empty(shape, dtype=dtype)
+            chunks = [_on_device(_input(rank, 100 + case + i, shape, dtype)) for i in range(n)]
+            t = torch.empty(shape, dtype=dtype, device=dev)
             g.scatter(t, chunks if rank == root else None, src=root)
-            assert torch.equal(t, _input(root, 100 + case + me, shape, dtype))
+            assert torch.equal(t.cpu(), _input(root, 100 + case + me, shape, dtype))
 
-            outs = [torch.empty(shape, dtype=dtype) for _ in peers] if rank == root else None
-            g.gather(_input(rank, case, shape, dtype), outs, dst=root)
+            outs = [torch.empty(shape, dtype=dtype, device=dev) for _ in peers] if rank == root else None
+            g.gather(_on_device(_input(rank, case, shape, dtype)), outs, dst=root)
             if rank == root:
-                assert all(torch.equal(o, _input(p, case, shape, dtype)) for p, o in zip(peers, outs))
+                assert all(torch.equal(o.cpu(), _input(p, case, shape, dtype)) for p, o in zip(peers, outs))
             checks += 4
         # all_to_all with uneven splits: member i sends (i + j + 1) rows to member j
-        sends = [torch.full((me + j + 1, 2), float(10 * rank + j)) for j in range(n)]
-        recvs = [torch.empty((s + me + 1, 2)) for s in range(n)]
+        sends = [torch.full((me + j + 1, 2), float(10 * rank + j), device=dev) for j in range(n)]
+        recvs = [torch.empty((s + me + 1, 2), device=dev) for s in range(n)]
         g.all_to_all(recvs, sends)
         for s, got in enumerate(recvs):
-            assert torch.equal(got, torch.full((s + me + 1, 2), float(10 * peers[s] + me)))
-        out = torch.empty((sum(s + me + 1 for s in range(n)), 2))
+            assert torch.equal(got.cpu(), torch.full((s + me + 1, 2), float(10 * peers[s] + me)))
+        out = torch.empty((sum(s + me + 1 for s in range(n)), 2), device=dev)
         g.all_to_all_single(
             out, torch.cat(sends), [s + me + 1 for s in range(n)], [me + j + 1 for j in range(n)]
         )
-        assert torch.equal(out, torch.cat(recvs))
+        assert torch.equal(out.cpu(), torch.cat(recvs).cpu())
         g.barrier()
         checks += 2
     return checks
@@ -161,39 +173,40 @@ def check_copies(specs) -> int:
 
 def check_large(spec=None) -> int:
     """Big enough for several lanes: an all-reduce and a broadcast of 2.5 MiB per rank."""
-    g, rank = _group(spec), threadpar.get_rank()
-    t = torch.arange(655_360, dtype=torch.float32) * (rank + 1)
+    g, rank, dev = _group(spec), threadpar.get_rank(), threadpar.get_device()
+    t = torch.arange(655_360, dtype=torch.float32, device=dev) * (rank + 1)
     g.all_reduce(t)
     total = sum(p + 1 for p in g.ranks)
-    torch.testing.assert_close(t, torch.arange(655_360, dtype=torch.float32) * total)
-    b = torch.full((655_360,), float(rank))
+    torch.testing.assert_close(t.cpu(), torch.arange(655_360, dtype=torch.float32) * total)
+    b = torch.full((655_360,), float(rank), device=dev)
     g.broadcast(b, src=g.ranks[-1])
-    assert torch.equal(b, torch.full((655_360,), float(g.ranks[-1])))
+    assert torch.equal(b.cpu(), torch.full((655_360,), float(g.ranks[-1])))
     return 2
 
 
 def check_p2p() -> int:
     """Messages between every pair of ranks (across processes and within), on the world and a sub-group."""
-    rank, world, checks = threadpar.get_rank(), threadpar.get_world_size(), 0
+    rank, world, dev, checks = threadpar.get_rank(), threadpar.get_world_size(), threadpar.get_device(), 0
     for dst in range(world):
         if dst != rank:
             for i, dtype in enumerate(COPY_DTYPES):
-                threadpar.send(_input(rank, 1000 * dst + i, (2, 3), dtype), dst=dst, tag=i)
-            threadpar.send(torch.tensor(float(rank)), dst=dst, tag=99)  # 0-d
-            threadpar.send(torch.empty(0, 4), dst=dst, tag=98)  # empty
+                threadpar.send(_on_device(_input(rank, 1000 * dst + i, (2, 3), dtype)), dst=dst, tag=i)
+            threadpar.send(torch.tensor(float(rank), device=dev), dst=dst, tag=99)  # 0-d
+            threadpar.send(torch.empty(0, 4, device=dev), dst=dst, tag=98)  # empty
             for k in range(3):  # one source, one tag: arrive in order
-                threadpar.send(torch.tensor([k, rank]), dst=dst, tag=7)
+                threadpar.send(torch.tensor([k, rank], device=dev), dst=dst, tag=7)
     for src in range(world):
         if src != rank:
             for i, dtype in enumerate(COPY_DTYPES):
                 got = threadpar.get_group().recv_tensor(src, tag=i)
-                assert got.dtype == dtype and torch.equal(got, _input(src, 1000 * rank + i, (2, 3), dtype))
-            t = torch.empty(())
+                assert got.device == dev and got.dtype == dtype
+                assert torch.equal(got.cpu(), _input(src, 1000 * rank + i, (2, 3), dtype))
+            t = torch.empty((), device=dev)
             assert threadpar.recv(t, src=src, tag=99) == src and t.item() == float(src)
-            work = threadpar.irecv(torch.empty(0, 4), src=src, tag=98)
+            work = threadpar.irecv(torch.empty(0, 4, device=dev), src=src, tag=98)
             work.wait()
             for k in range(3):
-                t = torch.empty(2, dtype=torch.int64)
+                t = torch.empty(2, dtype=torch.int64, device=dev)
                 threadpar.recv(t, src=src, tag=7)
                 assert t.tolist() == [k, src]
             checks += len(COPY_DTYPES) + 5
@@ -201,9 +214,9 @@ def check_p2p() -> int:
     dp = threadpar.get_group("DP")
     peers = [r for r in dp.ranks if r != rank]
     for peer in peers:
-        dp.send(torch.tensor([rank, 1]), dst=peer, tag=5)
-        threadpar.send(torch.tensor([rank, 2]), dst=peer, tag=5)
-    t = torch.empty(2, dtype=torch.int64)
+        dp.send(torch.tensor([rank, 1], device=dev), dst=peer, tag=5)
+        threadpar.send(torch.tensor([rank, 2], device=dev), dst=peer, tag=5)
+    t = torch.empty(2, dtype=torch.int64, device=dev)
     for group, which in ((dp, 1), (threadpar.get_group(), 2)):
         seen = set()
         for _ in peers:
@@ -252,7 +265,7 @@ def check_pipeline(steps: int = 2) -> int:
     checks, dp = 0, threadpar.get_coords().dp
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
         inputs, targets = make_batch(8, seed=10 + dp)  # each pipeline its own batch
-        model = make_model(6)
+        model = make_model(6).to(threadpar.get_device())
         chunks = my_chunks(model, v)
         params = [p for c in chunks for p in c.parameters()]
         pipe = PipelineParallel(
@@ -262,15 +275,15 @@ def check_pipeline(steps: int = 2) -> int:
             num_microbatches=4,
             optimizer=torch.optim.SGD(params, lr=0.1),
         )
-        losses = [pipe.train_step(inputs, targets) for _ in range(steps)]
+        losses = [pipe.train_step(_on_device(inputs), _on_device(targets)) for _ in range(steps)]
         ref_loss, ref_model = reference(6, inputs, targets, steps=steps, lr=0.1)
-        torch.testing.assert_close(losses[-1], ref_loss)
+        torch.testing.assert_close(losses[-1].cpu(), ref_loss)
         mine = {id(p) for p in params}
         expected = dict(ref_model.named_parameters())
         for name, p in model.named_parameters():
             if id(p) in mine:
                 torch.testing.assert_close(
-                    p.detach(), expected[name].detach(), msg=lambda m, n=name: f"{n}: {m}"
+                    p.detach().cpu(), expected[name].detach(), msg=lambda m, n=name: f"{n}: {m}"
                 )
                 checks += 1
     threads = threadpar.runtime.current().world.threads_per_process
@@ -290,14 +303,16 @@ def check_pipeline_structures() -> int:
     for kind, schedule, v in (("tuple", "1f1b", 1), ("dict", "interleaved", 2)):
         make_layers, make_batch, loss_fn = MODELS[kind]
         inputs, targets = make_batch(8, seed=10 + dp)
-        layers = make_layers(5)
+        layers = [layer.to(threadpar.get_device()) for layer in make_layers(5)]
         chunks = my_chunks(layers, v)
         pipe = PipelineParallel(chunks, loss_fn=loss_fn, schedule=schedule, num_microbatches=4)
-        loss = pipe.train_step(inputs, targets)
+        loss = pipe.train_step(_on_device(inputs), _on_device(targets))
         ref_loss, ref_grads = reference(kind, 5, inputs, targets)
-        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(loss.cpu(), ref_loss)
         for name, grad in my_gradients(layers, chunks).items():
-            torch.testing.assert_close(grad, ref_grads[name], msg=lambda m, n=f"{kind} {name}": f"{n}: {m}")
+            torch.testing.assert_close(
+                grad.cpu(), ref_grads[name], msg=lambda m, n=f"{kind} {name}": f"{n}: {m}"
+            )
             checks += 1
     return checks
 
