@@ -51,6 +51,7 @@ def test_all_reduce_every_op(run):
         "MIN": torch.minimum(ALL[0], ALL[1]),
         "MAX": torch.maximum(ALL[0], ALL[1]),
         "PREMUL_SUM": 0.5 * ALL[0] + 0.5 * ALL[1],
+        "PREMUL_SUM tensor": 0.25 * ALL[0] + 0.25 * ALL[1],
         "BAND": ints[0] & ints[1],
         "BOR": ints[0] | ints[1],
         "BXOR": ints[0] ^ ints[1],
@@ -64,8 +65,13 @@ def test_all_reduce_every_op(run):
             dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
             out[name] = t
         t = data(r)
+        # The factor as a float and as a one-element tensor (FSDP2's gradient divide); torch < 2.13 keeps it
+        # only in the op's pickled state.
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         out["PREMUL_SUM"] = t
+        t = data(r)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor([0.25])))
+        out["PREMUL_SUM tensor"] = t
         for name in ("BAND", "BOR", "BXOR"):
             t = data(r, dtype=torch.int64)
             dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
@@ -105,6 +111,9 @@ def test_gathers_and_reduce_scatters(run):
         rst = torch.empty(1, 3)
         dist.reduce_scatter_tensor(rst, data(r), op=dist.ReduceOp.AVG)
         out["reduce_scatter_tensor"] = rst
+        rsp = torch.empty(1, 3)  # FSDP2's reduce-scatter of gradients divides with a premul factor
+        dist.reduce_scatter_tensor(rsp, data(r), op=dist._make_nccl_premul_sum(torch.tensor([0.25])))
+        out["reduce_scatter_premul"] = rsp
         rsc = [torch.empty(1, 3), torch.empty(1)]
         with dist._coalescing_manager(async_ops=True) as cm:
             dist.reduce_scatter_tensor(rsc[0], data(r))
@@ -127,6 +136,7 @@ def test_gathers_and_reduce_scatters(run):
         torch.testing.assert_close(out["gather_coalesced"][1], torch.stack([data(0, (2,)), data(1, (2,))]))
         torch.testing.assert_close(out["reduce_scatter"], total[r : r + 1])
         torch.testing.assert_close(out["reduce_scatter_tensor"], total[r : r + 1] / 2)
+        torch.testing.assert_close(out["reduce_scatter_premul"], total[r : r + 1] / 4)
         torch.testing.assert_close(out["reduce_scatter_coalesced"][0], total[r : r + 1])
         torch.testing.assert_close(
             out["reduce_scatter_coalesced"][1], (data(0, (2,)) + data(1, (2,)))[r : r + 1]
