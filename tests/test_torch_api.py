@@ -6,7 +6,6 @@ result torch defines; the other tests cover the functions threadpar lacked and t
 
 import datetime
 import functools
-import inspect
 import pickle
 
 import pytest
@@ -288,24 +287,18 @@ def test_object_collectives_copy_and_check_their_lists():
     run_ranks(body, 2)
 
 
-TORCH_HAS_WEIGHTS_ONLY = "weights_only" in inspect.signature(torch.distributed.all_gather_object).parameters
-
-
 class NotAWeight:
     """A class torch.load(weights_only=True) refuses (not on its allowlist)."""
 
 
-def test_object_collectives_take_weights_only_where_the_installed_torch_does():
-    """torch 2.14's weights_only=True: torch.save on the way out, torch.load(weights_only=True) on the way in
-    (tensors and plain containers pass, other classes are refused); before 2.14 a TypeError, as torch's."""
+def test_object_collectives_take_weights_only():
+    """torch 2.14's weights_only=True (threadpar's keyword-only extra on an older torch): torch.save on the
+    way out, torch.load(weights_only=True) on the way in; tensors and plain containers pass, other classes
+    are refused."""
 
     def body():
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = {"rank": rank, "weight": torch.full((2,), float(rank))}
-        if not TORCH_HAS_WEIGHTS_ONLY:
-            with pytest.raises(TypeError, match="weights_only"):
-                dist.all_gather_object([None] * world, mine, weights_only=True)
-            return None
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, weights_only=True)
         objects = [mine] if rank == 0 else [None]
@@ -319,8 +312,6 @@ def test_object_collectives_take_weights_only_where_the_installed_torch_does():
         return everyone, objects[0], gathered, received[0]
 
     results = run_ranks(body, 2)
-    if not TORCH_HAS_WEIGHTS_ONLY:
-        return
     expected = [{"rank": r, "weight": torch.full((2,), float(r))} for r in range(2)]
     for rank, (everyone, broadcast, gathered, scattered) in enumerate(results):
         torch.testing.assert_close(everyone, expected)
@@ -436,12 +427,6 @@ def test_new_group_takes_torch_parameters():
     run_ranks(body, 2)
 
 
-# (read here: inside a launch, torch.distributed.init_process_group is threadpar's stand-in)
-TORCH_HAS_ENABLE_RECONFIGURE = (
-    "enable_reconfigure" in inspect.signature(torch.distributed.init_process_group).parameters
-)
-
-
 # queries and init_process_group ---------------------------------------------------------------------------------
 def test_group_queries_and_init_process_group():
     assert not dist.is_initialized()  # outside a rank
@@ -467,13 +452,9 @@ def test_group_queries_and_init_process_group():
             dist.init_process_group(world_size=8)
         with pytest.raises(ConfigError, match=r"pass timeout= to threadpar.launch"):
             dist.init_process_group(timeout=datetime.timedelta(seconds=1))
-        if TORCH_HAS_ENABLE_RECONFIGURE:
-            dist.init_process_group(enable_reconfigure=False)  # torch 2.14's
-            with pytest.raises(ConfigError, match=r"enable_reconfigure=True .* pass False"):
-                dist.init_process_group(enable_reconfigure=True)
-        else:
-            with pytest.raises(TypeError, match="enable_reconfigure"):
-                dist.init_process_group(enable_reconfigure=False)
+        dist.init_process_group(enable_reconfigure=False)  # torch 2.14's
+        with pytest.raises(ConfigError, match=r"enable_reconfigure=True .* pass False"):
+            dist.init_process_group(enable_reconfigure=True)
         dist.destroy_process_group()
         dist.barrier()
 

@@ -144,18 +144,15 @@ def test_follows_keeps_a_namesake_that_already_takes_torchs_parameters():
 
 def test_follows_an_older_torch_parameters_positions_and_defaults():
     ours = follows(older)(namesake)
-    assert [p.name for p in inspect.signature(ours).parameters.values()] == [
-        "tensor",
-        "group",
-        "async_op",
-        "ours",
+    assert _parameters(ours) == [
+        *_parameters(older),
+        ("weights_only", "KEYWORD_ONLY", False),  # the newer torch's, kept as threadpar's extra
+        ("ours", "KEYWORD_ONLY", 1),
     ]
-    assert _parameters(ours)[:3] == _parameters(older)
     assert ours("t") == namesake("t", async_op=True)  # torch's default for what the call leaves out
     assert ours("t", "g", False, ours=2) == namesake("t", "g", False, ours=2)
-    with pytest.raises(TypeError, match="weights_only"):  # as that torch refuses it
-        ours("t", weights_only=True)
-    with pytest.raises(TypeError):  # a fourth positional argument is one torch does not take
+    assert ours("t", weights_only=True) == namesake("t", async_op=True, weights_only=True)
+    with pytest.raises(TypeError):  # a fourth positional argument is one this torch does not take
         ours("t", "g", False, True)
 
 
@@ -179,9 +176,10 @@ def test_follows_a_constructor():
 
     assert _parameters(Ours.__init__, True) == [
         *_parameters(Torchs.__init__, True),
+        ("sync", "KEYWORD_ONLY", None),
         ("extra", "KEYWORD_ONLY", 0),
     ]
     assert Ours("m").seen == ("m", True, None, 0)
-    assert Ours("m", False, extra=3).seen == ("m", False, None, 3)
+    assert Ours("m", False, sync=True, extra=3).seen == ("m", False, True, 3)
     with pytest.raises(TypeError):
-        Ours("m", sync=True)
+        Ours("m", False, True)

@@ -4,16 +4,17 @@ torch adds parameters between releases and changes defaults: 2.13 gave Distribut
 `forward_sync_buffers` (and `broadcast_buffers` the default None), 2.14 gave the object collectives
 `weights_only` and init_process_group `enable_reconfigure`. A namesake is written with every parameter of the
 torch releases threadpar supports (pyproject.toml), in torch's order, then threadpar's own, keyword-only.
-`@follows(torch_callable)` then gives it the installed torch's parameters, so that a call means here what it
-means to that torch (DESIGN.md, API conventions):
+`@follows(torch_callable)` then gives it the installed torch's parameters, so that a call torch accepts
+means here what it means to that torch (DESIGN.md, API conventions):
 
 - the namesake's torch part has the installed torch's names, kinds and defaults: it is returned unchanged
   (no wrapper, nothing paid per call);
-- otherwise it is wrapped: the signature shown (`inspect.signature`) is torch's parameters then threadpar's
-  own; a call is bound to it (torch's positions, torch's defaults, torch's TypeError for what torch would
-  refuse, such as a parameter of a newer torch) and the namesake gets keywords. A parameter of the
-  installed torch that the namesake does not know (a torch newer than the range) is accepted at its
-  default; any other value is a ConfigError naming it, never silently dropped.
+- otherwise it is wrapped: the signature shown (`inspect.signature`) is the installed torch's parameters,
+  then, keyword-only, those of the namesake's that this torch lacks (a newer torch's: on 2.11,
+  `new_group(..., *, sort_ranks=True)`) and threadpar's own. A call is bound to it (torch's positions and
+  torch's defaults: on 2.12 an omitted `broadcast_buffers` is True) and the namesake gets keywords. A
+  parameter of the installed torch that the namesake does not know (a torch newer than the range) is
+  accepted at its default; any other value is a ConfigError naming it, never silently dropped.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def follows(theirs: Callable[..., Any], *, method: bool = False) -> Callable[[F]
             raise TypeError(f"{name}: follows() needs named parameters on both sides")
         known = {p.name for p in our_params}
         unknown = {p.name: p.default for p in their_params if p.name not in known}
-        mirrored = our_signature.replace(parameters=our_all[:skip] + their_params + own)
+        # A newer torch's parameters stay available, keyword-only: threadpar's extras on this torch.
+        newer = [p.replace(kind=KEYWORD_ONLY) for p in torch_part if p.name not in their_names]
+        mirrored = our_signature.replace(parameters=our_all[:skip] + their_params + newer + own)
 
         @wraps(ours)
         def taking_torch_parameters(*args: Any, **kwargs: Any) -> Any:
