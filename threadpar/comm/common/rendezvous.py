@@ -192,9 +192,7 @@ class Rendezvous:
             slot.payloads[member] = None
             slot.shared[member] = None
 
-    def _enter(
-        self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool, release_all: bool
-    ):
+    def _enter(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool, release_all: bool):
         """Reach the slot's next barrier; the last member runs the leader and releases the others.
         Returns (barrier number, this member's locked waiter, or None for the last member). `release_all`:
         at the last barrier the last member lets go of every member's payload (posting members may never
