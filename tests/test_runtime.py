@@ -9,7 +9,7 @@ import threadpar
 import threadpar.runtime.devices as devices_module
 from threadpar.runtime.devices import resolve_placement
 from threadpar.runtime.launch import available_cores
-from threadpar.runtime.rank_cores import can_pin
+from threadpar.runtime.rank_cores import can_pin, gil_enabled
 from threadpar.testing import on_ranks, run_ranks
 
 
@@ -55,8 +55,9 @@ def test_intraop_threads_are_set_per_rank_and_restored():
     assert got == [1, 1]
     assert torch.get_num_threads() == before
     default = run_ranks(lambda: torch.get_num_threads(), 2)
-    # Two CPU ranks share one core by default (LaunchConfig.rank_cores), where threads can be pinned.
-    assert default == [1 if can_pin() else max(1, available_cores() // 2)] * 2
+    # Two CPU ranks share one core by default (LaunchConfig.rank_cores), where threads can be pinned and
+    # the GIL is on.
+    assert default == [1 if can_pin() and gil_enabled() else max(1, available_cores() // 2)] * 2
 
 
 def test_a_rank_keeps_its_intraop_threads_when_another_thread_sets_torchs():
