@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,9 @@ def main() -> None:
         print(json.dumps(_python_bound_child(args.child, args.steps)))
         return
     builds = {"GIL": args.gil, "free-threaded": args.free_threaded}
+    # A GIL build refuses to start with PYTHON_GIL=0; the free-threaded one keeps the GIL off by itself unless
+    # a module that needs it is imported (the Python-bound step reports whether the GIL was on).
+    os.environ.pop("PYTHON_GIL", None)
     print("# " + "; ".join(f"{name}: {_describe(python)} ({python})" for name, python in builds.items()))
     ranks = sorted(set([1, *args.ranks]))
     rates: dict[tuple[str, int], list[float]] = {}
