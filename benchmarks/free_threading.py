@@ -9,9 +9,10 @@ a fresh process of that interpreter; the rounds alternate between them, and the 
 
 - A Python-bound step: n rank threads (threadpar.launch on CPU threads, unpinned: rank_cores="all", one
   intra-op thread each), each running steps of small ops whose cost is the interpreter's, not the math's
-  (16 x [8x8] @ [8x8] and a tanh, then an all-reduce of the [8x8] result). Steps/s counts every rank's
-  steps; "scaling" is n ranks' steps/s over one rank's, whose ceiling is min(n, cores): with the GIL a
-  rank's Python waits for the others', free-threaded it runs on a core of its own.
+  (16 x [8x8] @ [8x8] and a tanh); "+ all-reduce" ends every step with an all-reduce of the [8x8] result,
+  as a training step ends with its collectives. Steps/s counts every rank's steps; "scaling" is n ranks'
+  steps/s over one rank's, whose ceiling is min(n, cores): with the GIL a rank's Python waits for the
+  others', free-threaded it runs on a core of its own.
 - `--demo`: benchmarks.rank_cores' runs of the demo (8 ranks as 1 process x 8 rank threads and as 2
   processes x 4, each packed onto one core per process and unpinned), tokens/s.
 
@@ -38,24 +39,35 @@ from benchmarks.harness import table
 from benchmarks.rank_cores import PLACEMENTS, WAYS, demo_tokens_per_s
 
 OPS_PER_STEP = 16
+WARMUP_STEPS = 20  # untimed: the first steps pay one-time costs (allocator, torch's lazy set-up)
 
 
-def _python_bound_child(ranks: int, steps: int) -> dict[str, object]:
+STEPS = {"ops": False, "ops + all-reduce": True}  # the step kinds: whether a step ends with an all-reduce
+
+
+def _python_bound_child(ranks: int, steps: int, all_reduce: bool) -> dict[str, object]:
     """In a fresh interpreter: the seconds `ranks` rank threads take for `steps` steps each."""
     import torch
 
     import threadpar
 
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        for _ in range(OPS_PER_STEP):
+            x = torch.tanh(x @ w)
+        if all_reduce:
+            threadpar.all_reduce(x)
+            x = x / ranks
+        return x
+
     def body() -> float:
         g = torch.Generator().manual_seed(threadpar.get_rank())
         x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g) / 8
+        for _ in range(WARMUP_STEPS):
+            x = step(x, w)
         threadpar.barrier()
         start = time.perf_counter()
         for _ in range(steps):
-            for _ in range(OPS_PER_STEP):
-                x = torch.tanh(x @ w)
-            threadpar.all_reduce(x)
-            x = x / ranks
+            x = step(x, w)
         threadpar.barrier()
         return time.perf_counter() - start
 
@@ -66,8 +78,9 @@ def _python_bound_child(ranks: int, steps: int) -> dict[str, object]:
     return {"seconds": max(seconds), "gil": gil, "torch": torch.__version__}
 
 
-def _python_bound(python: str, ranks: int, steps: int) -> dict:
+def _python_bound(python: str, ranks: int, steps: int, all_reduce: bool) -> dict:
     command = [python, "-m", "benchmarks.free_threading", "--child", str(ranks), "--steps", str(steps)]
+    command += ["--all-reduce"] if all_reduce else []
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -92,49 +105,49 @@ def main() -> None:
     parser.add_argument("--demo", action="store_true", help="also the demo, 1 x 8 vs 2 x 4")
     parser.add_argument("--demo-steps", type=int, default=30)
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--all-reduce", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(_python_bound_child(args.child, args.steps)))
+        print(json.dumps(_python_bound_child(args.child, args.steps, args.all_reduce)))
         return
     builds = {"GIL": args.gil, "free-threaded": args.free_threaded}
     # A GIL build refuses to start with PYTHON_GIL=0; the free-threaded one keeps the GIL off by itself unless
     # a module that needs it is imported (the Python-bound step reports whether the GIL was on).
     os.environ.pop("PYTHON_GIL", None)
     print("# " + "; ".join(f"{name}: {_describe(python)} ({python})" for name, python in builds.items()))
-    ranks = sorted(set([1, *args.ranks]))
-    rates: dict[tuple[str, int], list[float]] = {}
+    ranks = sorted({1, *args.ranks})
+    rates: dict[tuple[str, str, int], list[float]] = {}
     gil_seen: dict[str, set[bool]] = {name: set() for name in builds}
     for _ in range(args.rounds):
-        for n in ranks:
-            for name, python in builds.items():
-                run = _python_bound(python, n, args.steps)
-                rates.setdefault((name, n), []).append(n * args.steps / run["seconds"])
-                gil_seen[name].add(bool(run["gil"]))
+        for kind, all_reduce in STEPS.items():
+            for n in ranks:
+                for name, python in builds.items():
+                    run = _python_bound(python, n, args.steps, all_reduce)
+                    rates.setdefault((kind, name, n), []).append(n * args.steps / run["seconds"])
+                    gil_seen[name].add(bool(run["gil"]))
     med = {key: statistics.median(values) for key, values in rates.items()}
     print(
-        f"\n## Python-bound step ({OPS_PER_STEP} x 8x8 matmul + tanh, then an all-reduce), steps/s of all "
-        f"ranks, median of {args.rounds} rounds of {args.steps} steps per rank"
-        f" (GIL on during the runs: {', '.join(f'{k} {sorted(v)}' for k, v in gil_seen.items())})\n"
+        f"\n## Python-bound steps ({OPS_PER_STEP} x 8x8 matmul + tanh; + all-reduce: then an all-reduce of the "
+        f"8x8 result), steps/s of all ranks, median of {args.rounds} rounds of {args.steps} steps per rank "
+        f"(GIL on during the runs: {'; '.join(f'{k} {sorted(v)}' for k, v in gil_seen.items())})\n"
     )
-    rows = [
-        [
-            n,
-            f"{med['GIL', n]:,.0f}",
-            f"{med['GIL', n] / med['GIL', 1]:.2f}x",
-            f"{med['free-threaded', n]:,.0f}",
-            f"{med['free-threaded', n] / med['free-threaded', 1]:.2f}x",
-            f"{med['free-threaded', n] / med['GIL', n]:.2f}x",
-        ]
-        for n in ranks
-    ]
-    headers = [
-        "rank threads",
-        "GIL, steps/s",
-        "GIL: scaling",
-        "free-threaded, steps/s",
-        "free-threaded: scaling",
-    ]
-    print(table([*headers, "free-threaded / GIL"], rows))
+    rows = []
+    for kind in STEPS:
+        for n in ranks:
+            gil, free = med[kind, "GIL", n], med[kind, "free-threaded", n]
+            rows.append(
+                [
+                    kind,
+                    n,
+                    f"{gil:,.0f}",
+                    f"{gil / med[kind, 'GIL', 1]:.2f}x",
+                    f"{free:,.0f}",
+                    f"{free / med[kind, 'free-threaded', 1]:.2f}x",
+                    f"{free / gil:.2f}x",
+                ]
+            )
+    headers = ["step", "rank threads", "GIL, steps/s", "GIL: scaling", "free-threaded, steps/s"]
+    print(table([*headers, "free-threaded: scaling", "free-threaded / GIL"], rows))
     if args.demo:
         _demo(builds, args.demo_steps, args.rounds)
 
