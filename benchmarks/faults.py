@@ -18,6 +18,7 @@ hosting the store). tests/test_faults_multiprocess.py runs one trial of each fau
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,25 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """A child exec'd while SIGINT is ignored keeps ignoring it (exec resets handlers, not SIG_IGN), and Python
+    then installs no KeyboardInterrupt handler: a run started in the background (nohup, `cmd &`) would time
+    the SIGINT faults out. For the Popen, the parent catches SIGINT as Python does by default (main thread
+    only: signal.signal's rule), so the children start with SIGINT at its default."""
+    if (
+        signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Job:
     """2 processes of tests/procs/faults.py running `scenario`, their output lines read as they come."""
 
@@ -90,15 +110,16 @@ class Job:
 
     def _popen(self, command: list[str], env: dict[str, str], new_session: bool = False) -> subprocess.Popen:
         index = len(self.procs)
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=new_session,
-        )
+        with _sigint_not_ignored():
+            proc = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=new_session,
+            )
         threading.Thread(target=self._read, args=(proc, index), daemon=True).start()
         return proc
 

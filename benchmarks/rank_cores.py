@@ -28,14 +28,17 @@ WAYS = {"1 x 8": ["--gpus", "8"], "2 x 4": ["--gpus", "4"]}
 PLACEMENTS = {"packed (default)": [], "unpinned (all)": ["--rank-cores", "all"]}
 
 
-def demo_tokens_per_s(way: str, placement: str, model: str, steps: int, out: Path) -> float:
+def demo_tokens_per_s(
+    way: str, placement: str, model: str, steps: int, out: Path, python: str = sys.executable
+) -> float:
+    """The demo's tokens/s, run as `way` with `placement` by the interpreter `python` (a fresh process tree)."""
     demo = ["-m", "threadpar.demo", "--model", model, "--steps", str(steps), "--out", str(out)]
     demo += WAYS[way] + PLACEMENTS[placement]
     if way == "2 x 4":
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        command = [sys.executable, *launcher, *demo]
+        command = [python, *launcher, *demo]
     else:
-        command = [sys.executable, *demo]
+        command = [python, *demo]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

@@ -11,7 +11,7 @@ import torch
 import threadpar
 from threadpar.comm.common.work import Work
 from threadpar.errors import ConfigError
-from threadpar.runtime import context
+from threadpar.runtime import context, rank_cores
 from threadpar.runtime.launch_config import LaunchConfig
 from threadpar.runtime.rank_cores import choose_rank_cpus, current_cpu
 from threadpar.testing import run_ranks
@@ -31,8 +31,14 @@ def choose(setting, *, on_cpu=True, threads=8, local_index=0, local_count=1, all
     )
 
 
+@pytest.fixture
+def with_the_gil(monkeypatch):
+    """The GIL on, as on every GIL build (a free-threaded build running this suite has it off)."""
+    monkeypatch.setattr(rank_cores, "gil_enabled", lambda: True)
+
+
 @linux_only
-def test_auto_packs_cpu_ranks_onto_one_core_and_leaves_gpus_and_lone_ranks_alone():
+def test_auto_packs_cpu_ranks_onto_one_core_and_leaves_gpus_and_lone_ranks_alone(with_the_gil):
     assert choose(None) == frozenset({0})
     assert choose(None, current=1) == frozenset({1})  # a lone process: the launching thread's core
     assert choose(None, on_cpu=False) is None
@@ -41,7 +47,16 @@ def test_auto_packs_cpu_ranks_onto_one_core_and_leaves_gpus_and_lone_ranks_alone
 
 
 @linux_only
-def test_processes_of_a_node_take_different_cores():
+def test_auto_leaves_ranks_unpinned_without_a_gil(monkeypatch):
+    """Free-threaded CPython with the GIL off: no convoy to avoid, and one core would serialise the ranks'
+    Python (benchmarks/free_threading.py --demo)."""
+    monkeypatch.setattr(rank_cores, "gil_enabled", lambda: False)
+    assert choose(None) is None
+    assert choose(1) == frozenset({0})  # an explicit setting is kept
+
+
+@linux_only
+def test_processes_of_a_node_take_different_cores(with_the_gil):
     cores = tuple(range(8))
     got = [choose(None, local_index=i, local_count=4, allowed=cores, current=5) for i in range(4)]
     assert got == [frozenset({i}) for i in range(4)]
@@ -97,7 +112,9 @@ def _cores_and_threads():
 
 
 @linux_only
-def test_rank_threads_and_their_comm_workers_run_on_the_chosen_cores_and_the_caller_is_untouched():
+def test_rank_threads_and_their_comm_workers_run_on_the_chosen_cores_and_the_caller_is_untouched(
+    with_the_gil,
+):
     before = os.sched_getaffinity(0)
     allowed = sorted(before)
     results = run_ranks(_cores_and_threads, 2)

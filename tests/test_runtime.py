@@ -1,5 +1,7 @@
 """The rank context: accessors, per-rank generators, intra-op threads, device placement, printing."""
 
+import threading
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ import threadpar
 import threadpar.runtime.devices as devices_module
 from threadpar.runtime.devices import resolve_placement
 from threadpar.runtime.launch import available_cores
-from threadpar.runtime.rank_cores import can_pin
+from threadpar.runtime.rank_cores import can_pin, gil_enabled
 from threadpar.testing import on_ranks, run_ranks
 
 
@@ -53,8 +55,38 @@ def test_intraop_threads_are_set_per_rank_and_restored():
     assert got == [1, 1]
     assert torch.get_num_threads() == before
     default = run_ranks(lambda: torch.get_num_threads(), 2)
-    # Two CPU ranks share one core by default (LaunchConfig.rank_cores), where threads can be pinned.
-    assert default == [1 if can_pin() else max(1, available_cores() // 2)] * 2
+    # Two CPU ranks share one core by default (LaunchConfig.rank_cores), where threads can be pinned and
+    # the GIL is on.
+    assert default == [1 if can_pin() and gil_enabled() else max(1, available_cores() // 2)] * 2
+
+
+def test_a_rank_keeps_its_intraop_threads_when_another_thread_sets_torchs():
+    """torch.set_num_threads in another thread (another launch's ranks, the caller's code) must not change a
+    rank's count: torch sets a thread's count from the process-wide one at its first parallel op
+    (ATen/Parallel.h, lazy_init_num_threads), so a rank that set its own before then lost it to whoever
+    set torch's last. Deterministic here: the other thread sets 3 after the rank's start, before its
+    first op (torch_distributed=False: no c10d set-up runs an op in between)."""
+    started, changed = threading.Event(), threading.Event()
+    saved = torch.get_num_threads()
+
+    def meddle():
+        started.wait(10)
+        torch.set_num_threads(3)
+        changed.set()
+
+    def body():
+        started.set()
+        changed.wait(10)
+        return torch.get_num_threads()
+
+    other = threading.Thread(target=meddle)
+    other.start()
+    try:
+        got = run_ranks(body, 1, intraop_threads=2, torch_distributed=False)
+    finally:
+        other.join()
+        torch.set_num_threads(saved)  # torch's process-wide count, which the other thread changed
+    assert changed.is_set() and got == [2]
 
 
 def test_results_come_back_indexed_by_rank_with_args_and_kwargs():

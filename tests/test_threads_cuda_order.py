@@ -79,8 +79,16 @@ def test_threads_groups_get_stream_ordering_only_on_cuda_devices():
     assert world("cpu").world_group().backend._order is None
 
 
+CUDA_PRIMITIVES = sorted(n for n, v in vars(CudaApi).items() if callable(v) and not n.startswith("_"))
+
+
 class CudaPrimitivesOnly:
-    """The CudaApi members of a FakeCuda and nothing else: no NCCL library, lock, pools or error query."""
+    """The CudaApi members of a FakeCuda and nothing else: no NCCL library, lock, pools or error query.
+
+    Each primitive is a method of the class, not an attribute found by __getattr__: from Python 3.12 on,
+    isinstance() with a runtime-checkable Protocol looks members up with inspect.getattr_static, which
+    never calls __getattr__ (What's New in Python 3.12, typing: gh-102433), so a forwarding proxy is no
+    CudaApi there."""
 
     autograd_thread = False  # run_fake_gpus's own mode switch (the double's harness, not a CUDA primitive)
 
@@ -91,10 +99,17 @@ class CudaPrimitivesOnly:
         """The double's model of a host <-> device copy (sim_gpu.CopyModel): its device, not a CUDA primitive."""
         self._fake.copy(dst, src, what, sync, index)
 
-    def __getattr__(self, name: str):
-        if name not in {n for n, v in vars(CudaApi).items() if callable(v) and not n.startswith("_")}:
-            raise AttributeError(f"{name} is not a CUDA primitive (threadpar.comm.common.cuda_seam.CudaApi)")
-        return getattr(self._fake, name)
+
+def _forward(name: str):
+    def primitive(self: CudaPrimitivesOnly, *args, **kwargs):
+        return getattr(self._fake, name)(*args, **kwargs)
+
+    primitive.__name__ = name
+    return primitive
+
+
+for _name in CUDA_PRIMITIVES:
+    setattr(CudaPrimitivesOnly, _name, _forward(_name))
 
 
 def test_the_threads_backend_orders_streams_with_the_cuda_primitives_alone():

@@ -6,6 +6,7 @@ result torch defines; the other tests cover the functions threadpar lacked and t
 
 import datetime
 import functools
+import pickle
 
 import pytest
 import torch
@@ -291,6 +292,40 @@ def test_object_collectives_copy_and_check_their_lists():
     run_ranks(body, 2)
 
 
+class NotAWeight:
+    """A class torch.load(weights_only=True) refuses (not on its allowlist)."""
+
+
+def test_object_collectives_take_weights_only():
+    """torch 2.14's weights_only=True (threadpar's keyword-only extra on an older torch): torch.save on the
+    way out, torch.load(weights_only=True) on the way in; tensors and plain containers pass, other classes
+    are refused."""
+
+    def body():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = {"rank": rank, "weight": torch.full((2,), float(rank))}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine, weights_only=True)
+        objects = [mine] if rank == 0 else [None]
+        dist.broadcast_object_list(objects, src=0, weights_only=True)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, weights_only=True)
+        received = [None]
+        dist.scatter_object_list(received, everyone if rank == 0 else None, src=0, weights_only=True)
+        with pytest.raises(pickle.UnpicklingError, match="NotAWeight"):
+            dist.all_gather_object([None] * world, NotAWeight(), weights_only=True)
+        return everyone, objects[0], gathered, received[0]
+
+    results = run_ranks(body, 2)
+    expected = [{"rank": r, "weight": torch.full((2,), float(r))} for r in range(2)]
+    for rank, (everyone, broadcast, gathered, scattered) in enumerate(results):
+        torch.testing.assert_close(everyone, expected)
+        torch.testing.assert_close(broadcast, expected[0])
+        if rank == 0:
+            torch.testing.assert_close(gathered, expected)
+        torch.testing.assert_close(scattered, expected[rank])
+
+
 # point to point in batches -------------------------------------------------------------------------------------
 def test_batch_isend_irecv_exchanges_around_a_ring():
     def body():
@@ -424,6 +459,9 @@ def test_group_queries_and_init_process_group():
             dist.init_process_group(world_size=8)
         with pytest.raises(ConfigError, match=r"pass timeout= to threadpar.launch"):
             dist.init_process_group(timeout=datetime.timedelta(seconds=1))
+        dist.init_process_group(enable_reconfigure=False)  # torch 2.14's
+        with pytest.raises(ConfigError, match=r"enable_reconfigure=True .* pass False"):
+            dist.init_process_group(enable_reconfigure=True)
         dist.destroy_process_group()
         dist.barrier()
 

@@ -52,6 +52,7 @@ def test_all_reduce_every_op(run):
         "MIN": torch.minimum(ALL[0], ALL[1]),
         "MAX": torch.maximum(ALL[0], ALL[1]),
         "PREMUL_SUM": 0.5 * ALL[0] + 0.5 * ALL[1],
+        "PREMUL_SUM tensor": 0.25 * ALL[0] + 0.25 * ALL[1],
         "BAND": ints[0] & ints[1],
         "BOR": ints[0] | ints[1],
         "BXOR": ints[0] ^ ints[1],
@@ -66,8 +67,14 @@ def test_all_reduce_every_op(run):
             dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
             out[name] = t
         t = data(r, device=dev)
+        # The factor as a float and as a one-element tensor (FSDP2's gradient divide); torch < 2.13 keeps it
+        # only in the op's pickled state. A tensor factor is on the device: ProcessGroupNCCL gives NCCL its
+        # pointer as an ncclScalarDevice (ProcessGroupNCCL.cpp, unpackPreMulSum).
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         out["PREMUL_SUM"] = t
+        t = data(r, device=dev)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor([0.25], device=dev)))
+        out["PREMUL_SUM tensor"] = t
         for name in ("BAND", "BOR", "BXOR"):
             t = data(r, dtype=torch.int64, device=dev)
             dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
@@ -108,6 +115,13 @@ def test_gathers_and_reduce_scatters(run):
         rst = torch.empty(1, 3, device=dev)
         dist.reduce_scatter_tensor(rst, data(r, device=dev), op=dist.ReduceOp.AVG)
         out["reduce_scatter_tensor"] = rst
+        rsp = torch.empty(
+            1, 3, device=dev
+        )  # FSDP2's reduce-scatter of gradients divides with a premul factor
+        dist.reduce_scatter_tensor(
+            rsp, data(r, device=dev), op=dist._make_nccl_premul_sum(torch.tensor([0.25], device=dev))
+        )
+        out["reduce_scatter_premul"] = rsp
         rsc = [torch.empty(1, 3, device=dev), torch.empty(1, device=dev)]
         with dist._coalescing_manager(async_ops=True) as cm:
             dist.reduce_scatter_tensor(rsc[0], data(r, device=dev))
@@ -130,6 +144,7 @@ def test_gathers_and_reduce_scatters(run):
         torch.testing.assert_close(out["gather_coalesced"][1], torch.stack([data(0, (2,)), data(1, (2,))]))
         torch.testing.assert_close(out["reduce_scatter"], total[r : r + 1])
         torch.testing.assert_close(out["reduce_scatter_tensor"], total[r : r + 1] / 2)
+        torch.testing.assert_close(out["reduce_scatter_premul"], total[r : r + 1] / 4)
         torch.testing.assert_close(out["reduce_scatter_coalesced"][0], total[r : r + 1])
         torch.testing.assert_close(
             out["reduce_scatter_coalesced"][1], (data(0, (2,)) + data(1, (2,)))[r : r + 1]

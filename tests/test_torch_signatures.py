@@ -3,6 +3,8 @@
 The table is compared with the installed torch's own functions, so a torch upgrade that adds or moves a
 parameter fails here instead of leaving the copy behind (issue 19). threadpar's own extra parameters may
 only follow torch's, keyword-only with a default, so that no call torch accepts means something else here.
+A namesake whose parameters changed within the supported torch range takes the installed torch's through
+`follows` (comm/torch_signatures.py), tested at the end on stand-ins for older and newer releases.
 """
 
 import inspect
@@ -12,6 +14,8 @@ import torch.distributed as dist
 import torch.nn
 
 import threadpar
+from threadpar.comm.torch_signatures import follows
+from threadpar.errors import ConfigError
 from threadpar.parallel import DataParallel, DistributedDataParallel
 
 FUNCTIONS = [
@@ -106,3 +110,76 @@ def test_reduce_ops_are_torch_ones():
     assert theirs <= {op.name for op in threadpar.ReduceOp}
     for name in theirs:  # torch's own values are accepted wherever threadpar takes an op
         assert threadpar.ReduceOp.parse(getattr(dist.ReduceOp, name)) is threadpar.ReduceOp[name]
+
+
+# follows(): a namesake written for every supported torch takes the installed torch's parameters. The torch
+# functions below stand for releases before and after the namesake's (parameters added, a default changed).
+
+
+def newest(tensor, group=None, async_op=False, weights_only=False):  # the namesake's view of torch
+    """torch's function as the newest supported release has it."""
+
+
+def older(tensor, group=None, async_op=True):  # no weights_only yet; another default
+    """torch's function as an older release had it."""
+
+
+def newer(tensor, group=None, async_op=False, weights_only=False, fresh=7):  # one more parameter
+    """torch's function as a release newer than threadpar knows has it."""
+
+
+def namesake(tensor, group=None, async_op=False, weights_only=False, *, ours=1):
+    return {
+        "tensor": tensor,
+        "group": group,
+        "async_op": async_op,
+        "weights_only": weights_only,
+        "ours": ours,
+    }
+
+
+def test_follows_keeps_a_namesake_that_already_takes_torchs_parameters():
+    assert follows(newest)(namesake) is namesake  # nothing is paid per call on the torch it was written for
+
+
+def test_follows_an_older_torch_parameters_positions_and_defaults():
+    ours = follows(older)(namesake)
+    assert _parameters(ours) == [
+        *_parameters(older),
+        ("weights_only", "KEYWORD_ONLY", False),  # the newer torch's, kept as threadpar's extra
+        ("ours", "KEYWORD_ONLY", 1),
+    ]
+    assert ours("t") == namesake("t", async_op=True)  # torch's default for what the call leaves out
+    assert ours("t", "g", False, ours=2) == namesake("t", "g", False, ours=2)
+    assert ours("t", weights_only=True) == namesake("t", async_op=True, weights_only=True)
+    with pytest.raises(TypeError):  # a fourth positional argument is one this torch does not take
+        ours("t", "g", False, True)
+
+
+def test_follows_a_newer_torch_parameter_only_at_its_default():
+    ours = follows(newer)(namesake)
+    assert _parameters(ours)[:5] == _parameters(newer)
+    assert ours("t", fresh=7) == namesake("t")
+    with pytest.raises(ConfigError, match=r"does not implement torch .*'s parameter fresh"):
+        ours("t", fresh=8)
+
+
+def test_follows_a_constructor():
+    class Torchs:
+        def __init__(self, module, broadcast=True):
+            pass
+
+    class Ours:
+        @follows(Torchs.__init__, method=True)
+        def __init__(self, module, broadcast=None, sync=None, *, extra=0):
+            self.seen = (module, broadcast, sync, extra)
+
+    assert _parameters(Ours.__init__, True) == [
+        *_parameters(Torchs.__init__, True),
+        ("sync", "KEYWORD_ONLY", None),
+        ("extra", "KEYWORD_ONLY", 0),
+    ]
+    assert Ours("m").seen == ("m", True, None, 0)
+    assert Ours("m", False, sync=True, extra=3).seen == ("m", False, True, 3)
+    with pytest.raises(TypeError):
+        Ours("m", False, True)

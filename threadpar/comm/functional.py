@@ -15,12 +15,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from threadpar.comm import torch_args
 from threadpar.comm.common.reduce_op import ReduceOp
 from threadpar.comm.common.work import Work
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.rank_groups import current_groups
+from threadpar.comm.torch_signatures import follows
 from threadpar.errors import ConfigError
 from threadpar.topology import Axes
 
@@ -33,6 +35,7 @@ def _group(group: GroupLike) -> ProcessGroup:
     return current_groups().group(group)
 
 
+@follows(dist.new_group)  # torch 2.11 has no sort_ranks
 def new_group(
     ranks: Sequence[int] | None = None,
     timeout: datetime.timedelta | None = None,
@@ -210,6 +213,7 @@ def all_to_all_single(
     return _group(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
 
 
+@follows(dist.barrier)  # torch 2.11 has no timeout
 def barrier(
     group: GroupLike = None,
     async_op: bool = False,

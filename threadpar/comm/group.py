@@ -57,14 +57,17 @@ class ProcessGroup(PointToPoint):
         shape = tensors[0].shape if len(tensors) == 1 else (sum(t.numel() for t in tensors),)
         call = Call(_name, dtype, shape, op.extra)
         member, backend = self._member, self._backend
+        # A stream-ordered backend returns its Work; otherwise the Work's result is the tensors, as in torch
+        # (work.get_future().value()[0] is tensors[0]). The list is made here, on the issuing thread: made on
+        # the comm worker and released last by this thread, free-threaded CPython would free it (and keep
+        # the tensors) only once the idle worker runs again (DESIGN.md rule 10, biased reference counting).
+        issued = list(tensors)
 
         def run() -> Any:
             staged = [_contiguous(t) for t in tensors]
             result = backend.all_reduce(member, seq, call, [c for c, _ in staged], op, async_op)
             _write_back(result, [writeback for _, writeback in staged])
-            # A stream-ordered backend returns its Work; otherwise the Work's result is the tensors, as in
-            # torch (work.get_future().value()[0] is tensors[0]).
-            return list(tensors) if result is None else result
+            return issued if result is None else result
 
         return self._run(_name, seq, run, async_op)
 

@@ -12,10 +12,12 @@ import datetime
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from threadpar.comm import torch_args
 from threadpar.comm.functional import GroupLike, get_group
 from threadpar.comm.rank_groups import current_groups, has_groups
+from threadpar.comm.torch_signatures import follows
 from threadpar.errors import ConfigError
 
 
@@ -51,6 +53,7 @@ def get_group_rank(group: GroupLike, global_rank: int) -> int:
     return get_group(group).group_rank(global_rank)
 
 
+@follows(dist.init_process_group)
 def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
@@ -62,12 +65,15 @@ def init_process_group(
     pg_options: Any = None,
     device_id: torch.device | int | None = None,
     _ranks: list[int] | None = None,
+    enable_reconfigure: bool = False,
 ) -> None:
     """In a rank thread: check that the call describes this thread; the launch has already initialised it.
 
     `rank`/`world_size` (when given) must be the thread's, `backend` the launch's (or torch's name for it),
     `device_id` the rank's device, `timeout` the launch's. `init_method` and `store` say how processes
-    meet, which the launch has done: they are accepted and not used.
+    meet, which the launch has done: they are accepted and not used. `enable_reconfigure` (torch 2.14:
+    communicators made later, by ProcessGroup.reconfigure) must stay False: threadpar's groups are connected
+    when made and have no reconfigure.
     """
     groups = current_groups()
     source = groups.source
@@ -93,6 +99,11 @@ def init_process_group(
         )
     if pg_options is not None:
         raise ConfigError("init_process_group: threadpar's groups take no pg_options; pass pg_options=None")
+    if enable_reconfigure:
+        raise ConfigError(
+            "init_process_group: enable_reconfigure=True asks for groups connected later by "
+            "ProcessGroup.reconfigure, which threadpar's groups (connected when made) do not have; pass False"
+        )
     del init_method, store, group_name  # how processes meet: the launch has already met its ranks
 
 

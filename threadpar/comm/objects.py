@@ -3,29 +3,41 @@
 As torch does, each object is pickled into a uint8 tensor on the rank's device and sent with the group's
 tensor collectives: the sizes first (so every member can pad to the longest), then the bytes. Receivers get
 unpickled copies, never the sender's own objects. Only pickle what the ranks of your own program produced.
+`weights_only=True` (torch 2.14's parameter; the functions take the installed torch's parameters:
+comm/torch_signatures.py) serializes with torch.save and loads with torch.load(weights_only=True), as torch's
+_object_to_tensor / _tensor_to_object do (torch/distributed/distributed_c10d.py).
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from threadpar.comm import torch_args
 from threadpar.comm.functional import GroupLike, get_group
 from threadpar.comm.group import ProcessGroup
 from threadpar.comm.rank_groups import current_groups
+from threadpar.comm.torch_signatures import follows
 from threadpar.errors import ConfigError
 
 
-def _encode(obj: Any, device: torch.device) -> torch.Tensor:
-    data = pickle.dumps(obj)
+def _encode(obj: Any, device: torch.device, weights_only: bool = False) -> torch.Tensor:
+    if weights_only:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
+    else:
+        data = pickle.dumps(obj)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)  # [len(data)]
 
 
-def _decode(data: torch.Tensor) -> Any:
-    return pickle.loads(data.cpu().numpy().tobytes())
+def _decode(data: torch.Tensor, weights_only: bool = False) -> Any:
+    raw = data.cpu().numpy().tobytes()
+    return torch.load(io.BytesIO(raw), weights_only=True) if weights_only else pickle.loads(raw)
 
 
 def _padded(data: torch.Tensor, length: int) -> torch.Tensor:
@@ -49,25 +61,30 @@ def _check_list(op: str, what: str, objects: object, size: int) -> list:
     return objects
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: GroupLike = None) -> None:
+@follows(dist.all_gather_object)
+def all_gather_object(
+    object_list: list[Any], obj: Any, group: GroupLike = None, weights_only: bool = False
+) -> None:
     """object_list[i] = member i's `obj` (object_list must have one entry per member)."""
     pg = get_group(group)
     _check_list("all_gather_object", "object_list", object_list, pg.size())
-    data = _encode(obj, current_groups().device)
+    data = _encode(obj, current_groups().device, weights_only)
     sizes = _sizes(pg, data)
     longest = max(sizes)
     rows = torch.empty(pg.size() * longest, dtype=torch.uint8, device=data.device)
     pg.all_gather_into_tensor(rows, _padded(data, longest))
     for i, n in enumerate(sizes):
-        object_list[i] = _decode(rows[i * longest : i * longest + n])
+        object_list[i] = _decode(rows[i * longest : i * longest + n], weights_only)
 
 
+@follows(dist.broadcast_object_list)
 def broadcast_object_list(
     object_list: list[Any],
     src: int | None = None,
     group: GroupLike = None,
     device: torch.device | None = None,
     group_src: int | None = None,
+    weights_only: bool = False,
 ) -> None:
     """Every member's object_list becomes the source's (same length on every member). `device`: where the
     bytes travel; it must be the rank's device (the default)."""
@@ -81,7 +98,7 @@ def broadcast_object_list(
         )
     sizes = torch.empty(len(object_list), dtype=torch.int64, device=here)
     if pg.global_rank == root:
-        parts = [_encode(o, here) for o in object_list]
+        parts = [_encode(o, here, weights_only) for o in object_list]
         sizes.copy_(torch.tensor([p.numel() for p in parts], dtype=torch.int64))
     pg.broadcast(sizes, root)
     counts = sizes.tolist()
@@ -93,15 +110,17 @@ def broadcast_object_list(
     pg.broadcast(data, root)
     if pg.global_rank != root:
         for i, piece in enumerate(data.split(counts)):
-            object_list[i] = _decode(piece)
+            object_list[i] = _decode(piece, weights_only)
 
 
+@follows(dist.gather_object)
 def gather_object(
     obj: Any,
     object_gather_list: list[Any] | None = None,
     dst: int | None = None,
     group: GroupLike = None,
     group_dst: int | None = None,
+    weights_only: bool = False,
 ) -> None:
     """On the destination (global rank 0 when neither `dst` nor `group_dst`), object_gather_list[i] =
     member i's `obj`; the other members pass None."""
@@ -115,7 +134,7 @@ def gather_object(
             f"gather_object: only the destination rank {root} passes object_gather_list; "
             f"rank {pg.global_rank} passed one (pass None)"
         )
-    data = _encode(obj, current_groups().device)
+    data = _encode(obj, current_groups().device, weights_only)
     sizes = _sizes(pg, data)
     longest = max(sizes)
     rows = None
@@ -125,15 +144,17 @@ def gather_object(
     if rows is not None:
         assert object_gather_list is not None  # checked above: the destination passes the list
         for i, (row, n) in enumerate(zip(rows, sizes)):
-            object_gather_list[i] = _decode(row[:n])
+            object_gather_list[i] = _decode(row[:n], weights_only)
 
 
+@follows(dist.scatter_object_list)
 def scatter_object_list(
     scatter_object_output_list: list[Any],
     scatter_object_input_list: list[Any] | None = None,
     src: int | None = None,
     group: GroupLike = None,
     group_src: int | None = None,
+    weights_only: bool = False,
 ) -> None:
     """scatter_object_output_list[0] = the source's scatter_object_input_list[this member's group rank]; the
     source is global rank 0 when neither `src` nor `group_src`."""
@@ -151,7 +172,7 @@ def scatter_object_list(
         inputs = _check_list(
             "scatter_object_list", "scatter_object_input_list", scatter_object_input_list, pg.size()
         )
-        parts = [_encode(o, here) for o in inputs]
+        parts = [_encode(o, here, weights_only) for o in inputs]
         longest = max(p.numel() for p in parts)
         header.copy_(torch.tensor([longest, *(p.numel() for p in parts)], dtype=torch.int64))
         rows = [_padded(p, longest) for p in parts]
@@ -164,4 +185,4 @@ def scatter_object_list(
     longest, *sizes = header.tolist()
     mine = torch.empty(longest, dtype=torch.uint8, device=here)
     pg.scatter(mine, rows, root)
-    scatter_object_output_list[0] = _decode(mine[: sizes[pg.rank()]])
+    scatter_object_output_list[0] = _decode(mine[: sizes[pg.rank()]], weights_only)

@@ -25,6 +25,7 @@ from torch import nn
 
 from threadpar.errors import ConfigError
 from threadpar.parallel.scatter_gather import gather, scatter_kwargs
+from threadpar.runtime.intraop import set_thread_intraop_threads
 
 DeviceIds = int | Sequence[int | str | torch.device] | None
 
@@ -138,7 +139,7 @@ def parallel_apply(
         try:
             device = devices[k]
             if device.type == "cpu":
-                torch.set_num_threads(threads_each)
+                set_thread_intraop_threads(threads_each)
             elif device.type == "cuda":
                 torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad_enabled), contextlib.ExitStack() as stack:

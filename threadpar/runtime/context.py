@@ -16,6 +16,7 @@ from threadpar.comm import rank_groups
 from threadpar.comm.common.gpu import is_gpu, set_current_device
 from threadpar.comm.common.worker import CommWorker
 from threadpar.errors import NotInRankError
+from threadpar.runtime.intraop import set_thread_intraop_threads
 from threadpar.runtime.param_table import ParamTable
 from threadpar.runtime.rank_cores import pin_calling_thread
 from threadpar.runtime.rng import derive_seed, make_generator
@@ -48,7 +49,7 @@ class RankContext:
         _local.ctx = self
         rank_groups.bind(self.groups)
         pin_calling_thread(self.world.rank_cpus)
-        torch.set_num_threads(self.world.intraop_threads)
+        set_thread_intraop_threads(self.world.intraop_threads)
         if is_gpu(self.device):
             set_current_device(self.device)
 

@@ -15,7 +15,9 @@ The setting:
 - None ("auto", the default): on CPU, a process that runs two or more rank threads packs them onto one
   core (the ranks are CPU stand-ins for GPUs, used for tests, notebooks and the demo: small ops); CUDA
   ranks stay where the OS puts them (unmeasured on a GPU, and CUDA's default spin-wait while a sync
-  waits would take the shared core from the other ranks' Python);
+  waits would take the shared core from the other ranks' Python); and without a GIL (free-threaded
+  CPython with the GIL off: `sys._is_gil_enabled()`) nothing is packed, since there is no convoy to
+  avoid and the ranks' Python runs in parallel (`python -m benchmarks.free_threading --demo`);
 - "all": every core the process may use (no pinning): for CPU ranks that do heavy math;
 - an int k: the rank threads share k cores.
 
@@ -28,6 +30,7 @@ pinned (threads they start inherit it); the launching thread is left as it was.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
 from threadpar.errors import ConfigError
@@ -59,6 +62,13 @@ def allowed_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def gil_enabled() -> bool:
+    """Whether this interpreter runs Python one thread at a time: always on a GIL build; on a free-threaded
+    build unless a module that needs the GIL switched it back on (or PYTHON_GIL=1)."""
+    is_enabled = getattr(sys, "_is_gil_enabled", None)  # CPython 3.13+
+    return True if is_enabled is None else bool(is_enabled())
+
+
 def current_cpu() -> int | None:
     """The core the calling thread is running on now (Linux: /proc/thread-self/stat, field 39), or None."""
     try:
@@ -86,7 +96,7 @@ def choose_rank_cpus(
     if setting == ALL:
         return None
     if setting is None:
-        if not on_cpu or threads < 2 or not can_pin():
+        if not on_cpu or threads < 2 or not can_pin() or not gil_enabled():
             return None
         k = 1
     else:

@@ -44,6 +44,14 @@ def _asynchronous(opts: Any) -> bool:
     return opts is None or bool(getattr(opts, "asyncOp", True))
 
 
+def premul_factor(reduce_op: Any) -> float | torch.Tensor:
+    """The factor of a PREMUL_SUM ReduceOp (`dist._make_nccl_premul_sum(factor)`: a float or a one-element
+    tensor). Read from the op's pickled state, `(RedOpType.PREMUL_SUM, factor)`, which every supported torch
+    gives (ReduceOp's py::pickle in torch/csrc/distributed/c10d/init.cpp); the `factor` attribute exists
+    only from torch 2.13 on."""
+    return reduce_op.__getstate__()[1]
+
+
 class _Op:
     """A c10d ReduceOp read once: threadpar's op (None if threadpar has none), the name, PREMUL_SUM's factor."""
 
@@ -52,7 +60,7 @@ class _Op:
     def __init__(self, reduce_op: Any) -> None:
         kind = getattr(reduce_op, "op", reduce_op)  # a c10d ReduceOp holds its RedOpType in .op
         self.name = str(getattr(kind, "name", kind)).rsplit(".", 1)[-1].upper()
-        self.factor = getattr(reduce_op, "factor", None) if self.name == "PREMUL_SUM" else None
+        self.factor = premul_factor(reduce_op) if self.name == "PREMUL_SUM" else None
         try:
             self.native: ReduceOp | None = ReduceOp.parse("SUM" if self.factor is not None else self.name)
         except ConfigError:

@@ -137,7 +137,7 @@ class Rendezvous:
         `timeout`, else the group's).
         """
         slot = self._deposit(member, seq, call, payload)
-        target, waiter = self._enter(slot, member, seq, leader, final=True, check=True)
+        target, waiter = self._enter(slot, member, seq, leader, final=True, check=True, release_all=True)
         return Arrival(self, slot, member, seq, target, waiter, self._timeout if timeout is None else timeout)
 
     def sync(
@@ -181,13 +181,23 @@ class Rendezvous:
     def _barrier(
         self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool, timeout: float | None
     ) -> None:
-        target, waiter = self._enter(slot, member, seq, leader, final, check)
+        target, waiter = self._enter(slot, member, seq, leader, final, check, release_all=False)
         if waiter is not None:
             self._wait(slot, member, seq, target, waiter, self._timeout if timeout is None else timeout)
+        if final or slot.finished or slot.error is not None:
+            # Past the last barrier nobody reads this member's tensors: it lets go of its own payload itself.
+            # Released by another thread, a payload made on this member's comm worker would be freed, on
+            # free-threaded CPython, only when that worker next runs Python (biased reference counting: an
+            # object is freed by the thread that made it; DESIGN.md rule 10), keeping the tensors alive.
+            # (Each member writes only its own entries: single list-item stores.)
+            slot.payloads[member] = None
+            slot.shared[member] = None
 
-    def _enter(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool):
+    def _enter(self, slot: Slot, member: int, seq: int, leader, final: bool, check: bool, release_all: bool):
         """Reach the slot's next barrier; the last member runs the leader and releases the others.
-        Returns (barrier number, this member's locked waiter, or None for the last member)."""
+        Returns (barrier number, this member's locked waiter, or None for the last member). `release_all`:
+        at the last barrier the last member lets go of every member's payload (posting members may never
+        wait: `post`); otherwise each member lets go of its own (`_barrier`)."""
         with self._lock:
             target = slot.phase + 1
             slot.reached[member] = target
@@ -209,10 +219,11 @@ class Rendezvous:
                 slot.phase = target
                 if final or slot.finished or slot.error is not None:
                     del self._slots[seq]
-                    # Nobody reads the members' tensors after the last barrier: let go of them now, or
-                    # every Arrival (an nccl Work's) would keep all members' payloads alive.
-                    slot.payloads = [None] * self.size
-                    slot.shared = [None] * self.size
+                    if release_all:
+                        # Nobody reads the members' tensors after the last barrier: let go of them now, or
+                        # every Arrival (an nccl Work's) would keep all members' payloads alive.
+                        slot.payloads = [None] * self.size
+                        slot.shared = [None] * self.size
                 waiters, slot.waiters = slot.waiters, []
         if last:
             for w in waiters:

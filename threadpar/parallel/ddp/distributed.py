@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from threadpar.comm.group import ProcessGroup
+from threadpar.comm.torch_signatures import follows
 from threadpar.errors import ConfigError
 from threadpar.parallel.clip_grad.placement import grad_placements_of
 from threadpar.parallel.ddp import torch_options
@@ -96,8 +97,9 @@ def _check_same_structure(module: nn.Module, group: ProcessGroup) -> None:
 class DistributedDataParallel(nn.Module):
     """Data parallelism between rank threads; see the module docstring.
 
-    The parameters are torch's DistributedDataParallel's, in torch's order (tests/test_torch_signatures.py);
-    threadpar's own come after them, keyword-only. device_ids=[i] (the tutorial's line) is accepted on a CUDA
+    The parameters are the installed torch's DistributedDataParallel's, in torch's order (2.12 has no
+    forward_sync_buffers and defaults broadcast_buffers to True: comm/torch_signatures.py,
+    tests/test_torch_signatures.py); threadpar's own come after them, keyword-only. device_ids=[i] (the tutorial's line) is accepted on a CUDA
     rank whose device is cuda:i, and then forward moves tensor inputs there, as torch does; a CPU module
     takes device_ids=None, as in torch (torch_options.py). init_sync=False skips the check that every rank
     wrapped the same structure and the first copy of rank 0's parameters and buffers.
@@ -118,6 +120,7 @@ class DistributedDataParallel(nn.Module):
     was about 5% faster in benchmarks/ddp.py on 2 cores.
     """
 
+    @follows(torch.nn.parallel.DistributedDataParallel.__init__, method=True)
     def __init__(
         self,
         module: nn.Module,
@@ -170,7 +173,7 @@ class DistributedDataParallel(nn.Module):
         self.output_device = None if self.device_ids is None else self.device_ids[0]
         self.dim = dim
         self.static_graph = static_graph
-        if broadcast_buffers is None:  # torch 2.13: None is True, and forward_sync_buffers overrides it
+        if broadcast_buffers is None:  # torch 2.13+: None is True, and forward_sync_buffers overrides it
             broadcast_buffers = True
         if forward_sync_buffers is not None:
             broadcast_buffers = forward_sync_buffers
