@@ -126,8 +126,9 @@ def test_a_cuda_error_seen_by_a_done_event_becomes_an_ncclerror():
 
 
 def test_a_mismatched_call_is_named_by_its_rank_which_never_issues_it():
-    """The call each later member compares with is the first member's to arrive (comm/common/call_ledger.py):
-    rank 1 comes after rank 0 has issued its call, so rank 1's is the one that differs."""
+    """The minority is named whatever the order (comm/common/mismatch.py); who never issues its call depends on
+    it: a member that finds its call differs raises before NCCL sees it, while a slot's first entrant issues at
+    once (comm/common/call_ledger.py). So rank 1 comes after rank 0 has issued, and NCCL never sees its call."""
     fake = FakeCuda()
     issued = threading.Event()
 
