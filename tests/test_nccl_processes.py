@@ -54,6 +54,10 @@ class CopyLog:
             self.test_syncs += 1
         self.fake.copy(dst, src, what, sync, index)
 
+    def __getattr__(self, name: str):
+        """Everything else is its FakeCuda's (sim_gpu checks device ops against the bound model's streams)."""
+        return getattr(self.fake, name)
+
 
 def with_copy_log(fakes, fn):
     """`fn` on a rank thread, its copies logged: returns (fn's result, the thread's CopyLog)."""

@@ -40,7 +40,7 @@ def on_shared_gpus(monkeypatch, gpus):
     def run(body, world_size=None, **layout):
         world_size = world_size if world_size is not None else torch_dist_suite.P
         layout.pop("devices", None), layout.pop("timeout", None)
-        return run_shared_fake_gpu(body, world_size, gpus=gpus, **layout)
+        return to_host(run_shared_fake_gpu(body, world_size, gpus=gpus, **layout))  # (compared on the host)
 
     def point(module, name="run_ranks"):
         monkeypatch.setattr(module, name, run)

@@ -185,45 +185,59 @@ def check_large(spec=None) -> int:
 
 
 def check_p2p() -> int:
-    """Messages between every pair of ranks (across processes and within), on the world and a sub-group."""
+    """Messages between every pair of ranks (across processes and within), on the world and a sub-group.
+
+    Stream-ordered like a GPU program must be: every message is on the device before the first send, and every
+    receive is posted before the first host read. On nccl a send makes the caller's stream wait for it, as
+    torch's ProcessGroupNCCL does (its Work waited on the current stream), and it completes only with its
+    receive; so a host copy after a send waits for the receiver, which may itself wait on the host."""
     rank, world, dev, checks = threadpar.get_rank(), threadpar.get_world_size(), threadpar.get_device(), 0
+    outgoing = []  # (tensor, dst, tag)
     for dst in range(world):
         if dst != rank:
             for i, dtype in enumerate(COPY_DTYPES):
-                threadpar.send(_on_device(_input(rank, 1000 * dst + i, (2, 3), dtype)), dst=dst, tag=i)
-            threadpar.send(torch.tensor(float(rank), device=dev), dst=dst, tag=99)  # 0-d
-            threadpar.send(torch.empty(0, 4, device=dev), dst=dst, tag=98)  # empty
+                outgoing.append((_on_device(_input(rank, 1000 * dst + i, (2, 3), dtype)), dst, i))
+            outgoing.append((torch.tensor(float(rank), device=dev), dst, 99))  # 0-d
+            outgoing.append((torch.empty(0, 4, device=dev), dst, 98))  # empty
             for k in range(3):  # one source, one tag: arrive in order
-                threadpar.send(torch.tensor([k, rank], device=dev), dst=dst, tag=7)
-    for src in range(world):
-        if src != rank:
-            for i, dtype in enumerate(COPY_DTYPES):
-                got = threadpar.get_group().recv_tensor(src, tag=i)
-                assert got.device == dev and got.dtype == dtype
-                assert torch.equal(got.cpu(), _input(src, 1000 * rank + i, (2, 3), dtype))
-            t = torch.empty((), device=dev)
-            assert threadpar.recv(t, src=src, tag=99) == src and t.item() == float(src)
-            work = threadpar.irecv(torch.empty(0, 4, device=dev), src=src, tag=98)
-            work.wait()
-            for k in range(3):
-                t = torch.empty(2, dtype=torch.int64, device=dev)
-                threadpar.recv(t, src=src, tag=7)
-                assert t.tolist() == [k, src]
-            checks += len(COPY_DTYPES) + 5
-    # any-source receives, and a sub-group whose tags do not mix with the world's
+                outgoing.append((torch.tensor([k, rank], device=dev), dst, 7))
     dp = threadpar.get_group("DP")
     peers = [r for r in dp.ranks if r != rank]
+    tagged = [torch.tensor([rank, which], device=dev) for which in (1, 2)]  # (the sub-group's, below)
+    for tensor, dst, tag in outgoing:
+        threadpar.send(tensor, dst=dst, tag=tag)
+    received = {}  # src -> (tensors of unknown shape, the 0-d, the empty one's Work, the ordered three)
+    for src in range(world):
+        if src != rank:
+            typed = [threadpar.get_group().recv_tensor(src, tag=i) for i in range(len(COPY_DTYPES))]
+            scalar = torch.empty((), device=dev)
+            assert threadpar.recv(scalar, src=src, tag=99) == src
+            empty = threadpar.irecv(torch.empty(0, 4, device=dev), src=src, tag=98)
+            ordered = [torch.empty(2, dtype=torch.int64, device=dev) for _ in range(3)]
+            for t in ordered:
+                threadpar.recv(t, src=src, tag=7)
+            received[src] = typed, scalar, empty, ordered
+    # any-source receives, and a sub-group whose tags do not mix with the world's
     for peer in peers:
-        dp.send(torch.tensor([rank, 1], device=dev), dst=peer, tag=5)
-        threadpar.send(torch.tensor([rank, 2], device=dev), dst=peer, tag=5)
-    t = torch.empty(2, dtype=torch.int64, device=dev)
+        dp.send(tagged[0], dst=peer, tag=5)
+        threadpar.send(tagged[1], dst=peer, tag=5)
+    anywhere = []  # (group's mark, source, tensor)
     for group, which in ((dp, 1), (threadpar.get_group(), 2)):
-        seen = set()
         for _ in peers:
-            src = group.recv(t, src=None, tag=5)
-            assert t.tolist() == [src, which]
-            seen.add(src)
-        assert seen == set(peers)
+            t = torch.empty(2, dtype=torch.int64, device=dev)
+            anywhere.append((which, group.recv(t, src=None, tag=5), t))
+    for src, (typed, scalar, empty, ordered) in received.items():  # (host reads from here on)
+        for i, (got, dtype) in enumerate(zip(typed, COPY_DTYPES)):
+            assert got.device == dev and got.dtype == dtype
+            assert torch.equal(got.cpu(), _input(src, 1000 * rank + i, (2, 3), dtype))
+        assert scalar.item() == float(src)
+        empty.wait()
+        assert [t.tolist() for t in ordered] == [[k, src] for k in range(3)]
+        checks += len(COPY_DTYPES) + 5
+    for which in (1, 2):
+        sources = [src for w, src, t in anywhere if w == which]
+        assert sorted(sources) == sorted(peers)
+        assert all(t.tolist() == [src, which] for w, src, t in anywhere if w == which)
     threadpar.barrier()
     return checks + 2
 

@@ -296,17 +296,30 @@ class NcclPointToPoint:
             )
         expected.pop(0)
         pair = self._captured_pair(member, dst)
+        device, done = self.devices[member], queued.done
+        self._join_at_end(pair.send_stream, device)
         self._issue_send(pair, queued)  # (the pair's stream waits for `ready`: it joins the capture there)
         self._cuda.record_stream(data, pair.send_stream)
-        device, done = self.devices[member], queued.done
-        if not async_op:  # (no snapshot: the caller's stream waits for the send, as eagerly; that joins it)
+        if not async_op:  # (no snapshot: the caller's stream waits for the send, as eagerly)
             self._cuda.current_stream(device).wait_event(done)
             return None
-        graph_capture.at_end(lambda: self._cuda.current_stream(device).wait_event(done))
         return NcclWork(
             f"isend to rank {self.ranks[dst]} (tag {tag}, group '{self.name}')",
             cuda=self._cuda, device=device, abort=self._abort, timeout=self._timeout, done=done, comm=pair.send,
         )  # fmt: skip
+
+    def _join_at_end(self, stream: Any, device: torch.device) -> None:
+        """`stream` forks from the capture next: the caller's stream waits for all of its captured work before the
+        capture ends. Registered before the fork, so that a failure between the fork and the op's own event (a
+        launch aborted by a peer's error) still ends the capture joined, not in CUDA's unjoined-fork error 904
+        (which would replace the step's error and leave the allocator's capture underway)."""
+
+        def join() -> None:
+            joined = self._cuda.event()
+            joined.record(stream)
+            self._cuda.current_stream(device).wait_event(joined)
+
+        graph_capture.at_end(join)
 
     def _captured_pair(self, member: int, peer: int) -> Pair:
         """The pair's communicators in a capture: made since the warm-up (the first message between two members
@@ -406,12 +419,11 @@ class NcclPointToPoint:
             if script.begin is None:  # (a capture without a start event: fork here)
                 script.begin = self._cuda.event()
                 script.begin.record(self._cuda.current_stream(device))
+            self._join_at_end(pair.recv_stream, device)
             pair.recv_stream.wait_event(script.begin)  # (joins the capture: graph_capture.Script.begin)
             for header in headers:
                 received = self._post_recv(member, src, header)
                 script.posted.setdefault((self, member, src, header.tag), []).append(received)
-            last = received.done
-            graph_capture.at_end(lambda: self._cuda.current_stream(device).wait_event(last))
         buffer, done = waiting.pop(0)
         stream = self._cuda.current_stream(self.devices[member])
         stream.wait_event(done)
