@@ -166,6 +166,36 @@ def test_a_rank_that_does_not_come_is_named_by_the_watchdog():
         run_fake_gpus(body, 2, FakeCuda(), timeout=0.3)
 
 
+def test_the_watchdog_names_a_late_rank_while_a_thread_holds_its_device_lock_in_nccl():
+    """A connector inside a blocking NCCL call that waits for a peer holds its device's lock, for ever if the
+    peer's process died (issue 37, item 3). The watchdog, the process's one, must not wait with it: it looks at
+    that device on a later tick, and meanwhile still names the rank that never issued its call."""
+    fake, stuck, released, held_out = FakeCuda(), threading.Event(), threading.Event(), []
+
+    def hold() -> None:  # (the stuck connector)
+        with fake.device_locks.lock(0):
+            stuck.set()
+            if not released.wait(20):
+                held_out.append(True)
+
+    def body():
+        threadpar.all_reduce(ones(1))  # (the communicators exist)
+        if threadpar.get_rank() == 1:
+            assert stuck.wait(10)
+            threadpar.all_reduce(ones(1))  # rank 0 never issues it
+        else:
+            threading.Thread(target=hold, daemon=True).start()
+            try:
+                while True:  # the launch's stop ends this
+                    time.sleep(0.01)
+            finally:
+                released.set()
+
+    with pytest.raises(CollectiveTimeoutError, match=r"all_reduce.*#2 on group 'WORLD'.*ranks \[0\] did not"):
+        run_fake_gpus(body, 2, fake, timeout=0.5)
+    assert not held_out  # (named while the lock was held, not after the holder gave up)
+
+
 def test_nccl_on_a_torch_without_nccl_says_so():
     from threadpar.runtime.world import World
 

@@ -156,19 +156,29 @@ class NcclComm:
         return code
 
     # the watchdog, the end of a launch ---------------------------------------------------------------------------
-    def async_error(self) -> str | None:
+    def async_error(self, wait_s: float | None = None) -> str | None:
         """What ncclCommGetAsyncError reports, or None if all is well (also once the handle is gone: its
-        operations were ended on purpose, and whoever ended them reported why)."""
-        with self.lock:
+        operations were ended on purpose, and whoever ended them reported why). `wait_s`: the longest wait for
+        the device's lock (None: no bound); a lock that does not come reads as nothing to report yet."""
+        if not self.lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            return None
+        try:
             if self._freed is not None:
                 return None
             return async_error_text(self.nccl, self.raw)
+        finally:
+            self.lock.release()
 
-    def take_progress(self) -> tuple[int, set[Any]]:
-        """(operations issued so far, the streams used since the last call): the watchdog's view."""
-        with self.lock:
+    def take_progress(self, wait_s: float | None = None) -> tuple[int, set[Any]] | None:
+        """(operations issued so far, the streams used since the last call): the watchdog's view; None if the
+        device's lock did not come within `wait_s` (None: no bound)."""
+        if not self.lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            return None
+        try:
             used, self.streams_used = self.streams_used, set()
             return self.issued, used
+        finally:
+            self.lock.release()
 
     def abort(self, reason: str, timeout: float | None = None) -> bool:
         """ncclCommAbort: ends the operations still queued or running and frees the communicator (nccl.h).

@@ -52,6 +52,10 @@ Issue = Callable[[Any], None]
 # How long the watchdog waits for a device's launch lock before it leaves that device's communicators
 # unaborted (a connector stuck in a blocking NCCL call holds it; aborting meanwhile is unsafe: comm.py).
 ABORT_LOCK_WAIT_S = 5.0
+# How long a tick waits for a device's launch lock before it leaves that device's look to the next tick: a rank
+# in a long launch, or a connector in a blocking NCCL call that waits for a peer (for ever, if the peer's
+# process died), holds it; the watchdog, shared by every group of the process, must not wait with them.
+LOCK_WAIT_S = 0.01
 # How long a member whose call differs waits for the other members' calls, so that its error names the
 # minority whatever the arrival order (call_ledger.py); it never issues, so no peer waits for it meanwhile.
 MISMATCH_WAIT_S = 2.0
@@ -348,7 +352,7 @@ class NcclGroup(NcclCollectives, NcclPointToPoint, NcclExchange):
     def _watch_errors(self) -> None:
         for member in self.local:
             comm = self._comms[member]
-            message = None if comm is None else comm.async_error()
+            message = None if comm is None else comm.async_error(LOCK_WAIT_S)
             if message is not None:
                 self._fail(
                     member,
@@ -400,7 +404,10 @@ class NcclGroup(NcclCollectives, NcclPointToPoint, NcclExchange):
                     ),
                 )
                 return
-            issued, streams = comm.take_progress()
+            progress = comm.take_progress(LOCK_WAIT_S)
+            if progress is None:  # (the device is busy: the next tick looks again)
+                continue
+            issued, streams = progress
             if issued > self._probed[member]:
                 self._probed[member] = issued
                 for stream in streams:
@@ -460,7 +467,7 @@ class NcclGroup(NcclCollectives, NcclPointToPoint, NcclExchange):
         may never have issued its part); what it has not run, if anything."""
         probes = [p for member in self.local for p in self._probes[member]]
         for comm in comms:
-            issued, streams = comm.take_progress()
+            issued, streams = comm.take_progress()  # type: ignore[misc]  # (no bound: never None)
             for stream in streams:
                 event = self._cuda.event()
                 event.record(stream)
