@@ -464,6 +464,62 @@ def stream_waits_for_peer() -> dict[str, Any]:
 
 
 @fact(gpus=2)
+def launch_order() -> dict[str, Any]:
+    """Run with NCCL_RUNTIME_CONNECT=0. Rank 0 issues #1 on a stream that first sleeps a second and #2 on an idle
+    stream; rank 1 issues them on two idle streams. #2 still ends after the sleep: a communicator's launches run in
+    issue order (src/enqueue.cc, ncclLaunchPrepare waits on the communicator's deviceStream), measured on the
+    device's clock."""
+    from threadpar.comm.nccl.library import SUM
+
+    lib = _nccl()
+    comms = lib.comm_init_all([0, 1])
+    xs = [[torch.ones(2, device=f"cuda:{r}") for _ in range(2)] for r in range(2)]
+    streams = [[torch.cuda.Stream(device=r) for _ in range(2)] for r in range(2)]
+    slept, second_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.device(0):
+        with torch.cuda.stream(streams[0][0]):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            slept.record()
+        lib.all_reduce(xs[0][0], xs[0][0], SUM, comms[0], streams[0][0])
+        lib.all_reduce(xs[0][1], xs[0][1], SUM, comms[0], streams[0][1])
+        second_done.record(streams[0][1])
+    with torch.cuda.device(1):
+        for k in range(2):
+            lib.all_reduce(xs[1][k], xs[1][k], SUM, comms[1], streams[1][k])
+    for rank in streams:
+        for s in rank:
+            s.synchronize()
+    return {
+        "sleep_to_second_ms": slept.elapsed_time(second_done),
+        "values": [[x.tolist() for x in r] for r in xs],
+    }
+
+
+@fact(gpus=2)
+def abort_ends_kernels() -> dict[str, Any]:
+    """Run with NCCL_RUNTIME_CONNECT=0. Rank 0's all_reduce waits for rank 1, which never issues; ncclCommAbort of
+    rank 0's communicator ends its kernel, and its stream goes on."""
+    from threadpar.comm.nccl.library import SUM
+
+    lib = _nccl()
+    comms = lib.comm_init_all([0, 1])
+    x = torch.ones(2, device="cuda:0")
+    stream = torch.cuda.Stream(device=0)
+    with torch.cuda.device(0):
+        lib.all_reduce(x, x, SUM, comms[0], stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    time.sleep(0.5)
+    pending = not done.query()
+    lib.comm_abort(comms[0])
+    finished = threading.Event()
+    threading.Thread(target=lambda: (done.synchronize(), finished.set()), daemon=True).start()
+    ended = finished.wait(60)
+    lib.comm_abort(comms[1])
+    return {"pending_before_abort": pending, "stream_went_on": ended}
+
+
+@fact(gpus=2)
 def first_collective_connects() -> dict[str, Any]:
     """Run with NCCL_RUNTIME_CONNECT unset (NCCL >= 2.22 connects a collective's algorithm at first use)."""
     from threadpar.comm.nccl.library import SUM

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -81,13 +82,16 @@ def test_a_blocking_init_whose_peer_never_joins_waits_for_ever():
     gpus_or_skip(1)
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "blocking_init_waits"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(),
     )  # fmt: skip
     lines: queue.SimpleQueue[str] = queue.SimpleQueue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     try:
-        started = json.loads(lines.get(timeout=120))
-        assert started == {"fact": "blocking_init_waits", "started": True}, started
+        seen = []
+        while {"fact": "blocking_init_waits", "started": True} not in seen:
+            line = lines.get(timeout=120)  # (torch and NCCL start within seconds)
+            seen.append(json.loads(line) if line.startswith("{") else line)
+            assert proc.poll() is None or not lines.empty(), f"the process ended early: {seen}"
         with pytest.raises(subprocess.TimeoutExpired):
             proc.wait(timeout=HANG_S)
     finally:
@@ -108,6 +112,19 @@ def test_a_collective_returns_at_once_and_its_stream_waits_for_the_peer():
     seen = observed(run_facts("stream_waits_for_peer", NCCL_RUNTIME_CONNECT="0"), "stream_waits_for_peer")
     assert seen["returned_alone"] and seen["done_before_peer"] is False
     assert seen["values"] == [[3.0, 3.0], [3.0, 3.0]]
+
+
+def test_a_communicators_launches_run_in_issue_order_whatever_their_streams():
+    gpus_or_skip(2)
+    seen = observed(run_facts("launch_order", NCCL_RUNTIME_CONNECT="0"), "launch_order")
+    assert seen["sleep_to_second_ms"] > 0, seen  # the second launch waited for the first, behind the sleep
+    assert seen["values"] == [[[2.0, 2.0], [2.0, 2.0]], [[2.0, 2.0], [2.0, 2.0]]]
+
+
+def test_abort_ends_the_communicators_pending_kernel_and_its_stream_goes_on():
+    gpus_or_skip(2)
+    seen = observed(run_facts("abort_ends_kernels", NCCL_RUNTIME_CONNECT="0"), "abort_ends_kernels")
+    assert seen["pending_before_abort"] and seen["stream_went_on"]
 
 
 def test_a_first_collective_connects_blocking_the_host_until_the_peer_issues():
@@ -197,7 +214,8 @@ def test_the_current_device_is_per_thread(facts):
 
 def test_an_invalid_device_ordinal_is_refused(facts):
     error = observed(facts, "invalid_ordinal")["error"]
-    assert error is not None and "invalid device ordinal" in error, error
+    # (cudaSetDevice's cudaErrorInvalidDevice, "invalid device ordinal", unless torch checks the index first)
+    assert error is not None and re.search(r"invalid device( ordinal)?|device index", error), error
 
 
 def test_autocast_casts_as_the_double_does(facts):
