@@ -496,6 +496,60 @@ def launch_order() -> dict[str, Any]:
 
 
 @fact(gpus=2)
+def group_launches_at_end() -> dict[str, Any]:
+    """Run with NCCL_RUNTIME_CONNECT=0. Inside a group, rank 0's all_reduce is not on its stream yet: an event
+    recorded after it completes before rank 1 issues (a kernel launched at the call would wait for rank 1)."""
+    from threadpar.comm.nccl.library import SUM
+
+    lib = _nccl()
+    comms = lib.comm_init_all([0, 1])
+    xs = [torch.ones(2, device=f"cuda:{r}") for r in range(2)]
+    streams = [torch.cuda.Stream(device=r) for r in range(2)]
+    lib.group_start()
+    with torch.cuda.device(0):
+        lib.all_reduce(xs[0], xs[0], SUM, comms[0], streams[0])
+        inside = torch.cuda.Event()
+        inside.record(streams[0])
+    time.sleep(0.5)
+    done_inside = inside.query()
+    with torch.cuda.device(1):
+        lib.all_reduce(xs[1], xs[1], SUM, comms[1], streams[1])
+    lib.group_end()
+    for s in streams:
+        s.synchronize()
+    return {"event_inside_group_done": done_inside, "values": [x.tolist() for x in xs]}
+
+
+@fact(gpus=2)
+def send_waits_for_receive() -> dict[str, Any]:
+    """Connected by a grouped exchange first (point to point connects at first use); then rank 0's ncclSend
+    alone returns, and its stream waits until rank 1's ncclRecv runs."""
+    lib = _nccl()
+    comms = lib.comm_init_all([0, 1])
+    streams = [torch.cuda.Stream(device=r) for r in range(2)]
+    lib.group_start()
+    for r in range(2):
+        with torch.cuda.device(r):
+            lib.send(torch.ones(1, device=f"cuda:{r}"), 1 - r, comms[r], streams[r])
+            lib.recv(torch.empty(1, device=f"cuda:{r}"), 1 - r, comms[r], streams[r])
+    lib.group_end()
+    for s in streams:
+        s.synchronize()
+    sent, received = torch.full((4,), 7.0, device="cuda:0"), torch.zeros(4, device="cuda:1")
+    with torch.cuda.device(0):
+        lib.send(sent, 1, comms[0], streams[0])
+        done = torch.cuda.Event()
+        done.record(streams[0])
+    time.sleep(0.5)
+    done_before_receive = done.query()
+    with torch.cuda.device(1):
+        lib.recv(received, 0, comms[1], streams[1])
+    for s in streams:
+        s.synchronize()
+    return {"send_done_before_receive": done_before_receive, "received": received.tolist()}
+
+
+@fact(gpus=2)
 def abort_ends_kernels() -> dict[str, Any]:
     """Run with NCCL_RUNTIME_CONNECT=0. Rank 0's all_reduce waits for rank 1, which never issues; ncclCommAbort of
     rank 0's communicator ends its kernel, and its stream goes on."""

@@ -121,6 +121,19 @@ def test_a_communicators_launches_run_in_issue_order_whatever_their_streams():
     assert seen["values"] == [[[2.0, 2.0], [2.0, 2.0]], [[2.0, 2.0], [2.0, 2.0]]]
 
 
+def test_a_groups_operations_are_launched_at_its_end():
+    gpus_or_skip(2)
+    seen = observed(run_facts("group_launches_at_end", NCCL_RUNTIME_CONNECT="0"), "group_launches_at_end")
+    assert seen["event_inside_group_done"] is True
+    assert seen["values"] == [[2.0, 2.0], [2.0, 2.0]]
+
+
+def test_a_send_blocks_its_stream_until_the_receive_runs():
+    gpus_or_skip(2)
+    seen = observed(run_facts("send_waits_for_receive"), "send_waits_for_receive")
+    assert seen["send_done_before_receive"] is False and seen["received"] == [7.0] * 4
+
+
 def test_abort_ends_the_communicators_pending_kernel_and_its_stream_goes_on():
     gpus_or_skip(2)
     seen = observed(run_facts("abort_ends_kernels", NCCL_RUNTIME_CONNECT="0"), "abort_ends_kernels")

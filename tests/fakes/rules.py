@@ -114,9 +114,7 @@ RULES: tuple[Rule, ...] = (
         "fake_nccl.py: FakeNccl._queue, group_end",
         "usage/groups.html; src/group.cc (groupLaunch)",
         "tests/test_nccl_double.py::test_operations_of_a_group_launch_at_its_end",
-        None,
-        f"{_TWO_GPUS}: a world-1 collective runs at the call, not at the group end (src/enqueue.cc, taskAppend -> "
-        "ncclLaunchOneRank), so one GPU cannot show it",
+        f"{_GPU}::test_a_groups_operations_are_launched_at_its_end",
     ),
     Rule(
         "nccl-root-peer-range",
@@ -186,8 +184,16 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "nccl-send-waits-for-receive",
-        "a send blocks its stream until its receive runs; a send and a receive of one pair issued as two "
-        "launches in crossing orders wait for each other for ever",
+        "a send returns at once and blocks its stream until its receive runs",
+        "fake_device.py: _run_kernel (a P2pOp runs once both parts are at their streams' heads)",
+        "nccl.h (ncclSend: 'blocking for the GPU'); usage/p2p.html",
+        "tests/test_nccl_double.py::test_a_send_blocks_its_stream_until_the_receive_runs",
+        f"{_GPU}::test_a_send_blocks_its_stream_until_the_receive_runs",
+    ),
+    Rule(
+        "nccl-crossing-sends-hang",
+        "two ranks that each send, then receive, as separate launches on one communicator wait for each other "
+        "for ever",
         "fake_device.py: run_to (a cycle is a HangError)",
         "nccl.h; src/enqueue.cc (ncclLaunchPrepare: a communicator's launches run in issue order)",
         "tests/test_nccl_double.py::test_a_send_blocks_its_stream_until_the_receive_runs",
