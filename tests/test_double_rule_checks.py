@@ -8,6 +8,9 @@ import pytest
 import torch
 from fakes import sim_gpu, sim_gpu_streams
 from fakes.fake_cuda_nccl import STREAMS_PER_POOL, FakeCuda, FakeStream
+from fakes.fake_device import HangError
+from fakes.fake_device_index import bound_to
+from test_nccl_double import clique
 
 from threadpar.comm.nccl.library import SUM
 from threadpar.errors import NcclError
@@ -118,3 +121,27 @@ def test_the_double_refuses_blocking_and_nonblocking_communicators_in_one_group(
         nccl.group_end()
     nccl.comm_destroy(blocking)
     nccl.comm_abort(nonblocking)
+
+
+def test_the_last_destroy_of_a_clique_with_a_graph_alive_would_wait_for_ever():
+    """NCCL >= 2.26 (src/init.cc, commReclaim -> commDestroySync): the last destroy of a clique's communicators
+    in a process polls until every CUDA graph that captured work on them is destroyed; the double raises there.
+    With the graph reset first, the destroy returns."""
+    for reset_first in (False, True):
+        fake = FakeCuda(nccl_version=(2, 27, 3))
+        (comms,) = clique([fake], [[0, 1]])
+        x = torch.ones(2, device=gpu(0))
+        graph = fake.graph()
+        with bound_to(0), fake.capture(graph, FakeStream(fake, "side@gpu0", gpu(0)), ()):
+            fake.nccl.all_reduce(x, x, SUM, comms[0], fake.current_stream(gpu(0)))
+        if reset_first:
+            graph.reset()
+        with bound_to(0):
+            fake.nccl.comm_destroy(comms[0])  # (not the last: returns)
+        with bound_to(1):
+            if reset_first:
+                fake.nccl.comm_destroy(comms[1])
+                assert not fake.nccl.violations
+            else:
+                with pytest.raises(HangError, match=r"CUDA graph.*alive"):
+                    fake.nccl.comm_destroy(comms[1])

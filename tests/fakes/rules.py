@@ -299,7 +299,7 @@ RULES: tuple[Rule, ...] = (
         "captured work on it is destroyed",
         "fake_nccl.py: FakeNccl._reclaim",
         "src/init.cc (commReclaim -> commDestroySync, localPersistentRefs); src/enqueue.cc (reclaimPlan)",
-        "tests/test_cuda_graphs.py::test_a_graphed_steps_graph_is_reset_before_its_communicators_are_freed",
+        f"{_CHECKS}::test_the_last_destroy_of_a_clique_with_a_graph_alive_would_wait_for_ever",
         None,
         f"{_TWO_GPUS} (a world-1 collective makes no persistent plan: src/enqueue.cc, ncclLaunchOneRank); {_HANG}",
     ),
