@@ -48,17 +48,24 @@ def _env(**changes: str | None) -> dict[str, str]:
 
 
 def run_facts(*names: str, timeout: float = 240, **env: str | None) -> dict[str, dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *names],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env(**env),
-    )  # fmt: skip
-    records = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            records[record["fact"]] = record
-    missing = [n for n in names if n not in records]
-    assert not missing, f"no result for {missing} (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    """Each named fact's record; a fact whose process died inside it is recorded as failed (with the process's
+    stderr), and the facts after it run in a new process."""
+    records: dict[str, dict[str, Any]] = {}
+    remaining = list(names)
+    while remaining:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), *remaining],
+            cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env(**env),
+        )  # fmt: skip
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                records[record["fact"]] = record
+        left = [n for n in remaining if n not in records]
+        if left:  # (the process ended inside left[0])
+            why = f"its process ended inside it (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+            records[left[0]] = {"fact": left[0], "ok": False, "error": why}
+        remaining = left[1:]
     return records
 
 
