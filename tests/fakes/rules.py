@@ -136,11 +136,12 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "nccl-data-types",
-        "a dtype without an ncclDataType_t is refused before NCCL is called (bfloat16 from 2.10, fp8 from 2.24; "
-        "bool moves as uint8)",
-        "fake_nccl.py: FakeNccl._check_buffers",
+        "a dtype without an ncclDataType_t (a complex one) is refused before NCCL is called (bfloat16 only from "
+        "2.10; bool moves as uint8). (The double also refuses uint32, uint64 and fp8, which NCCL has: nccl.h, fp8 "
+        "from 2.24)",
+        "fake_nccl.py: FakeNccl._check_buffers (NCCL_DTYPES)",
         "nccl.h (ncclDataType_t); threadpar/comm/nccl/library.py: data_type",
-        "tests/test_nccl_per_thread.py::test_nccl_data_types_follow_the_header_of_the_running_version",
+        f"{_MORE}::test_a_dtype_nccl_has_no_type_for_is_refused_before_the_call[double]",
         f"{_MORE}::test_a_dtype_nccl_has_no_type_for_is_refused_before_the_call[nccl]",
     ),
     Rule(
@@ -258,8 +259,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "nccl-nonblocking-ready",
-        "a nonblocking communicator is ncclInProgress until every rank joined, and a call before it reports "
-        "ncclSuccess is ncclInvalidArgument",
+        "a nonblocking communicator (ncclCommInitRankConfig, 2.14+) is ncclInProgress until every rank joined, "
+        "and a call before it reports ncclSuccess is ncclInvalidArgument",
         "fake_nccl.py: FakeNccl.comm_init_rank_config, _check_ready",
         "src/init.cc (ncclCommEnsureReady: 'Attempt to use communicator before the previous operation returned "
         "ncclSuccess')",
