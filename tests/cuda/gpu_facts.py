@@ -523,7 +523,9 @@ def group_launches_at_end() -> dict[str, Any]:
 @fact(gpus=2)
 def send_waits_for_receive() -> dict[str, Any]:
     """Connected by a grouped exchange first (point to point connects at first use); then rank 0's ncclSend
-    alone returns, and its stream waits until rank 1's ncclRecv runs."""
+    alone returns, and its stream waits until rank 1's ncclRecv runs. The message (256 MiB) is larger than
+    NCCL's buffers for a peer (at most 32 channels x 4 MiB: fake_nccl_memory.py), which a small one could
+    complete into without the receive (nccl.h calls a send "blocking for the GPU" all the same)."""
     lib = _nccl()
     comms = lib.comm_init_all([0, 1])
     streams = [torch.cuda.Stream(device=r) for r in range(2)]
@@ -535,7 +537,8 @@ def send_waits_for_receive() -> dict[str, Any]:
     lib.group_end()
     for s in streams:
         s.synchronize()
-    sent, received = torch.full((4,), 7.0, device="cuda:0"), torch.zeros(4, device="cuda:1")
+    n = 1 << 26  # float32: 256 MiB
+    sent, received = torch.full((n,), 7.0, device="cuda:0"), torch.zeros(n, device="cuda:1")
     with torch.cuda.device(0):
         lib.send(sent, 1, comms[0], streams[0])
         done = torch.cuda.Event()
@@ -546,7 +549,7 @@ def send_waits_for_receive() -> dict[str, Any]:
         lib.recv(received, 0, comms[1], streams[1])
     for s in streams:
         s.synchronize()
-    return {"send_done_before_receive": done_before_receive, "received": received.tolist()}
+    return {"send_done_before_receive": done_before_receive, "received": bool(received.eq(7.0).all())}
 
 
 @fact(gpus=2)

@@ -138,7 +138,7 @@ def test_a_groups_operations_are_launched_at_its_end():
 def test_a_send_blocks_its_stream_until_the_receive_runs():
     gpus_or_skip(2)
     seen = observed(run_facts("send_waits_for_receive"), "send_waits_for_receive")
-    assert seen["send_done_before_receive"] is False and seen["received"] == [7.0] * 4
+    assert seen["send_done_before_receive"] is False and seen["received"] is True
 
 
 def test_abort_ends_the_communicators_pending_kernel_and_its_stream_goes_on():

@@ -185,7 +185,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "nccl-send-waits-for-receive",
-        "a send returns at once and blocks its stream until its receive runs",
+        "a send returns at once and blocks its stream until its receive runs (a GPU may complete a small one "
+        "into NCCL's buffers without it: the double is the stricter)",
         "fake_device.py: _run_kernel (a P2pOp runs once both parts are at their streams' heads)",
         "nccl.h (ncclSend: 'blocking for the GPU'); usage/p2p.html",
         "tests/test_nccl_double.py::test_a_send_blocks_its_stream_until_the_receive_runs",
@@ -199,7 +200,8 @@ RULES: tuple[Rule, ...] = (
         "nccl.h; src/enqueue.cc (ncclLaunchPrepare: a communicator's launches run in issue order)",
         "tests/test_nccl_double.py::test_a_send_blocks_its_stream_until_the_receive_runs",
         None,
-        f"{_TWO_GPUS}; {_HANG}",
+        f"{_TWO_GPUS}; {_HANG}; and with messages that fit NCCL's buffers (the double's test sends 4 floats) a "
+        "GPU may complete both sends without their receives, so the double reports a hang a GPU may not have",
     ),
     Rule(
         "nccl-launch-order",
