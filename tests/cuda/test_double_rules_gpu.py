@@ -1,5 +1,5 @@
 """The GPU tier of the double's rules (tests/fakes/rules.py): each test asserts on a real GPU the fact a rule of
-the CUDA/NCCL double enforces on CPU. The facts run in processes of their own (tests/cuda/gpu_facts.py): plain
+the CUDA/NCCL double enforces on CPU. The facts run in processes of their own (tests/cuda/gpu_facts.py runs them): plain
 torch with no double installed (a registered double would be torch's accelerator), and NCCL calls that wait for
 ever can be killed. Skipped without GPUs (tests/conftest.py); on one H200 the tier's share is about a minute."""
 
