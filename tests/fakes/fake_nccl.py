@@ -27,7 +27,8 @@ calls. What it enforces, each rule with the NCCL (or CUDA) source it mirrors:
   root, in the same order (else NCCL hangs or corrupts: the double fails the operation, which every
   stream that ran it surfaces, and records it in `fabric.mismatches`); buffers large enough for the communicator's size (nccl.h); the root of ncclReduce
   has a recvbuff; in-place only as usage/inplace.html defines it; ncclRedOp_t without bitwise ops; ncclAvg
-  as NCCL computes it (fake_nccl_math.py).
+  as NCCL computes it (fake_nccl_math.py); user-created pre-multiplied sums per communicator and datatype,
+  refused on another datatype or communicator or once destroyed (fake_nccl_user_ops.py).
 - Point to point: ncclSend/ncclRecv match per (communicator, peer) in issue order, with the same count and
   type (usage/p2p.html); a send blocks its stream until the receive runs ("blocking for the GPU", nccl.h).
 - Connections: point-to-point connections are made on first use, whatever NCCL_RUNTIME_CONNECT says, and with
