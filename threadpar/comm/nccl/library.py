@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.nccl.library_copies import check_one_nccl, defining_file, mapped_nccl_files, read_maps
 from threadpar.errors import ConfigError, NcclError
 
 LIBRARY_VARIABLE = "THREADPAR_NCCL_LIBRARY"
@@ -391,6 +392,8 @@ def nccl_library() -> NcclLibrary:
         if not _library:
             library = NcclLibrary()
             check_same_nccl_as_torch(library.version(), torch_nccl_version())
+            # (the same version in another file is another NCCL too: library_copies.py)
+            check_one_nccl(defining_file(library.lib.ncclGetVersion), mapped_nccl_files(read_maps()))
             _library.append(library)
         return _library[0]
 
