@@ -150,7 +150,9 @@ def test_scalars_and_empty_tensors_match_the_threads_backend():
     compare(FakeCuda(), 3, [None], [torch.float32, torch.int16, torch.complex64, torch.bool], [(), (0,)])
 
 
-@pytest.mark.parametrize("nccl_version", [(2, 21, 5), (2, 8, 4)], ids=["ncclAvg", "sum-then-divide"])
+@pytest.mark.parametrize(
+    "nccl_version", [(2, 21, 5), (2, 10, 3), (2, 8, 4)], ids=["ncclAvg", "no-premulsum", "sum-then-divide"]
+)
 def test_avg_uses_ncclavg_only_where_nccl_has_it(nccl_version):
     fake = FakeCuda(nccl_version)
     dtypes = [torch.float32, torch.bfloat16, torch.complex128, torch.int32, torch.uint8]
@@ -160,8 +162,15 @@ def test_avg_uses_ncclavg_only_where_nccl_has_it(nccl_version):
     half_ops = {c.extra["op"] for c in reduces if c.inputs[0].dtype == torch.bfloat16}
     int_ops = {c.extra["op"] for c in reduces if not c.inputs[0].dtype.is_floating_point}
     assert float_ops == ({4} if nccl_version >= (2, 10) else {0})
-    # bfloat16 over 3 ranks: ncclAvg would pre-multiply by a 1/3 rounded to bfloat16 (nccl_plan.exact_avg_scale)
-    assert half_ops == ({0} if nccl_version >= (2, 10) else set())  # (NCCL < 2.10: gathered, no reduce)
+    # bfloat16 over 3 ranks: ncclAvg would pre-multiply by a 1/3 rounded to bfloat16 (reduction.exact_avg_scale);
+    # from NCCL 2.11 each communicator's own ncclRedOpCreatePreMulSum by 2^-2, before 2.11 SUM (then divide)
+    if nccl_version >= (2, 11):
+        halves = [c for c in reduces if c.inputs[0].dtype == torch.bfloat16]
+        assert halves and min(half_ops) >= 5  # user-created ops (ncclNumOps = 5), one per communicator
+        assert {float(c.extra["scalar"]) for c in halves} == {0.25}
+        assert len({(c.comm.uid, c.comm.rank) for c in halves}) == len(half_ops)
+    else:
+        assert half_ops == ({0} if nccl_version >= (2, 10) else set())  # (NCCL < 2.10: gathered, no reduce)
     assert int_ops == {0}  # integers: SUM, then a division that truncates like the threads backend
 
 

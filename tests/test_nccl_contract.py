@@ -179,3 +179,50 @@ def test_empty_messages_travel_in_a_group(contract):
     c.sync()
     assert c.api.comm_get_async_error(comm) == 0
     c.api.comm_destroy(comm)
+
+
+def test_a_pre_multiplied_sum_scales_each_input_by_its_scalar_in_the_data_type(contract):
+    # ncclRedOpCreatePreMulSum (NCCL 2.11+), the scalar on the host: fp16 AVG over groups whose size is not a
+    # power of two (nccl/reduction.py). 40000 * 0.25 is exact; the scalar is held in fp16 (1/3 rounds).
+    c, comm = contract, one_rank(contract)
+    quarter = c.api.red_op_create_pre_mul_sum(0.25, torch.float16, comm)
+    third = c.api.red_op_create_pre_mul_sum(1 / 3, torch.float16, comm)
+    assert quarter >= 5 and third >= 5 and quarter != third  # (ncclNumOps = 5 built-in values before them)
+    x = c.tensor([4.0, 40000.0, -6.0], dtype=torch.float16)
+    out, thirds = torch.empty_like(x), torch.empty_like(x)
+    c.api.all_reduce(x, out, quarter, comm, c.stream)
+    c.api.reduce_scatter(x, thirds, third, comm, c.stream)
+    c.sync()
+    torch.testing.assert_close(
+        out.cpu(), torch.tensor([1.0, 10000.0, -1.5], dtype=torch.float16), rtol=0, atol=0
+    )
+    third_in_fp16 = torch.tensor(1 / 3, dtype=torch.float16)
+    torch.testing.assert_close(thirds.cpu(), x.cpu() * third_in_fp16, rtol=0, atol=0)
+    c.api.red_op_destroy(quarter, comm)
+    c.api.red_op_destroy(third, comm)
+    c.api.comm_destroy(comm)
+
+
+def test_a_user_created_op_is_refused_with_another_dtype_another_communicator_or_once_destroyed(contract):
+    # src/enqueue.cc, hostToDevRedOp ("Data type supplied to user-created ncclRedOp_t does not match type");
+    # src/misc/argcheck.cc, ArgsCheck ("reduction operation %d unknown to this communicator"); src/enqueue.cc,
+    # ncclRedOpDestroy (a built-in op, one unknown to the communicator): all ncclInvalidArgument.
+    c, comm, other = contract, one_rank(contract), one_rank(contract)
+    op = c.api.red_op_create_pre_mul_sum(0.5, torch.bfloat16, comm)
+    halves, floats = c.tensor([2.0], dtype=torch.bfloat16), c.tensor([2.0])
+    with pytest.raises(NcclError, match="ncclInvalidArgument"):
+        c.api.all_reduce(floats, floats, op, comm, c.stream)  # made for bfloat16
+    with pytest.raises(NcclError, match="ncclInvalidArgument"):
+        c.api.all_reduce(halves, halves, op, other, c.stream)  # made on `comm`
+    with pytest.raises(NcclError, match="ncclInvalidArgument"):
+        c.api.red_op_destroy(SUM, comm)  # a built-in
+    c.api.all_reduce(halves, halves, op, comm, c.stream)
+    c.api.red_op_destroy(op, comm)  # (allowed once the calls given it have returned: nccl.h)
+    with pytest.raises(NcclError, match="ncclInvalidArgument"):
+        c.api.all_reduce(halves, halves, op, comm, c.stream)
+    with pytest.raises(NcclError, match="ncclInvalidArgument"):
+        c.api.red_op_destroy(op, comm)
+    c.sync()
+    torch.testing.assert_close(halves.cpu(), torch.tensor([1.0], dtype=torch.bfloat16))
+    c.api.comm_destroy(comm)
+    c.api.comm_destroy(other)

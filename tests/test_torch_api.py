@@ -233,12 +233,18 @@ def test_the_nccl_double_refuses_a_bitwise_op_as_nccl_does():
     """NCCL has no bitwise reduction: a bitwise ncclRedOp_t never reaches it (threadpar gathers the bytes)."""
     from fakes.fake_cuda_nccl import FakeCuda
 
-    nccl = FakeCuda().nccl
+    fake = FakeCuda()
+    nccl = fake.nccl
+    comm = nccl.comm_init_rank(1, nccl.get_unique_id(), 0, 0)
     x = torch.ones(1, dtype=torch.int32, device=sim_gpu.device(0))
+    stream = fake.pool_stream(sim_gpu.device(0), 0)
+    # past ncclAvg (4) only ops of ncclRedOpCreatePreMulSum: src/misc/argcheck.cc, ArgsCheck
     with pytest.raises(
-        RuntimeError, match=r"ncclAllReduce failed: ncclInvalidArgument \(ncclRedOp_t 5 is not"
+        RuntimeError,
+        match=r"ncclAllReduce failed: ncclInvalidArgument \(reduction operation 5 unknown to this communicator",
     ):
-        nccl.all_reduce(x, x, 5, object(), object())
+        nccl.all_reduce(x, x, 5, comm, stream)
+    nccl.comm_destroy(comm)
 
 
 # object collectives --------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ calls. What it enforces, each rule with the NCCL (or CUDA) source it mirrors:
   root, in the same order (else NCCL hangs or corrupts: the double fails the operation, which every
   stream that ran it surfaces, and records it in `fabric.mismatches`); buffers large enough for the communicator's size (nccl.h); the root of ncclReduce
   has a recvbuff; in-place only as usage/inplace.html defines it; ncclRedOp_t without bitwise ops; ncclAvg
-  as NCCL computes it (fake_nccl_math.py).
+  as NCCL computes it (fake_nccl_math.py); user-created pre-multiplied sums per communicator and datatype,
+  refused on another datatype or communicator or once destroyed (fake_nccl_user_ops.py).
 - Point to point: ncclSend/ncclRecv match per (communicator, peer) in issue order, with the same count and
   type (usage/p2p.html); a send blocks its stream until the receive runs ("blocking for the GPU", nccl.h).
 - Connections: point-to-point connections are made on first use, whatever NCCL_RUNTIME_CONNECT says, and with
@@ -79,8 +80,10 @@ from threadpar.errors import NcclError
 
 from . import fake_device, fake_graph, sim_gpu
 from .fake_device import DeviceOp, HangError, Kernel, Part
-from .fake_nccl_math import INVALID_ARGUMENT, INVALID_USAGE, check_op, compute, nccl_error
+from .fake_nccl_math import INVALID_ARGUMENT, INVALID_USAGE, compute, nccl_error
 from .fake_nccl_memory import NcclMemoryModel
+from .fake_nccl_user_ops import FIRST_VERSION as PRE_MUL_SUM_VERSION
+from .fake_nccl_user_ops import UserRedOps
 
 # The dtypes that have an ncclDataType_t (nccl.h); bool travels as uint8 (library.data_type), for data
 # movement only (threadpar never reduces bool through NCCL: nccl/reduction.py gathers it).
@@ -112,6 +115,8 @@ class CollectiveOp(DeviceOp):
         super().__init__(f"{kind} #{index} of clique {uid[:8]!r}", size, compute)
         self.kind = kind
         self.args = args  # what every rank must agree on: (count, dtype, op, root)
+        # rank -> its user-created op's scalar (a pre-multiplied sum)
+        self.scalars: dict[int, torch.Tensor] = {}
 
 
 class P2pOp(DeviceOp):
@@ -347,6 +352,8 @@ class FakeNccl:
         # (clique, rank) -> NCCL's buffers of a live communicator (fake_nccl_memory.py)
         self._bytes: dict[tuple[bytes, int], int] = {}
         self._comms: dict[tuple[bytes, int], FakeComm] = {}  # the live communicators of this process
+        # ncclRedOpCreatePreMulSum's ops, per communicator (fake_nccl_user_ops.py)
+        self.user_ops = UserRedOps()
 
     # version, errors, communicators -----------------------------------------------------------------------------
     def version(self) -> tuple[int, int, int]:
@@ -584,6 +591,7 @@ class FakeNccl:
                 self._bytes[key] += nbytes
 
     def _freed(self, comm: FakeComm) -> None:
+        self.user_ops.forget((comm.uid, comm.rank))  # (commFree deletes its user ops: fake_nccl_user_ops.py)
         with self._lock:
             self._bytes.pop((comm.uid, comm.rank), None)
             self._comms.pop((comm.uid, comm.rank), None)
@@ -647,14 +655,38 @@ class FakeNccl:
             for q in queued:  # (the host's part is done: the group's calls let go of their devices)
                 self._leave_device(q.comm.device)
 
+    # user-created reductions (fake_nccl_user_ops.py) ------------------------------------------------------------
+    def red_op_create_pre_mul_sum(self, scalar: float, dtype: torch.dtype, comm: FakeComm) -> int:
+        self._require("ncclRedOpCreatePreMulSum")
+        self._check_usable(comm, "ncclRedOpCreatePreMulSum")
+        self._check_ready(comm, "ncclRedOpCreatePreMulSum")  # (ncclCommEnsureReady)
+        with self._on_device(comm.device, "ncclRedOpCreatePreMulSum"):
+            return self.user_ops.create((comm.uid, comm.rank), scalar, dtype)
+
+    def red_op_destroy(self, op: int, comm: FakeComm) -> None:
+        self._require("ncclRedOpDestroy")
+        self._check_usable(comm, "ncclRedOpDestroy")
+        with self._on_device(comm.device, "ncclRedOpDestroy"):
+            self.user_ops.destroy((comm.uid, comm.rank), op)
+
+    def _require(self, function: str) -> None:
+        """An older NCCL has no such symbol: the binding refuses as library.NcclLibrary._require does."""
+        if self._version[:2] < PRE_MUL_SUM_VERSION:
+            raise NcclError(f"NCCL {self._version} has no {function} (NCCL 2.11+)")
+
+    def _reduction(self, function: str, op: int, comm: FakeComm, dtype: torch.dtype) -> tuple[Any, dict]:
+        """The op every rank's call is compared by, and what the queued call carries (fake_nccl_user_ops)."""
+        resolved, user = self.user_ops.resolve(function, (comm.uid, comm.rank), op, dtype)
+        return resolved, ({"op": op} if user is None else {"op": op, "scalar": user.scalar})
+
     # collectives and point to point (the C functions' arguments, tensors for buffers) ---------------------------
     def all_reduce(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any
     ) -> None:
-        check_op("ncclAllReduce", op)
-        self._queue(
-            "all_reduce", (send.numel(), send.dtype, op, None), comm, stream, send, recv, reduces=True, op=op
-        )
+        self._check_usable(comm, "ncclAllReduce")
+        nop, extra = self._reduction("ncclAllReduce", op, comm, send.dtype)
+        self._queue("all_reduce", (send.numel(), send.dtype, nop, None), comm, stream, send, recv, reduces=True,
+                    **extra)  # fmt: skip
 
     def broadcast(
         self, send: torch.Tensor, recv: torch.Tensor, root: int, comm: FakeComm, stream: Any
@@ -665,10 +697,11 @@ class FakeNccl:
     def reduce(
         self, send: torch.Tensor, recv: torch.Tensor | None, root: int, op: int, comm: FakeComm, stream: Any
     ) -> None:
-        check_op("ncclReduce", op)
+        self._check_usable(comm, "ncclReduce")
+        nop, extra = self._reduction("ncclReduce", op, comm, send.dtype)
         self._check_root("ncclReduce", root, comm)
-        self._queue("reduce", (send.numel(), send.dtype, op, root), comm, stream, send, recv, reduces=True, op=op,
-                    root=root)  # fmt: skip
+        self._queue("reduce", (send.numel(), send.dtype, nop, root), comm, stream, send, recv, reduces=True,
+                    root=root, **extra)  # fmt: skip
 
     def all_gather(self, send: torch.Tensor, recv: torch.Tensor, comm: FakeComm, stream: Any) -> None:
         self._queue("all_gather", (send.numel(), send.dtype, None, None), comm, stream, send, recv)
@@ -676,9 +709,10 @@ class FakeNccl:
     def reduce_scatter(
         self, send: torch.Tensor, recv: torch.Tensor, op: int, comm: FakeComm, stream: Any
     ) -> None:
-        check_op("ncclReduceScatter", op)
-        self._queue("reduce_scatter", (recv.numel(), recv.dtype, op, None), comm, stream, send, recv,
-                    reduces=True, op=op)  # fmt: skip
+        self._check_usable(comm, "ncclReduceScatter")
+        nop, extra = self._reduction("ncclReduceScatter", op, comm, recv.dtype)
+        self._queue("reduce_scatter", (recv.numel(), recv.dtype, nop, None), comm, stream, send, recv,
+                    reduces=True, **extra)  # fmt: skip
 
     def send(self, tensor: torch.Tensor, peer: int, comm: FakeComm, stream: Any) -> None:
         self._check_root("ncclSend", peer, comm)
@@ -878,6 +912,8 @@ class FakeNccl:
                 else:
                     op, error = self.fabric.collective(q.comm, q.name, q.args)
                     side = q.comm.rank
+                    if "scalar" in q.extra:  # (each rank pre-multiplies by its own op's scalar)
+                        op.scalars[side] = q.extra["scalar"]
                     connection = ("collective", q.comm.uid, q.name) if q.comm.lazy else None
                 part = Part(op, side, self.fake, q.input, q.output)
                 part.comm_key = (q.comm.uid, q.comm.rank)

@@ -18,15 +18,12 @@ def nccl_error(function: str, code: int, message: str) -> NcclError:
     return NcclError(f"{function} failed: {RESULT_NAMES[code]} ({message})")
 
 
-def check_op(name: str, op: int) -> None:
-    """NCCL's built-in reductions are ncclRedOp_t's ncclSum=0, ncclProd=1, ncclMax=2, ncclMin=3, ncclAvg=4
-    (nccl.h); there is no bitwise op. Any other value (short of a ncclRedOpCreatePreMulSum handle, which
-    threadpar never makes) fails with ncclInvalidArgument (src/enqueue.cc, hostToDevRedOp / ArgsCheck)."""
-    if op not in range(5):
-        raise nccl_error(name, INVALID_ARGUMENT, f"ncclRedOp_t {op} is not a reduction NCCL has")
-
-
-def _reduce(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
+def _reduce(inputs: list[torch.Tensor], op: int | str, scalars: list[Any]) -> torch.Tensor:
+    """`op`: a built-in ncclRedOp_t (ncclSum=0, ncclProd=1, ncclMax=2, ncclMin=3, ncclAvg=4: nccl.h; there is
+    no bitwise op), or a user-created pre-multiplied sum (fake_nccl_user_ops.PRE_MUL_SUM) with each rank's
+    own scalar in `scalars` (its op's, held in the data type)."""
+    if op == "PreMulSum":
+        return _scaled_sum(inputs, scalars)
     if op == 4 and inputs[0].dtype.is_floating_point:
         return _pre_mul_sum(inputs)
     result = inputs[0].clone()
@@ -57,8 +54,14 @@ def _pre_mul_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     single = float(torch.tensor(exact, dtype=torch.float32))  # float(1.0/n)
     scale = torch.tensor(exact if dtype == torch.float64 else single, dtype=torch.float64)
     scale = scale.to(dtype)  # float -> half/bfloat16 rounds to nearest, as __float2half/__float2bfloat16
-    result = inputs[0] * scale
-    for t in inputs[1:]:
+    return _scaled_sum(inputs, [scale] * n)
+
+
+def _scaled_sum(inputs: list[torch.Tensor], scalars: list[torch.Tensor]) -> torch.Tensor:
+    """FuncPreMulSum (src/device/reduce_kernel.h): each rank's input times its scalar, rounded to the data
+    type, then summed in the data type (in rank order here)."""
+    result = inputs[0] * scalars[0]
+    for t, scale in zip(inputs[1:], scalars[1:], strict=True):
         result.add_(t * scale)
     return result
 
@@ -128,12 +131,13 @@ def _sizes(op: Any, parts: list[Any], count: int, root: Any) -> str | None:
 
 def _execute(op: Any, parts: list[Any], count: int, reduce_op: Any, root: Any) -> str | None:
     inputs = [p.input for p in parts]
+    scalars = [op.scalars.get(r) for r in range(op.size)]  # (a user-created op's, by rank)
     if op.kind == "all_reduce":
-        result = _reduce(inputs, reduce_op)
+        result = _reduce(inputs, reduce_op, scalars)
         for p in parts:
             p.output.copy_(result)
     elif op.kind == "reduce":
-        parts[root].output.copy_(_reduce(inputs, reduce_op))
+        parts[root].output.copy_(_reduce(inputs, reduce_op, scalars))
     elif op.kind == "broadcast":
         source = inputs[root].clone()
         for p in parts:
@@ -143,7 +147,8 @@ def _execute(op: Any, parts: list[Any], count: int, reduce_op: Any, root: Any) -
         for p in parts:
             p.output.copy_(gathered)
     elif op.kind == "reduce_scatter":
-        result = _reduce([t.view(-1)[: op.size * count] for t in inputs], reduce_op).view(op.size, -1)
+        blocks = [t.view(-1)[: op.size * count] for t in inputs]
+        result = _reduce(blocks, reduce_op, scalars).view(op.size, -1)
         for r, p in enumerate(parts):
             p.output.copy_(result[r])
     return None

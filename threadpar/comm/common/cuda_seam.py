@@ -93,6 +93,13 @@ class NcclApi(Protocol):
     def comm_get_async_error(self, comm: Communicator) -> int:
         """ncclCommGetAsyncError: the ncclResult_t of an asynchronous failure (0: none, 7: in progress)."""
 
+    def red_op_create_pre_mul_sum(self, scalar: float, dtype: torch.dtype, comm: Communicator) -> int:
+        """ncclRedOpCreatePreMulSum (NCCL 2.11+), the scalar held in `dtype` on the host: an ncclRedOp_t valid
+        on `comm` and `dtype` only, each input times `scalar` before the sum."""
+
+    def red_op_destroy(self, op: int, comm: Communicator) -> None:
+        """ncclRedOpDestroy: frees an op of red_op_create_pre_mul_sum (the communicator must still be alive)."""
+
     def group_start(self) -> None: ...
 
     def group_end(self) -> int:

@@ -43,6 +43,9 @@ for _op in ReduceOp:
 
 
 BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+# AVG of these sums pre-scaled inputs (accumulate_): their sum of a few large values overflows where the mean
+# does not (fp16's largest is 65504: three ranks of 40000).
+HALF_PRECISION = frozenset({torch.float16, torch.bfloat16})
 _BITWISE_INPLACE = {ReduceOp.BAND: "bitwise_and_", ReduceOp.BOR: "bitwise_or_", ReduceOp.BXOR: "bitwise_xor_"}
 
 
@@ -69,16 +72,23 @@ def accumulate_(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp,
     if others and is_gpu(acc.device):
         others = [p if p.device == acc.device else p.to(acc.device, non_blocking=True) for p in others]
     if op is ReduceOp.AVG and count == 2 and len(others) == 1 and acc.dtype.is_floating_point:
-        # (a + b) / 2 in one pass over memory instead of two (add_, div_); it cannot overflow either.
+        # (a + b) / 2 in one pass over memory instead of two (add_, div_); it cannot overflow either (lerp
+        # computes a + 0.5 * (b - a) in float for fp16/bf16: torch's opmath, ATen's lerp kernels).
         return acc.lerp_(others[0], 0.5)
+    if op is ReduceOp.AVG and acc.dtype in HALF_PRECISION:
+        # Pre-scale by 2^-m (2^m >= count): exact in the normal range, so each rounded partial sum is the
+        # unscaled one's times 2^-m, and the sum cannot overflow (the nccl backend makes the same sum with
+        # ncclRedOpCreatePreMulSum: nccl/reduction.py). add_'s alpha is applied in float, one rounding.
+        scale = avg_pre_scale(count)
+        acc.mul_(scale)
+        for p in others:
+            acc.add_(p, alpha=scale)
+        return divide_mean_(acc, count, scale)
     if op in (ReduceOp.SUM, ReduceOp.AVG):
         for p in others:
             acc.add_(p)
         if op is ReduceOp.AVG:
-            if acc.dtype.is_floating_point or acc.dtype.is_complex:
-                acc.div_(count)
-            else:
-                acc.div_(count, rounding_mode="trunc")
+            divide_mean_(acc, count)
     elif op is ReduceOp.PRODUCT:
         for p in others:
             acc.mul_(p)
@@ -91,3 +101,21 @@ def accumulate_(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp,
         for p in others:
             binary(acc, p, out=acc)
     return acc
+
+
+def avg_pre_scale(count: int) -> float:
+    """2^-m for the smallest power of two 2^m >= count: a sum of `count` inputs each pre-multiplied by it is
+    at most the largest input (so it cannot overflow), and the multiplication is exact in the normal range."""
+    return 2.0 ** -(count - 1).bit_length()
+
+
+def divide_mean_(acc: torch.Tensor, count: int, pre_scale: float = 1.0) -> torch.Tensor:
+    """A sum of `count` members' inputs, each pre-multiplied by `pre_scale`, to their mean, in place:
+    integers round towards zero (as C's division in NCCL's ncclAvg: src/device/reduce_kernel.h,
+    FuncSumPostDiv). count * pre_scale is exact (a power of two times an integer); 1 costs nothing."""
+    divisor = count * pre_scale
+    if divisor == 1:
+        return acc
+    if acc.dtype.is_floating_point or acc.dtype.is_complex:
+        return acc.div_(divisor)
+    return acc.div_(count, rounding_mode="trunc")

@@ -22,6 +22,13 @@ query alone, so the device's other threads (its rank thread's other groups, auto
 watchdog) are never held behind NCCL's launch thread. Whoever launches on a nonblocking communicator owns
 it until that wait ends (p2p.py's link and posting locks: one issuer per pair communicator). `settle` waits
 the same way, sleeping between polls, for what may wait for a peer (a creation, a first connection).
+
+It owns the reductions made on its handle (ncclRedOpCreatePreMulSum: fp16/bf16 AVG, nccl/reduction.py): an
+ncclRedOp_t of one communicator and one data type (src/enqueue.cc, hostToDevRedOp refuses another type;
+src/misc/argcheck.cc, ArgsCheck, an op unknown to the communicator), made at its first use, inside the
+launch, under the lock; destroyed before ncclCommDestroy (nccl.h: allowed once the last call given it has
+returned). An abort does not destroy them: ncclCommAbort's commFree deletes the communicator's table of them
+(src/init.cc, `delete[] comm->userRedOps`), and the abort stays one call.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 from threadpar.comm.common import graph_capture
 from threadpar.comm.common.abort import AbortSignal
@@ -48,9 +57,19 @@ SPIN_SLEEP_S = 5e-5
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))  # (releases the GIL: posixmodule.c)
 
 
+class ScaledSumIssue(NamedTuple):
+    """An operation whose ncclRedOp_t is this communicator's pre-multiplied sum for (dtype, scalar):
+    `call(handle, op)` makes its NCCL calls (a plain issue is `issue(handle)`)."""
+
+    dtype: torch.dtype
+    scalar: float
+    call: Callable[[Any, int], None]
+
+
 class NcclComm:
     __slots__ = (
-        "_freed", "_waits", "blocking", "device", "issued", "label", "lock", "nccl", "raw", "streams_used",
+        "_freed", "_user_ops", "_waits", "blocking", "device", "issued", "label", "lock", "nccl", "raw",
+        "streams_used",
     )  # fmt: skip
 
     def __init__(
@@ -77,9 +96,11 @@ class NcclComm:
         if not blocking and waits is None:
             raise ValueError("a nonblocking NcclComm needs waits=(abort, timeout) to bound its launches")
         self._waits = waits
+        # (dtype, scalar) -> the ncclRedOp_t made on the handle (module docstring): under `lock`
+        self._user_ops: dict[tuple[torch.dtype, float], int] = {}
 
     # the fast path ----------------------------------------------------------------------------------------------
-    def launch(self, issue: Callable[[Any], None], *streams: Any) -> None:
+    def launch(self, issue: Callable[[Any], None] | ScaledSumIssue, *streams: Any) -> None:
         """`issue(handle)` makes this member's NCCL calls of one operation (a single call, or a group of
         them: every call of a group must come from one thread, nccl.h) on `streams`. On a nonblocking
         communicator it returns once NCCL's launch thread is done (module docstring), having held the lock
@@ -89,17 +110,28 @@ class NcclComm:
         if not self.blocking:
             self._await_launch()
 
-    def launch_locked(self, issue: Callable[[Any], None], streams: tuple[Any, ...]) -> None:
+    def launch_locked(self, issue: Callable[[Any], None] | ScaledSumIssue, streams: tuple[Any, ...]) -> None:
         """`launch` by a caller that holds `lock` already (a connector making a blocking communicator); on a
         nonblocking one the caller then waits with `_await_launch`, after letting go of the lock."""
         if self._freed is not None:
             raise NcclError(
                 f"an NCCL call on the communicator of {self.label}, which was {self._freed}: the launch is stopping"
             )
-        issue(self.raw)
+        if isinstance(issue, ScaledSumIssue):
+            issue.call(self.raw, self._scaled_sum_op(issue.dtype, issue.scalar))
+        else:
+            issue(self.raw)
         if not graph_capture.capturing():  # (captured: not on the device; its replays are watched apart)
             self.issued += 1
             self.streams_used.update(streams)
+
+    def _scaled_sum_op(self, dtype: torch.dtype, scalar: float) -> int:
+        """The handle's pre-multiplied sum for (dtype, scalar), made at its first use (the caller holds the
+        lock: ncclRedOpCreatePreMulSum writes the communicator's table of ops, src/enqueue.cc)."""
+        op = self._user_ops.get((dtype, scalar))
+        if op is None:
+            op = self._user_ops[dtype, scalar] = self.nccl.red_op_create_pre_mul_sum(scalar, dtype, self.raw)
+        return op
 
     def _await_launch(self) -> None:
         """Wait, without the lock, until NCCL's launch thread is done with this communicator's last call: a
@@ -190,6 +222,7 @@ class NcclComm:
         try:
             if self._freed is None:
                 self._freed = f"aborted: {reason}"
+                self._user_ops = {}  # (freed with it: the module docstring)
                 self.nccl.comm_abort(self.raw)
         finally:
             self.lock.release()
@@ -201,7 +234,12 @@ class NcclComm:
         with self.lock:
             if self._freed is None:
                 self._freed = "destroyed"
-                self.nccl.comm_destroy(self.raw)
+                ops, self._user_ops = list(self._user_ops.values()), {}
+                try:
+                    for op in ops:  # (the launches given them have returned: we hold the lock)
+                        self.nccl.red_op_destroy(op, self.raw)
+                finally:
+                    self.nccl.comm_destroy(self.raw)
 
     @property
     def alive(self) -> bool:

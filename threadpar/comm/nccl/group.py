@@ -37,18 +37,19 @@ from threadpar.comm.common import graph_capture
 from threadpar.comm.common.call_ledger import CallLedger
 from threadpar.comm.common.rendezvous import Call, Rendezvous, Slot
 from threadpar.comm.common.work import LazyText
-from threadpar.comm.nccl.comm import NcclComm
+from threadpar.comm.nccl.comm import NcclComm, ScaledSumIssue
 from threadpar.comm.nccl.connector import connect
 from threadpar.comm.nccl.exchange import NcclExchange
 from threadpar.comm.nccl.ops import NcclCollectives, all_to_all_sizes
 from threadpar.comm.nccl.p2p import NcclPointToPoint
-from threadpar.comm.nccl.reduction import has_native_avg
+from threadpar.comm.nccl.reduction import nccl_features
 from threadpar.comm.nccl.resources import CliqueHealth
 from threadpar.comm.nccl.work import NcclWork
 from threadpar.errors import CollectiveTimeoutError, ConfigError, NcclError
 
-# Issue = one member's NCCL calls of one operation, given its communicator's handle.
-Issue = Callable[[Any], None]
+# Issue = one member's NCCL calls of one operation, given its communicator's handle (and, for a
+# ScaledSumIssue, the communicator's pre-multiplied sum: comm.py).
+Issue = Callable[[Any], None] | ScaledSumIssue
 # How long the watchdog waits for a device's launch lock before it leaves that device's communicators
 # unaborted (a connector stuck in a blocking NCCL call holds it; aborting meanwhile is unsafe: comm.py).
 ABORT_LOCK_WAIT_S = 5.0
@@ -126,7 +127,7 @@ class NcclGroup(NcclCollectives, NcclPointToPoint, NcclExchange):
         self._probed: dict[int, int] = dict.fromkeys(self.local, 0)  # operations issued at the last probe
         # The pool's key: the CUDA device of each member (the double's fake GPUs are all "cpu" devices).
         self._clique_key = tuple(str(d) for d in self._device_ids)
-        self._native_avg = has_native_avg(self._nccl.version())
+        self._features = nccl_features(self._nccl.version())
         self._health = CliqueHealth()  # spoiled by any failure: its clique is then never pooled
         self._failed = False  # the watchdog reported a failure of this group (once)
         self._closed = False

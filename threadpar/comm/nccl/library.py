@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from threadpar.comm.nccl.library_copies import check_one_nccl, defining_file, mapped_nccl_files, read_maps
 from threadpar.errors import ConfigError, NcclError
 
 LIBRARY_VARIABLE = "THREADPAR_NCCL_LIBRARY"
@@ -151,7 +152,13 @@ _SIGNATURES: dict[str, list[Any]] = {
     "ncclRecv": [_p, _size, _c_int, _c_int, _p, _p],
     "ncclGroupStart": [],
     "ncclGroupEnd": [],
+    # (op out, scalar, ncclDataType_t, ncclScalarResidence_t, comm): NCCL 2.11+
+    "ncclRedOpCreatePreMulSum": [ctypes.POINTER(_c_int), _p, _c_int, _c_int, _p],
+    "ncclRedOpDestroy": [_c_int, _p],
 }
+# Functions an older NCCL lacks: the methods that need them refuse with the version that brought them.
+_OPTIONAL = {"ncclCommInitRankConfig": "2.14", "ncclRedOpCreatePreMulSum": "2.11", "ncclRedOpDestroy": "2.11"}
+SCALAR_HOST_IMMEDIATE = 1  # ncclScalarResidence_t (nccl.h): the scalar is read from host memory at the call
 
 
 def _stream_handle(stream: Any) -> int:
@@ -167,8 +174,8 @@ class NcclLibrary:
         self._fn: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self.lib, name, None)
-            if fn is None and name == "ncclCommInitRankConfig":
-                continue  # NCCL < 2.14: no nonblocking communicators (comm_init_rank_config refuses)
+            if fn is None and name in _OPTIONAL:
+                continue  # an older NCCL (comm_init_rank_config, red_op_create_pre_mul_sum refuse)
             if fn is None:
                 raise AttributeError(f"{name} is missing from the NCCL library")
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -233,10 +240,7 @@ class NcclLibrary:
     ) -> Communicator:
         """ncclCommInitRankConfig with `blocking` set: a nonblocking one returns at once (ncclInProgress) and
         is ready once ncclCommGetAsyncError says ncclSuccess (nccl.h; NCCL >= 2.14)."""
-        if "ncclCommInitRankConfig" not in self._fn:
-            raise NcclError(
-                f"NCCL {self._version} has no ncclCommInitRankConfig (nonblocking communicators: 2.14+)"
-            )
+        self._require("ncclCommInitRankConfig")  # (nonblocking communicators)
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise NcclError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
         uid = _UniqueId()
@@ -266,6 +270,33 @@ class NcclLibrary:
         result = _c_int(0)
         self._call("ncclCommGetAsyncError", _p(comm.handle), ctypes.byref(result), comm=comm.handle)
         return result.value
+
+    # user-created reductions -------------------------------------------------------------------------------------
+    def red_op_create_pre_mul_sum(self, scalar: float, dtype: torch.dtype, comm: Communicator) -> int:
+        """ncclRedOpCreatePreMulSum with ncclScalarHostImmediate: an ncclRedOp_t of `comm` alone, for `dtype`
+        alone, that multiplies each input by `scalar` (held in `dtype`: NCCL copies ncclTypeSize(datatype)
+        bytes from the pointer, src/enqueue.cc) before the sum."""
+        self._require("ncclRedOpCreatePreMulSum")
+        held = torch.tensor([scalar], dtype=dtype)  # the value in `dtype`, on the host
+        value = ctypes.create_string_buffer(ctypes.string_at(held.data_ptr(), held.element_size()))
+        op = _c_int()
+        args = (
+            ctypes.byref(op),
+            ctypes.cast(value, _p),
+            data_type(dtype, self._version),
+            SCALAR_HOST_IMMEDIATE,
+        )
+        self._call("ncclRedOpCreatePreMulSum", *args, _p(comm.handle), comm=comm.handle)
+        return op.value
+
+    def red_op_destroy(self, op: int, comm: Communicator) -> None:
+        """ncclRedOpDestroy: allowed once the last call given `op` has returned (nccl.h)."""
+        self._require("ncclRedOpDestroy")
+        self._call("ncclRedOpDestroy", op, _p(comm.handle), comm=comm.handle)
+
+    def _require(self, name: str) -> None:
+        if name not in self._fn:
+            raise NcclError(f"NCCL {self._version} has no {name} (NCCL {_OPTIONAL[name]}+)")
 
     # groups -----------------------------------------------------------------------------------------------------
     def group_start(self) -> None:
@@ -361,6 +392,8 @@ def nccl_library() -> NcclLibrary:
         if not _library:
             library = NcclLibrary()
             check_same_nccl_as_torch(library.version(), torch_nccl_version())
+            # (the same version in another file is another NCCL too: library_copies.py)
+            check_one_nccl(defining_file(library.lib.ncclGetVersion), mapped_nccl_files(read_maps()))
             _library.append(library)
         return _library[0]
 

@@ -18,11 +18,19 @@ import torch
 
 from threadpar.comm.common.call_ledger import CallLedger
 from threadpar.comm.common.cuda_seam import CudaApi, NcclApi
-from threadpar.comm.common.reduce_op import ReduceOp, accumulate_
+from threadpar.comm.common.reduce_op import ReduceOp, accumulate_, divide_mean_
 from threadpar.comm.common.rendezvous import Call
 from threadpar.comm.common.tensor_bytes import byte_view
+from threadpar.comm.nccl.comm import ScaledSumIssue
 from threadpar.comm.nccl.library import SUM, nccl_group
-from threadpar.comm.nccl.reduction import contiguous_span, flat, nccl_reduction, wire
+from threadpar.comm.nccl.reduction import (
+    PRE_MUL_SUM,
+    NcclFeatures,
+    contiguous_span,
+    flat,
+    nccl_reduction,
+    wire,
+)
 from threadpar.comm.nccl.work import NcclWork
 
 
@@ -52,7 +60,7 @@ class NcclCollectives:
     ledger: CallLedger
     _cuda: CudaApi
     _nccl: NcclApi
-    _native_avg: bool
+    _features: NcclFeatures
     _timeout: float
     _op_stream: Callable[[int, bool], Any]
     _on: Callable[[Any, bool], contextlib.AbstractContextManager[Any]]
@@ -77,24 +85,31 @@ class NcclCollectives:
     ) -> None:
         """The reduction core, 1-D contiguous tensors. kind "all": out = reduce(everyone's inp); "root": the
         root's out = reduce(inp); "scatter": out = reduce(inp)[this member's 1/size]."""
-        how = nccl_reduction(inp.dtype, op, self._native_avg, self.size)
+        how = nccl_reduction(inp.dtype, op, self._features, self.size)
         if inp.numel() == 0:
             self._enter(member, seq, call)
             return
         if how.gather:
             self._gather_reduce(member, seq, call, inp, out, op, stream, async_op, kind, root)
             return
-        win, wout, nccl, nop = wire(inp, how), wire(out, how), self._nccl, how.nccl_op
-        if kind == "all":
-            self._issue(member, seq, call, stream, lambda h: nccl.all_reduce(win, wout, nop, h, stream))
-        elif kind == "root":
-            result = wout if member == root else None  # (NCCL reads no recvbuff on the others)
-            self._issue(member, seq, call, stream, lambda h: nccl.reduce(win, result, root, nop, h, stream))
+        win, wout, nccl = wire(inp, how), wire(out, how), self._nccl
+        result = wout if kind != "root" or member == root else None  # (NCCL reads no recvbuff elsewhere)
+
+        def call_nccl(h: Any, nop: int) -> None:
+            if kind == "all":
+                nccl.all_reduce(win, wout, nop, h, stream)
+            elif kind == "root":
+                nccl.reduce(win, result, root, nop, h, stream)
+            else:
+                nccl.reduce_scatter(win, wout, nop, h, stream)
+
+        if how.nccl_op == PRE_MUL_SUM:  # the communicator's own op (comm.py makes it at its first use)
+            self._issue(member, seq, call, stream, ScaledSumIssue(win.dtype, how.pre_scale, call_nccl))
         else:
-            self._issue(member, seq, call, stream, lambda h: nccl.reduce_scatter(win, wout, nop, h, stream))
-        if how.divide and (kind != "root" or member == root):  # AVG as SUM: divide on the stream
+            self._issue(member, seq, call, stream, lambda h: call_nccl(h, how.nccl_op))
+        if how.divide and result is not None:  # AVG as a (pre-scaled) SUM: divide on the stream
             with self._on(stream, async_op):
-                accumulate_(out, (), ReduceOp.AVG, self.size)
+                divide_mean_(out, self.size, how.pre_scale)
 
     def _gather_reduce(
         self, member, seq, call, inp, out, op: ReduceOp, stream, async_op: bool, kind: str, root: int

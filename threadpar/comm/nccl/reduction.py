@@ -15,9 +15,14 @@ torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp). threadpar reduces them with t
 instead, so code written for the `threads` backend runs unchanged on GPUs.
 
 AVG uses NCCL's own average (ncclAvg, NCCL >= 2.10) for floating dtypes, except fp16/bf16 over a group
-whose size is not a power of two (NCCL pre-multiplies by a 1/n rounded to half precision: a bias on every
-element; see exact_avg_scale); otherwise SUM, then a division on the comm stream that rounds like the
-`threads` backend (towards zero for integers), so those results equal the threads backend's.
+whose size n is not a power of two: ncclAvg pre-multiplies by a 1/n rounded to half precision (a bias on
+every element; see exact_avg_scale), and a plain SUM overflows where the mean is finite (three fp16 ranks
+of 40000). There, with 2^m the smallest power of two >= n, every input is pre-multiplied by 2^-m (exact in
+the normal range) with a sum NCCL makes for the purpose (ncclRedOpCreatePreMulSum, NCCL >= 2.11; the
+sum cannot overflow: it is at most n/2^m of the largest input), then divided by n/2^m (exact as a float)
+on the comm stream: round(sum(x * 2^-m) / (n * 2^-m)) is the `threads` backend's round(sum(x) / n) (it
+pre-scales the same way: reduce_op.accumulate_). Integers, and fp16/bf16 on NCCL < 2.11: SUM, then a
+division on the comm stream that rounds like the `threads` backend (towards zero for integers).
 Pure functions only: no CUDA calls here.
 """
 
@@ -29,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from threadpar.comm.common.reduce_op import BITWISE, ReduceOp
+from threadpar.comm.common.reduce_op import BITWISE, HALF_PRECISION, ReduceOp, avg_pre_scale
 
 # ncclRedOp_t values (nccl.h).
 NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
@@ -37,6 +42,10 @@ NCCL_REDUCIBLE = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
 }  # fmt: skip
 NCCL_AVG_VERSION = (2, 10)
+# ncclRedOpCreatePreMulSum / ncclRedOpDestroy: first in nccl.h of NCCL 2.11 (its release notes: "Add new API
+# for creating a reduction operation which multiplies the input by a value before the reduction").
+PRE_MUL_SUM_VERSION = (2, 11)
+PRE_MUL_SUM = -2  # nccl_op for "the communicator's own pre-multiplied sum" (NcclComm.scaled_sum_op makes it)
 
 
 class NcclReduction(NamedTuple):
@@ -44,11 +53,24 @@ class NcclReduction(NamedTuple):
     as_real: bool  # complex viewed as its float (real, imag) pairs
     nccl_op: int  # the ncclRedOp_t to pass
     divide: bool  # AVG as SUM, then divide by the group size on the comm stream
+    pre_scale: float = 1.0  # nccl_op PRE_MUL_SUM: each input times this (2^-m), then divide by size * it
+
+
+class NcclFeatures(NamedTuple):
+    """What the loaded NCCL offers to the reductions (by its version)."""
+
+    native_avg: bool  # ncclAvg and bfloat16 (2.10+)
+    pre_mul_sum: bool  # ncclRedOpCreatePreMulSum (2.11+)
 
 
 def has_native_avg(version: Sequence[int | str]) -> bool:
     """NCCL 2.10 brought ncclAvg (and bfloat16, which torch only maps to NCCL from then on)."""
     return tuple(int(v) for v in version[:2]) >= NCCL_AVG_VERSION
+
+
+def nccl_features(version: Sequence[int | str]) -> NcclFeatures:
+    pair = tuple(int(v) for v in version[:2])
+    return NcclFeatures(pair >= NCCL_AVG_VERSION, pair >= PRE_MUL_SUM_VERSION)
 
 
 def exact_avg_scale(dtype: torch.dtype, size: int) -> bool:
@@ -57,18 +79,21 @@ def exact_avg_scale(dtype: torch.dtype, size: int) -> bool:
     fp16/bf16 otherwise a rounded 1/size scales every element the same way (1/3 in bfloat16 is +0.2%).
     fp32/fp64 round 1/size to 2^-24 / 2^-53: below their own rounding, so they use NCCL's AVG."""
     power_of_two = size & (size - 1) == 0
-    return power_of_two or dtype not in (torch.float16, torch.bfloat16)
+    return power_of_two or dtype not in HALF_PRECISION
 
 
 @functools.lru_cache(maxsize=256)  # pure; asked on every collective (thread-safe: DESIGN.md's table)
-def nccl_reduction(dtype: torch.dtype, op: ReduceOp, native_avg: bool, size: int = 2) -> NcclReduction:
-    """`native_avg`: NCCL >= 2.10 (has ncclAvg and bfloat16); `size`: the group size (for AVG)."""
+def nccl_reduction(dtype: torch.dtype, op: ReduceOp, nccl: NcclFeatures, size: int = 2) -> NcclReduction:
+    """`nccl`: what the loaded NCCL has; `size`: the group size (for AVG)."""
     as_real = dtype.is_complex and op in (ReduceOp.SUM, ReduceOp.AVG)
-    old_bf16 = dtype == torch.bfloat16 and not native_avg
+    old_bf16 = dtype == torch.bfloat16 and not nccl.native_avg
     if old_bf16 or op in BITWISE or (not as_real and dtype not in NCCL_REDUCIBLE):
         return NcclReduction(gather=True, as_real=False, nccl_op=-1, divide=False)
     floating = as_real or dtype.is_floating_point
-    if op is ReduceOp.AVG and not (native_avg and floating and exact_avg_scale(dtype, size)):
+    exact = exact_avg_scale(dtype, size)
+    if op is ReduceOp.AVG and nccl.pre_mul_sum and floating and not exact:  # fp16/bf16 (module docstring)
+        return NcclReduction(False, as_real, PRE_MUL_SUM, divide=True, pre_scale=avg_pre_scale(size))
+    if op is ReduceOp.AVG and not (nccl.native_avg and floating and exact):
         return NcclReduction(gather=False, as_real=as_real, nccl_op=NCCL_OPS[ReduceOp.SUM], divide=True)
     return NcclReduction(gather=False, as_real=as_real, nccl_op=NCCL_OPS[op], divide=False)
 
