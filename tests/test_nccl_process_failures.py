@@ -2,6 +2,7 @@
 rank, naming the process and its ranks, never a hang. Also how launch picks the backend under torchrun."""
 
 import importlib
+import threading
 import time
 
 import pytest
@@ -86,12 +87,22 @@ def test_with_check_collectives_every_collective_is_checked_between_processes():
 
 
 def test_with_check_collectives_a_process_that_skips_a_later_collective_is_named():
+    """Process 0's ranks issue #2, process 1's do not. Rank 0 issues first: its #2 waits on the device for
+    process 1 from then on; rank 1 comes last, so it asks process 1 (the check), from a little later. The
+    device's wait expires first, but the check is what names the cause: the watchdog leaves the wait to it."""
+    issued = threading.Event()
+
     def body():
         threadpar.all_reduce(ones(2))
-        if threadpar.get_process_rank() == 0:
+        if threadpar.get_rank() == 0:
+            threadpar.all_reduce(ones(2))  # returns once issued: the device waits for process 1
+            issued.set()
+        elif threadpar.get_rank() == 1:
+            assert issued.wait(30)
+            time.sleep(0.5)  # the watchdog (every 0.1 s) watches rank 0's #2 before the check starts
             threadpar.all_reduce(ones(2))
 
-    outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, check_collectives=True, timeout=1.0)
+    outcomes = launch_fake_gpu_processes(body, fake_gpu_processes(2), 2, check_collectives=True, timeout=2.0)
     assert isinstance(outcomes[0].error, CollectiveTimeoutError)
     assert "#2 on group 'WORLD'" in str(outcomes[0].error) and "process 1 (ranks [2, 3])" in str(
         outcomes[0].error

@@ -195,6 +195,23 @@ def test_rooted_ops_and_all_to_all(run):
 
 
 @pytest.mark.parametrize("run", RUNNERS)
+def test_the_group_is_its_own_backend_for_the_devices_it_serves(run):
+    # torch.distributed reads a group's capabilities from `group._get_backend(device)`; from torch 2.14,
+    # batch_isend_irecv does so for every ProcessGroup subclass, without catching c10d's RuntimeError.
+    def body():
+        group = dist.group.WORLD
+        backend = group._get_backend(threadpar.get_device())
+        capabilities = [
+            getattr(backend, name, None) for name in ("supports_coalescing", "supports_splitting")
+        ]
+        with pytest.raises(RuntimeError, match="No backend type associated with device type meta"):
+            group._get_backend(torch.device("meta"))  # as c10d's ProcessGroup::getBackend raises
+        return backend is group, capabilities, dist.distributed_c10d._get_process_group_uid(group)
+
+    assert run(body) == [(True, [False, False], -1)] * P
+
+
+@pytest.mark.parametrize("run", RUNNERS)
 def test_point_to_point_and_barrier(run):
     def body():
         dev = threadpar.get_device()

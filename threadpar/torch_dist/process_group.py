@@ -106,6 +106,30 @@ class ThreadparProcessGroup(dist.ProcessGroup):
     def group_desc(self) -> str:
         return self._group_desc
 
+    # c10d's backend queries -----------------------------------------------------------------------------------
+    # torch.distributed asks a group for its backend of a device (`_get_backend`) to read what the backend
+    # supports. The base class looks it up among the backends registered with `_register_backend`
+    # (ProcessGroup::getBackend, torch/csrc/distributed/c10d/ProcessGroup.hpp) and raises RuntimeError for a
+    # device it has none for; a group a backend's creator returns, as this one, has none registered. Callers
+    # that read a capability either catch that error (distributed_c10d's `_abort_process_group`,
+    # `_get_process_group_uid`) or, from torch 2.14, not: `batch_isend_irecv` reads
+    # `getattr(group._get_backend(device), "supports_coalescing", False)` for every ProcessGroup subclass
+    # (torch PRs #178906 and #186964: a Python group answers as its own backend). So this group is its own
+    # backend for the devices it serves, and says what it does not support; other devices raise as c10d does.
+    supports_coalescing = False  # batch_isend_irecv: one op at a time (threadpar's batch is comm/batch.py)
+    supports_splitting = False  # split_group, init_process_group's eager connect
+    supports_shrinking = False
+    supports_time_estimate = False
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        return False  # FSDP2 allocates its buffers itself (_fsdp_collectives.ProcessGroupAllocMixin)
+
+    def _get_backend(self, device: torch.device) -> ThreadparProcessGroup:  # type: ignore[override]
+        kind = torch.device(device).type
+        if kind not in dist.Backend.backend_capability.get(BACKEND_NAME, ()):
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
     @property
     def threadpar_group(self) -> ThreadparGroup:
         """The threadpar ProcessGroup handle this torch group runs on."""

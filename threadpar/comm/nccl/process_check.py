@@ -54,12 +54,25 @@ class ProcessCheck:
         self._abort, self._timeout = abort, timeout
         self._store: Any = None  # one client, made on first use
         self._lock = threading.Lock()  # one check at a time (guards _store too)
+        # Set while a check waits for the other processes, and left set when one fails (the rank that ran it
+        # raises): the group's NCCL watchdog reads it (explains_device_waits) from its own thread.
+        self._explaining = threading.Event()
+
+    def explains_device_waits(self) -> bool:
+        """Whether a check is under way or has failed: then a device that waits on this group's NCCL calls may
+        wait for a process that has not made the call, and the check will say which, naming it, within the
+        same timeout; the device watchdog's own message could only say that the device waits."""
+        return self._explaining.is_set()
 
     def agree(self, seq: int, call: object, what: str = "call") -> str | None:
         """None if every process of the group describes `what` #seq (a call, or a meeting) the same way, else
         a mismatch message. Raises CollectiveTimeoutError naming the processes that did not come."""
         with self._lock:
-            return self._agree(seq, call, what)
+            self._explaining.set()
+            outcome = self._agree(seq, call, what)  # (raising: left set, the caller reports why)
+            if outcome is None:
+                self._explaining.clear()
+            return outcome
 
     def _agree(self, seq: int, call: object, what: str) -> str | None:
         if self._store is None:

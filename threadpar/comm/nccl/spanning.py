@@ -129,6 +129,12 @@ class NcclSpanningGroup(NcclGroup):
             if mismatch is not None:
                 raise CollectiveMismatchError(mismatch)
 
+    def _device_wait_explained(self) -> bool:
+        # A member's call is on its device before the processes' check of it ends (only the member that
+        # completes the local check asks the other processes): a process that skipped the call is named by
+        # the check, not reported as a device that waits.
+        return self._check.explains_device_waits()
+
     def _pair_ids(self, member: int, peer: int) -> tuple[bytes, bytes]:
         if self._process_of_member[peer] == self._processes.rank:
             return super()._pair_ids(member, peer)
