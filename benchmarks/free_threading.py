@@ -4,7 +4,7 @@
     python -m benchmarks.free_threading --gil PYTHON --free-threaded PYTHON_T --ranks 1 2 8 --demo --rounds 3
 
 PYTHON and PYTHON_T are two interpreters of one CPython release, each with torch and this checkout
-installed (README, "Supported versions": `/work/shared/tools/freethreaded-env.sh` makes both). Every run is
+installed (docs/versions.md says how the ones measured here were built). Every run is
 a fresh process of that interpreter; the rounds alternate between them, and the table shows medians.
 
 - A Python-bound step: n rank threads (threadpar.launch on CPU threads, unpinned: rank_cores="all", one
