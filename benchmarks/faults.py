@@ -18,7 +18,6 @@ hosting the store). tests/test_faults_multiprocess.py runs one trial of each fau
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import signal
@@ -28,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,23 +67,18 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
-def _sigint_not_ignored() -> Iterator[None]:
-    """A child exec'd while SIGINT is ignored keeps ignoring it (exec resets handlers, not SIG_IGN), and Python
-    then installs no KeyboardInterrupt handler: a run started in the background (nohup, `cmd &`) would time
-    the SIGINT faults out. For the Popen, the parent catches SIGINT as Python does by default (main thread
-    only: signal.signal's rule), so the children start with SIGINT at its default."""
-    if (
-        signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
-        or threading.current_thread() is not threading.main_thread()
-    ):
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+# A child exec'd while SIGINT is ignored keeps ignoring it (exec resets handlers, not SIG_IGN), and Python then
+# installs no KeyboardInterrupt handler: under a background runner (nohup, `cmd &`: SIGINT ignored) the SIGINT
+# faults would time out. So such a child starts through this, which sets SIGINT to its default and execs the
+# command (from any thread: signal.signal in the parent is the main thread's only, and preexec_fn is unsafe with
+# threads, the fault runs being several at once).
+_SIGINT_DEFAULT_THEN_EXEC = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+
+
+def _with_sigint_default(command: list[str]) -> list[str]:
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        return command
+    return [sys.executable, "-c", _SIGINT_DEFAULT_THEN_EXEC, *command]
 
 
 class Job:
@@ -110,16 +104,15 @@ class Job:
 
     def _popen(self, command: list[str], env: dict[str, str], new_session: bool = False) -> subprocess.Popen:
         index = len(self.procs)
-        with _sigint_not_ignored():
-            proc = subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=new_session,
-            )
+        proc = subprocess.Popen(
+            _with_sigint_default(command),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=new_session,
+        )
         threading.Thread(target=self._read, args=(proc, index), daemon=True).start()
         return proc
 
