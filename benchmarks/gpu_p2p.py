@@ -99,38 +99,18 @@ def host_costs(calls: int, repeats: int) -> list[list[str]]:
     turn = threading.Barrier(2)
 
     def body(path: str) -> tuple[float, float]:
-        rank, group, device = threadpar.get_rank(), threadpar.get_group(), threadpar.get_device()
+        from benchmarks.p2p_host_cost import p2p_calls, timed_calls
+
+        device = threadpar.get_device()
         t = torch.ones(256, device=device)
-        out = [torch.empty(256, device=device) for _ in range(calls)]
-        if path == "exchange":
-            group.connect([(0, 1), (1, 0)])
-            send = lambda: group.exchange(sends=[(1, t)])  # noqa: E731
-            receive = lambda i: group.exchange(recvs=[(0, out[i])]).wait()  # noqa: E731
-        else:
-            send = lambda: threadpar.send(t, dst=1)  # noqa: E731
-            receive = lambda i: threadpar.recv(out[i], src=0)  # noqa: E731
+        send, receive = p2p_calls(path, t, [torch.empty(256, device=device) for _ in range(calls)])
         for _ in range(10):
-            if rank == 0:
+            if threadpar.get_rank() == 0:
                 send()
             else:
                 receive(0)
         torch.cuda.synchronize(device)
-        sends, recvs = [], []
-        for _ in range(repeats):
-            turn.wait()
-            if rank == 0:
-                began = time.perf_counter()
-                for _ in range(calls):
-                    send()
-                sends.append((time.perf_counter() - began) / calls)
-            turn.wait()
-            if rank == 1:
-                began = time.perf_counter()
-                for i in range(calls):
-                    receive(i)
-                recvs.append((time.perf_counter() - began) / calls)
-            torch.cuda.synchronize(device)
-        return statistics.median(sends or [0.0]), statistics.median(recvs or [0.0])
+        return timed_calls(turn, send, receive, calls, repeats, sync=lambda: torch.cuda.synchronize(device))
 
     rows = []
     for path, name in (

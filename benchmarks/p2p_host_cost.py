@@ -199,41 +199,61 @@ def run_model(fn: Callable[[], Any], n: int, launch_s: float, loopback: bool, **
     return _Launch(world, fn, (), {}).run()
 
 
+def p2p_calls(
+    path: str, t: torch.Tensor, out: list[torch.Tensor]
+) -> tuple[Callable[[], Any], Callable[[int], Any]]:
+    """Rank 0's send of `t` to rank 1 and rank 1's receive #i into out[i], on `path`: "exchange" (the group's
+    own communicator, its pairs connected first) or plain send/recv."""
+    group = threadpar.get_group()
+    if path == "exchange":
+        group.connect([(0, 1), (1, 0)])
+        return (lambda: group.exchange(sends=[(1, t)])), (
+            lambda i: group.exchange(recvs=[(0, out[i])]).wait()
+        )
+    return (lambda: threadpar.send(t, dst=1)), (lambda i: threadpar.recv(out[i], src=0))
+
+
+def timed_calls(
+    turn: threading.Barrier,
+    send: Callable[[], Any],
+    receive: Callable[[int], Any],
+    calls: int,
+    repeats: int,
+    sync: Callable[[], Any] = lambda: None,
+) -> tuple[float, float]:
+    """Medians over `repeats` of the host time of one send on rank 0 and of one receive on rank 1 (seconds; 0
+    on the other rank), `calls` of each per repeat, the ranks taking turns; `sync` after each repeat."""
+    rank = threadpar.get_rank()
+    sends, recvs = [], []
+    for _ in range(repeats):
+        turn.wait()
+        if rank == 0:
+            began = time.perf_counter()
+            for _ in range(calls):
+                send()
+            sends.append((time.perf_counter() - began) / calls)
+        turn.wait()
+        if rank == 1:
+            began = time.perf_counter()
+            for i in range(calls):
+                receive(i)
+            recvs.append((time.perf_counter() - began) / calls)
+        sync()
+    return statistics.median(sends or [0.0]), statistics.median(recvs or [0.0])
+
+
 def per_call(path: str, calls: int, repeats: int, launch_s: float) -> tuple[float, float]:
     """Median host time of one send on rank 0 and of one receive on rank 1 (seconds)."""
     turn = threading.Barrier(2)
 
     def body() -> tuple[float, float]:
-        rank, group = threadpar.get_rank(), threadpar.get_group()
-        t = torch.ones(16)
-        out = [torch.empty(16) for _ in range(calls)]
-        if path == "exchange":
-            group.connect([(0, 1), (1, 0)])
-            send = lambda: group.exchange(sends=[(1, t)])  # noqa: E731
-            receive = lambda i: group.exchange(recvs=[(0, out[i])]).wait()  # noqa: E731
-        else:
-            send = lambda: threadpar.send(t, dst=1)  # noqa: E731
-            receive = lambda i: threadpar.recv(out[i], src=0)  # noqa: E731
+        send, receive = p2p_calls(path, torch.ones(16), [torch.empty(16) for _ in range(calls)])
         for _ in range(3):  # the pair's communicators, warm paths
-            if rank == 0:
+            if threadpar.get_rank() == 0:
                 send()
             else:
                 receive(0)
-        sends, recvs = [], []
-        for _ in range(repeats):
-            turn.wait()
-            if rank == 0:
-                began = time.perf_counter()
-                for _ in range(calls):
-                    send()
-                sends.append((time.perf_counter() - began) / calls)
-            turn.wait()
-            if rank == 1:
-                began = time.perf_counter()
-                for i in range(calls):
-                    receive(i)
-                recvs.append((time.perf_counter() - began) / calls)
-        return statistics.median(sends or [0.0]), statistics.median(recvs or [0.0])
+        return timed_calls(turn, send, receive, calls, repeats)
 
     results = run_model(body, 2, launch_s, loopback=False)
     return results[0][0], results[1][1]
