@@ -332,9 +332,7 @@ class NcclCollectives:
         if outputs is not None:
             with self._on(stream, async_op):
                 targets[dst].copy_(source)  # its own: a local copy, as torch does
-                for out, staged in zip(outputs, targets):
-                    if staged is not out:
-                        out.copy_(staged)
+                _copy_back(outputs, targets)
         return self._finish(member, seq, call, stream, [tensor, source, *(outputs or []), *targets], async_op)
 
     def all_to_all(
@@ -359,11 +357,7 @@ class NcclCollectives:
         stream = self._op_stream(member, async_op)
         nccl, peers = self._nccl, [m for m in range(self.size) if m != member]
         with self._on(stream, async_op):
-            sources = [t if t.is_contiguous() else t.contiguous() for t in inputs]
-            targets = [
-                o if o.is_contiguous() else torch.empty_like(o, memory_format=torch.contiguous_format)
-                for o in outputs
-            ]
+            sources, targets = _staged(inputs, outputs)
         sent, received = [byte_view(t) for t in sources], [byte_view(t) for t in targets]
 
         def issue(h: Any) -> None:
@@ -376,9 +370,7 @@ class NcclCollectives:
         self._issue(member, seq, call, stream, issue, everyone, checked=sizes)
         with self._on(stream, async_op):
             targets[member].copy_(sources[member])
-            for out, staged in zip(outputs, targets):
-                if staged is not out:
-                    out.copy_(staged)
+            _copy_back(outputs, targets)
         return self._finish(member, seq, call, stream, [*inputs, *outputs, *sources, *targets], async_op)
 
     def permute(
@@ -400,11 +392,7 @@ class NcclCollectives:
         dst, src = src_dst[member], src_dst.index(member)
         nccl = self._nccl
         with self._on(stream, async_op):
-            sources = [t if t.is_contiguous() else t.contiguous() for t in inputs]
-            targets = [
-                o if o.is_contiguous() else torch.empty_like(o, memory_format=torch.contiguous_format)
-                for o in outputs
-            ]
+            sources, targets = _staged(inputs, outputs)
         sent, received = [byte_view(t) for t in sources], [byte_view(t) for t in targets]
 
         def issue(h: Any) -> None:
@@ -421,9 +409,7 @@ class NcclCollectives:
         with self._on(stream, async_op):
             if dst == member:
                 torch._foreach_copy_(targets, sources)
-            for out, staged in zip(outputs, targets):
-                if staged is not out:
-                    out.copy_(staged)
+            _copy_back(outputs, targets)
         return self._finish(member, seq, call, stream, [*inputs, *outputs, *sources, *targets], async_op)
 
     def connect(self, member: int, seq: int, call: Call, pairs: frozenset[tuple[int, int]]) -> None:
@@ -444,3 +430,23 @@ class NcclCollectives:
                     nccl.recv(pong[i : i + 1], peer, h, stream)
 
         self._issue(member, seq, call, stream, issue, pairs)
+
+
+def _staged(
+    inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Contiguous tensors NCCL reads and writes as bytes: the inputs (copied where strided) and buffers for the
+    outputs (new where strided; `_copy_back` returns them)."""
+    sources = [t if t.is_contiguous() else t.contiguous() for t in inputs]
+    targets = [
+        o if o.is_contiguous() else torch.empty_like(o, memory_format=torch.contiguous_format)
+        for o in outputs
+    ]
+    return sources, targets
+
+
+def _copy_back(outputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> None:
+    """Each output whose bytes went to a staging buffer (`_staged`) takes them."""
+    for out, staged in zip(outputs, targets):
+        if staged is not out:
+            out.copy_(staged)
