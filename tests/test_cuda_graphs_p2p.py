@@ -21,6 +21,7 @@ from threadpar.parallel import (
     split_sequence,
 )
 from threadpar.pipeline import PipelineParallel
+from threadpar.pipeline.schedule import schedule_placement
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("fake_mode")]
 
@@ -34,7 +35,7 @@ def pipeline_step(
 
     def make():
         model = make_model(layers).to(threadpar.get_device())
-        chunks = my_chunks(model, v)
+        chunks = my_chunks(model, v, placement=schedule_placement(schedule))
         if ddp:
             chunks = [DistributedDataParallel(c, bucket_cap_mb=0, first_bucket_cap_mb=0) for c in chunks]
         pipe = PipelineParallel(

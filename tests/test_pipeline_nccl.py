@@ -198,22 +198,9 @@ def test_the_zero_bubble_schedules_with_two_chunks_graph_as_they_run_eagerly(sch
     """(test_cuda_graphs_p2p graphs afab, 1f1b, interleaved and zbh1): the captured step's launches are the
     eager step's, in the same order, of the shapes the first step learned."""
     from test_cuda_graphs import assert_graphed_equals_eager, graphed_and_eager
+    from test_cuda_graphs_p2p import pipeline_step
 
-    steps, warmup, n = 5, 2, 4
-
-    def make():
-        chunks = _chunks(make_model(4).to(threadpar.get_device()), schedule, 2)
-        pipe = PipelineParallel(chunks, loss_fn=lm_loss, schedule=schedule, num_microbatches=n)
-        opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.05, capturable=True)
-
-        def train(inputs, targets):
-            opt.zero_grad(set_to_none=False)
-            loss = pipe.train_step(inputs, targets)
-            opt.step()
-            return loss
-
-        batches = [make_batch(2 * n, seed=10 + i) for i in range(steps)]
-        return train, lambda: list(pipe.parameters()), lambda i: batches[i]
-
+    steps, warmup = 5, 2
+    make = pipeline_step(schedule, 2, 4)
     graphed, eager = graphed_and_eager(make, 2, warmup=warmup, steps=steps, pp=2)
     assert_graphed_equals_eager(graphed, eager, steps=steps, warmup=warmup)
